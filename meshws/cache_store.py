@@ -1,0 +1,169 @@
+"""Per-session KV caches held by one shard: TTL, LRU, a session cap and a byte budget.
+
+The store knows nothing of torch: a cache is an opaque object and its size in
+bytes is told by the caller. Closing a session channel drops its entry; TTL,
+LRU and the byte budget are the backstop when a close never arrives.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class KVCacheMiss(Exception):
+    """The session's cache is gone or does not match the step asked for."""
+
+
+class CacheBudgetExceeded(Exception):
+    """One session alone needs more cache bytes than the store may hold."""
+
+
+@dataclass
+class CacheEntry:
+    cache: Any
+    seq_len: int  # tokens the cache holds
+    effective_start: int  # first layer this cache was built from
+    last_used: float
+    nbytes: int = 0
+
+
+class SessionCacheStore:
+    def __init__(
+        self,
+        max_sessions: int = 64,
+        ttl_seconds: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+        max_bytes: int | None = None,
+    ) -> None:
+        self.max_sessions = max_sessions
+        self.ttl_seconds = ttl_seconds
+        self.max_bytes = max_bytes
+        self._clock = clock
+        self._entries: OrderedDict[str, CacheEntry] = OrderedDict()
+        self._lock = threading.Lock()
+        self.evictions = 0  # entries removed by TTL, LRU or the byte budget
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._expire(self._clock())
+            return len(self._entries)
+
+    def __contains__(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._entries
+
+    @property
+    def total_bytes(self) -> int:
+        with self._lock:
+            return sum(entry.nbytes for entry in self._entries.values())
+
+    def session_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    def store(
+        self,
+        session_id: str,
+        cache: Any,
+        seq_len: int,
+        effective_start: int,
+        nbytes: int = 0,
+    ) -> CacheEntry:
+        """Put (or replace) a session's cache; evicts others to respect the limits."""
+        now = self._clock()
+        with self._lock:
+            self._entries.pop(session_id, None)
+            self._check_fits(session_id, nbytes)
+            entry = CacheEntry(cache, seq_len, effective_start, now, nbytes)
+            self._entries[session_id] = entry
+            self._expire(now)
+            self._enforce_limits(keep=session_id)
+            return entry
+
+    def lookup(
+        self,
+        session_id: str,
+        expected_seq_len: int | None = None,
+        effective_start: int | None = None,
+    ) -> CacheEntry:
+        """The session's entry, made most recent; a stale or mismatched entry is dropped."""
+        now = self._clock()
+        with self._lock:
+            self._expire(now)
+            entry = self._entries.get(session_id)
+            if entry is None:
+                raise KVCacheMiss(f"no cache for session {session_id}")
+            if expected_seq_len is not None and entry.seq_len != expected_seq_len:
+                del self._entries[session_id]
+                raise KVCacheMiss(
+                    f"session {session_id} holds {entry.seq_len} tokens, step expects {expected_seq_len}"
+                )
+            if effective_start is not None and entry.effective_start != effective_start:
+                del self._entries[session_id]
+                raise KVCacheMiss(
+                    f"session {session_id} starts at layer {entry.effective_start}, step expects {effective_start}"
+                )
+            entry.last_used = now
+            self._entries.move_to_end(session_id)
+            return entry
+
+    def resize(self, session_id: str, nbytes: int) -> None:
+        """Record a session's new cache size (it grows each decode step)."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None:
+                return
+            self._check_fits(session_id, nbytes, drop=True)
+            entry.nbytes = nbytes
+            self._enforce_limits(keep=session_id)
+
+    def drop(self, session_id: str) -> bool:
+        with self._lock:
+            return self._entries.pop(session_id, None) is not None
+
+    def clear(self) -> int:
+        with self._lock:
+            count = len(self._entries)
+            self._entries.clear()
+            return count
+
+    def purge_expired(self) -> int:
+        with self._lock:
+            before = len(self._entries)
+            self._expire(self._clock())
+            return before - len(self._entries)
+
+    # -- internals (lock held) -------------------------------------------
+
+    def _check_fits(self, session_id: str, nbytes: int, drop: bool = False) -> None:
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            if drop:
+                self._entries.pop(session_id, None)
+            raise CacheBudgetExceeded(
+                f"session {session_id} needs {nbytes} cache bytes, the budget is {self.max_bytes}"
+            )
+
+    def _expire(self, now: float) -> None:
+        stale = [sid for sid, e in self._entries.items() if now - e.last_used > self.ttl_seconds]
+        for sid in stale:
+            del self._entries[sid]
+        self.evictions += len(stale)
+
+    def _enforce_limits(self, keep: str) -> None:
+        def over() -> bool:
+            if len(self._entries) > self.max_sessions:
+                return True
+            if self.max_bytes is None:
+                return False
+            return sum(e.nbytes for e in self._entries.values()) > self.max_bytes
+
+        while over():
+            victim = next((sid for sid in self._entries if sid != keep), None)
+            if victim is None:
+                break
+            del self._entries[victim]
+            self.evictions += 1

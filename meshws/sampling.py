@@ -1,0 +1,141 @@
+"""Choosing the next token from the tail's logits, with per-session parameters.
+
+A seeded session draws its randomness from (seed, position) alone, so a step
+replayed after a cache miss or a failover samples the same token again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # keep the k most likely tokens; 0 = all
+    repetition_penalty: float = 1.0  # HF-style: divides positive logits of seen tokens
+    frequency_penalty: float = 0.0  # OpenAI-style: minus count x penalty for generated tokens
+    presence_penalty: float = 0.0  # OpenAI-style: minus penalty for tokens generated at least once
+    seed: int | None = None  # makes sampled output reproducible
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling looks at the tokens so far (the head then sends them)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {key: value for key, value in asdict(self).items() if value != getattr(DEFAULT, key)}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> "SamplingParams":
+        """Validate sampling settings received from a peer; ValueError names the bad field."""
+        if data is None:
+            return DEFAULT
+        if not isinstance(data, dict):
+            raise ValueError("sampling must be an object")
+        fields: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in _FIELD_TYPES:
+                raise ValueError(f"unknown sampling field {key!r}")
+            kind = _FIELD_TYPES[key]
+            if value is None and key == "seed":
+                continue
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise ValueError(f"sampling field {key!r} must be a number")
+            fields[key] = value
+        params = cls(**fields)
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError("temperature must be between 0 and 100")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError("repetition_penalty must be in (0, 10]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError("frequency_penalty must be between -2 and 2")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError("presence_penalty must be between -2 and 2")
+
+
+DEFAULT = SamplingParams()
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "top_k": int,
+    "repetition_penalty": (int, float),
+    "frequency_penalty": (int, float),
+    "presence_penalty": (int, float),
+    "seed": int,
+}
+
+
+def sample_token(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    position: int,
+    history: Sequence[int] = (),
+    generated_from: int | None = None,
+) -> int:
+    """Pick a token id from one row of logits.
+
+    `position` is the index the new token will take in the sequence; `history`
+    holds the ids so far (needed only for penalties); tokens from index
+    `generated_from` on count as generated for the OpenAI-style penalties.
+    """
+    if params.needs_history and history:
+        logits = _apply_penalties(logits.float(), params, history, generated_from)
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scores = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        # Drop a token when the tokens before it already reach top_p (the first always stays).
+        drop = (cumulative - sorted_probs) >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator().manual_seed((params.seed * 1_000_003 + position) % (2**63))
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _apply_penalties(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    history: Sequence[int],
+    generated_from: int | None,
+) -> torch.Tensor:
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(history)), dtype=torch.long)
+        values = logits[seen]
+        logits[seen] = torch.where(
+            values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+        )
+    generated = history[generated_from:] if generated_from is not None else ()
+    if generated and (params.frequency_penalty or params.presence_penalty):
+        ids, counts = torch.tensor(list(generated), dtype=torch.long).unique(return_counts=True)
+        logits[ids] -= counts.to(logits.dtype) * params.frequency_penalty + params.presence_penalty
+    return logits
