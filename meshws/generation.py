@@ -1,0 +1,257 @@
+"""The head's generation loop: one session channel per generation.
+
+prefill -> token -> (decode -> token)* -> close. A `cache_miss` from any shard,
+or from the head's own store, re-prefills prompt + tokens so far under the same
+session id. A hop that answers without a `token_id` (a stateless, legacy tail)
+gets a full re-prefill every step, and an empty text from it ends the
+generation. EOS stops by token id, never by text. Whatever ends the loop (EOS,
+`max_tokens`, the consumer closing the iterator, an error), the channel is
+closed, which releases the session's caches on every shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from .cache_store import KVCacheMiss
+from .compute import ComputeWorker
+from .link import Link, LinkDown
+from .routing import Route
+from .sampling import SamplingParams
+from .shard import TailTokenResult, TensorPayload
+from .wire import encode_forward
+
+log = logging.getLogger("meshws.generation")
+
+MAX_CONSECUTIVE_CACHE_MISSES = 8
+
+
+class PipelineError(Exception):
+    """The mesh could not produce the next token; the message names the cause."""
+
+    def __init__(self, message: str, lost: bool = False) -> None:
+        super().__init__(message)
+        self.lost = lost  # a hop went away (another route might work)
+
+
+@dataclass
+class GenerationRequest:
+    prompt: str  # the prompt as text (templated already)
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompt_ids: list[int] | None = None  # token ids of the prompt, if already known
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int | None  # None only from a legacy tail, which sends text instead
+    text: str | None = None
+
+
+@dataclass
+class GenerationStats:
+    sid: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None  # "stop" (EOS) or "length"; None while running or if cut short
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    prefills: int = 0
+    cache_misses: int = 0
+    route: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        if self.first_token_at is None or self.finished_at is None or self.completion_tokens < 2:
+            return None
+        span = self.finished_at - self.first_token_at
+        return (self.completion_tokens - 1) / span if span > 0 else None
+
+
+class HopChannel:
+    """The head's end of one session channel on the link to its first hop."""
+
+    def __init__(self, link: Link, sid: str, step_timeout: float, compress_min_bytes: int) -> None:
+        self.link = link
+        self.sid = sid
+        self.step_timeout = step_timeout
+        self.compress_min_bytes = compress_min_bytes
+        self._replies: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        link.subscribe(sid, self._replies.put_nowait)
+
+    async def open(self, sampling: SamplingParams, prompt_tokens: int, route: list[dict[str, Any]]) -> None:
+        message = {"type": "open", "sid": self.sid, "sampling": sampling.to_wire(), "prompt_tokens": prompt_tokens}
+        if route:
+            message["route"] = route
+        try:
+            await self.link.send_control(message)
+        except LinkDown as exc:
+            raise PipelineError(str(exc), lost=True) from exc
+
+    async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None) -> TailTokenResult:
+        data = encode_forward(
+            self.sid, step, mode, payload.past_len, payload.shape, payload.dtype, payload.body,
+            ids=ids, compress_min_bytes=self.compress_min_bytes,
+        )
+        try:
+            await self.link.send_forward(data)
+        except LinkDown as exc:
+            raise PipelineError(str(exc), lost=True) from exc
+        deadline = time.monotonic() + self.step_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                reply = await asyncio.wait_for(self._replies.get(), max(remaining, 0.001))
+            except asyncio.TimeoutError:
+                raise PipelineError(f"no answer from {self.link.url} within {self.step_timeout:.0f} s") from None
+            if reply.get("step") not in (None, step):
+                continue  # a late answer to an earlier step
+            kind = reply["type"]
+            if kind == "token":
+                return TailTokenResult(text=reply.get("text") or "", token_id=reply.get("token_id"))
+            if kind == "cache_miss":
+                raise KVCacheMiss(reply.get("reason") or "cache miss downstream")
+            if kind == "error":
+                raise PipelineError(reply["message"], lost=bool(reply.get("lost")))
+
+    async def close(self) -> None:
+        self.link.unsubscribe(self.sid)
+        try:
+            await self.link.send_control({"type": "close", "sid": self.sid})
+        except LinkDown:
+            pass  # the next hop releases the session when the link drops
+
+
+class Generator:
+    """Runs generations on a head (or full) node."""
+
+    def __init__(
+        self,
+        backend: Any,
+        worker: ComputeWorker,
+        *,
+        plan: Callable[[], Route],
+        step_timeout: float,
+        compress_min_bytes: int,
+        on_finish: Callable[[GenerationStats, str], None] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.worker = worker
+        self.plan = plan  # the route for a new generation; raises PipelineError when there is none
+        self.step_timeout = step_timeout
+        self.compress_min_bytes = compress_min_bytes
+        self.on_finish = on_finish
+        self.eos_ids = set(backend.eos_token_ids())
+        self.active: dict[str, GenerationStats] = {}
+
+    async def generate(self, request: GenerationRequest, stats: GenerationStats | None = None) -> AsyncIterator[TokenEvent]:
+        """Yield tokens as they come. Close the iterator (aclosing) to stop early."""
+        stats = stats or GenerationStats(sid=uuid.uuid4().hex)
+        sid = stats.sid
+        self.active[sid] = stats
+        channel: HopChannel | None = None
+        outcome = "error"
+        try:
+            prompt_ids = request.prompt_ids
+            if prompt_ids is None:
+                prompt_ids = await self.worker.call(self.backend.tokenize, request.prompt)
+            stats.prompt_tokens = len(prompt_ids)
+            route = self.plan()
+            stats.route = route.view
+            if route.link is not None:
+                channel = HopChannel(route.link, sid, self.step_timeout, self.compress_min_bytes)
+                await channel.open(request.sampling, len(prompt_ids), route.hops)
+            async for event in self._loop(request, stats, prompt_ids, channel):
+                yield event
+            outcome = stats.finish_reason or "stopped"
+        except GeneratorExit:
+            outcome = "stopped"
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            stats.finished_at = time.perf_counter()
+            self.active.pop(sid, None)
+            if channel is not None:
+                await channel.close()
+            await self.worker.call(self.backend.release_session, sid)
+            if self.on_finish is not None:
+                self.on_finish(stats, outcome)
+
+    async def _loop(
+        self,
+        request: GenerationRequest,
+        stats: GenerationStats,
+        prompt_ids: list[int],
+        channel: HopChannel | None,
+    ) -> AsyncIterator[TokenEvent]:
+        backend, sid, sampling = self.backend, stats.sid, request.sampling
+        cached = bool(getattr(backend, "supports_kv_cache", False))
+        tokens: list[int] = []
+        legacy_text: list[str] = []  # from a tail that sends text without ids
+        need_prefill, step, misses = True, 0, 0
+        while len(tokens) + len(legacy_text) < request.max_tokens:
+            step += 1
+            try:
+                if need_prefill:
+                    stats.prefills += 1
+                    prompt: Any = request.prompt + "".join(legacy_text) if legacy_text else prompt_ids + tokens
+                    result = await self.worker.call(
+                        backend.encode_prompt, prompt, sid if cached else None,
+                        sampling=sampling, generated_from=len(prompt_ids),
+                    )
+                    mode = "prefill"
+                else:
+                    result = await self.worker.call(
+                        backend.encode_next_token, tokens[-1], sid,
+                        sampling=sampling, history=prompt_ids + tokens, generated_from=len(prompt_ids),
+                    )
+                    mode = "decode"
+                if isinstance(result, TensorPayload):
+                    if channel is None:
+                        raise PipelineError("the head has no next hop for its hidden states")
+                    ids = prompt_ids + tokens if mode == "prefill" and sampling.needs_history else None
+                    result = await channel.step(step, mode, result, ids)
+            except KVCacheMiss as exc:
+                misses += 1
+                stats.cache_misses += 1
+                if misses > MAX_CONSECUTIVE_CACHE_MISSES:
+                    raise PipelineError(f"{misses} cache misses in a row: {exc}") from exc
+                log.debug("session %s: cache miss (%s); re-prefilling", sid[:12], exc)
+                need_prefill = True
+                continue
+            except PipelineError:
+                raise
+            except ValueError as exc:  # a step refused by a backend (bad length, dtype...)
+                raise PipelineError(str(exc)) from exc
+            misses = 0
+            if stats.first_token_at is None:
+                stats.first_token_at = time.perf_counter()
+            if result.token_id is None:  # legacy tail: text only; an empty text is its EOS
+                if not result.text:
+                    stats.finish_reason = "stop"
+                    return
+                legacy_text.append(result.text)
+                stats.completion_tokens += 1
+                need_prefill = True
+                yield TokenEvent(None, result.text)
+                continue
+            if result.token_id in self.eos_ids:
+                stats.finish_reason = "stop"
+                return
+            tokens.append(result.token_id)
+            stats.completion_tokens += 1
+            need_prefill = not cached
+            yield TokenEvent(result.token_id)
+        stats.finish_reason = "length"

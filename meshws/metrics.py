@@ -1,0 +1,46 @@
+"""Prometheus metrics of one node (its own registry, so several nodes can share a process)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
+
+
+class NodeMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, sessions: Callable[[], int], cache_bytes: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        self.sessions = Gauge("meshws_sessions", "Live KV-cached sessions on this node", registry=self.registry)
+        self.sessions.set_function(lambda: float(sessions()))
+        self.cache_bytes = Gauge("meshws_cache_bytes", "Bytes held by this node's KV caches", registry=self.registry)
+        self.cache_bytes.set_function(lambda: float(cache_bytes()))
+        self.steps = Counter("meshws_steps", "Shard steps run", ["mode"], registry=self.registry)
+        self.step_seconds = Histogram(
+            "meshws_step_seconds", "Time of one shard step", ["mode"], buckets=STEP_BUCKETS, registry=self.registry
+        )
+        self.frame_bytes = Counter(
+            "meshws_frame_bytes", "Websocket bytes by direction and frame type", ["direction", "type"],
+            registry=self.registry,
+        )
+        self.frames = Counter(
+            "meshws_frames", "Websocket frames by direction and frame type", ["direction", "type"],
+            registry=self.registry,
+        )
+        self.cache_misses = Counter("meshws_cache_misses", "Steps answered with cache_miss", registry=self.registry)
+        self.errors = Counter("meshws_errors", "Error frames sent, by kind", ["kind"], registry=self.registry)
+        self.generations = Counter(
+            "meshws_generations", "Generations finished on the head, by outcome", ["outcome"], registry=self.registry
+        )
+        self.generated_tokens = Counter("meshws_generated_tokens", "Tokens generated on the head", registry=self.registry)
+
+    def frame(self, direction: str, kind: str, size: int) -> None:
+        self.frames.labels(direction, kind).inc()
+        self.frame_bytes.labels(direction, kind).inc(size)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,393 @@
+"""`/ws/shard`: the session channels a middle or tail node serves for the hop before it.
+
+One inbound websocket carries many sessions. `open` records a session (its
+sampling settings, its next hop) and travels on; `fwd` frames run through the
+shard on the compute worker, then go to the next hop or, on the tail, come back
+as `token`; `close` drops the session's cache here and travels on. When the
+inbound link drops, every session that came over it is released the same way.
+A bad frame gets an `error` frame naming the problem; the link and its other
+sessions go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from aiohttp import WSMsgType, web
+
+from .cache_store import CacheBudgetExceeded, KVCacheMiss
+from .compute import ComputeWorker
+from .link import Link, LinkDown, LinkPool
+from .metrics import NodeMetrics
+from .sampling import SamplingParams
+from .wire import (
+    PROTOCOL_VERSION,
+    FrameError,
+    decode_control,
+    decode_forward,
+    encode_control,
+    encode_forward,
+)
+
+log = logging.getLogger("meshws.shard_server")
+
+DECODE_LOG_INTERVAL = 5.0  # seconds between one session's decode summary lines
+
+
+@dataclass
+class InboundSession:
+    sid: str
+    sampling: SamplingParams
+    prompt_tokens: int | None  # where generated tokens start (for the OpenAI-style penalties)
+    next_hop: Link | None
+    route: list[dict[str, Any]]  # hops after the next one
+    history: list[int] | None = None  # token ids so far, kept only when sampling needs them
+    busy: bool = False
+    prefills: int = 0
+    decodes: int = 0
+    cache_misses: int = 0
+    compute_seconds: float = 0.0
+    opened: float = field(default_factory=time.monotonic)
+
+
+class DecodeLogThrottle:
+    """Per-session decode logging: the first step, then at most one line per interval."""
+
+    def __init__(self, interval: float = DECODE_LOG_INTERVAL) -> None:
+        self.interval = interval
+        self._steps: dict[str, int] = {}
+        self._last: dict[str, float] = {}
+
+    def note(self, sid: str, now: float) -> int | None:
+        """Count a decode step; returns the session's step count when a line is due."""
+        steps = self._steps.get(sid, 0) + 1
+        self._steps[sid] = steps
+        last = self._last.get(sid)
+        if last is None or now - last >= self.interval:
+            self._last[sid] = now
+            return steps
+        return None
+
+    def forget(self, sid: str) -> None:
+        self._steps.pop(sid, None)
+        self._last.pop(sid, None)
+
+
+class ShardService:
+    def __init__(
+        self,
+        backend: Any,
+        worker: ComputeWorker,
+        links: LinkPool,
+        metrics: NodeMetrics,
+        *,
+        node_name: str,
+        hello: Callable[[], dict[str, Any]],
+        static_peer: str | None,
+        max_frame_bytes: int,
+        compress_min_bytes: int,
+        authorize: Callable[[web.Request], str | None] = lambda request: None,
+    ) -> None:
+        self.backend = backend
+        self.worker = worker
+        self.links = links
+        self.metrics = metrics
+        self.node_name = node_name
+        self.hello = hello
+        self.static_peer = static_peer
+        self.max_frame_bytes = max_frame_bytes
+        self.compress_min_bytes = compress_min_bytes
+        self.authorize = authorize
+        self.decode_log = DecodeLogThrottle()
+        self.inbound: set[web.WebSocketResponse] = set()
+        self.sessions: dict[str, InboundSession] = {}  # every live session on this node
+        self._tasks: set[asyncio.Task] = set()
+
+    def note_decode_step(self, sid: str, now: float | None = None) -> int | None:
+        return self.decode_log.note(sid, time.monotonic() if now is None else now)
+
+    # -- the websocket ------------------------------------------------------
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        refusal = self.authorize(request)
+        if refusal:
+            log.warning("refused /ws/shard from %s: %s", request.remote, refusal)
+            raise web.HTTPUnauthorized(text=refusal)
+        # Frames up to twice the limit are read and refused with an error frame; larger ones end the link.
+        ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=2 * self.max_frame_bytes + 65536)
+        await ws.prepare(request)
+        peer = await self._handshake(ws, request)
+        if peer is None:
+            return ws
+        self.inbound.add(ws)
+        owned: set[str] = set()
+        try:
+            async for message in ws:
+                if message.type == WSMsgType.TEXT:
+                    self.metrics.frame("in", "control", len(message.data))
+                    await self._on_control(ws, owned, message.data)
+                elif message.type == WSMsgType.BINARY:
+                    self.metrics.frame("in", "fwd", len(message.data))
+                    self._spawn(self._on_forward(ws, owned, message.data))
+                elif message.type == WSMsgType.ERROR:
+                    log.warning("inbound link from %s failed: %s", peer, ws.exception())
+        finally:
+            self.inbound.discard(ws)
+            for sid in list(owned):
+                await self._close_session(sid, owned, reason="inbound link dropped")
+            if owned or ws.close_code not in (None, 1000):
+                log.info("inbound link from %s closed (code %s)", peer, ws.close_code)
+        return ws
+
+    async def _handshake(self, ws: web.WebSocketResponse, request: web.Request) -> str | None:
+        try:
+            message = await ws.receive(timeout=15.0)
+            if message.type != WSMsgType.TEXT:
+                raise FrameError("the first frame must be a hello text frame")
+            hello = decode_control(message.data)
+            if hello["type"] != "hello":
+                raise FrameError(f"the first frame must be hello, not {hello['type']}")
+            mine = self.hello()
+            if hello["version"] != PROTOCOL_VERSION:
+                raise FrameError(f"protocol {hello['version']} is not {PROTOCOL_VERSION}")
+            if hello["model"] != mine["model"]:
+                raise FrameError(f"this node serves model {mine['model']!r}, not {hello['model']!r}")
+        except (FrameError, asyncio.TimeoutError) as exc:
+            reason = str(exc) or "no hello within 15 s"
+            log.warning("refused link from %s: %s", request.remote, reason)
+            await self._send(ws, {"type": "error", "message": f"link refused: {reason}"}, "error")
+            await ws.close(code=1008, message=reason[:120].encode())
+            return None
+        await self._send(ws, self.hello(), "hello")
+        return str(hello.get("node") or request.remote)
+
+    async def announce(self) -> None:
+        """Send an updated hello (our chain changed) to every inbound link."""
+        for ws in list(self.inbound):
+            await self._send(ws, self.hello(), "hello")
+
+    # -- control frames -----------------------------------------------------
+
+    async def _on_control(self, ws: web.WebSocketResponse, owned: set[str], text: str) -> None:
+        try:
+            message = decode_control(text)
+        except FrameError as exc:
+            await self._error(ws, None, None, f"bad frame: {exc}", "bad_frame")
+            return
+        kind, sid = message["type"], message.get("sid")
+        if kind == "open":
+            await self._open(ws, owned, message)
+        elif kind == "close":
+            if sid in owned:
+                await self._close_session(sid, owned, reason="closed")
+        elif kind == "hello":
+            await self._error(ws, None, None, "hello was already exchanged on this link", "bad_frame")
+        else:
+            await self._error(ws, sid, message.get("step"), f"a shard does not accept {kind!r} frames", "bad_frame")
+
+    async def _open(self, ws: web.WebSocketResponse, owned: set[str], message: dict[str, Any]) -> None:
+        sid = message["sid"]
+        try:
+            sampling = SamplingParams.from_wire(message.get("sampling"))
+            prompt_tokens = message.get("prompt_tokens")
+            if prompt_tokens is not None and (not isinstance(prompt_tokens, int) or prompt_tokens < 0):
+                raise ValueError("prompt_tokens must be a non-negative integer")
+            next_url, route = self._next_hop(message.get("route"))
+        except ValueError as exc:
+            await self._error(ws, sid, None, f"bad open: {exc}", "bad_frame")
+            return
+        if sid in self.sessions and sid not in owned:
+            await self._error(ws, sid, None, "session id already in use on another link", "bad_frame")
+            return
+        if sid in owned:  # re-open (a new route after a failure): start clean
+            await self._close_session(sid, owned, reason="re-opened")
+        next_hop = self.links.get(next_url) if next_url else None
+        session = InboundSession(sid, sampling, prompt_tokens, next_hop, route)
+        self.sessions[sid] = session
+        owned.add(sid)
+        if next_hop is not None:
+            next_hop.subscribe(sid, self._relay_to(ws, sid))
+            forwarded = {key: value for key, value in message.items() if key != "route"}
+            forwarded["route"] = route
+            try:
+                await next_hop.send_control(forwarded)
+            except LinkDown as exc:
+                await self._error(ws, sid, None, f"{self.node_name}: next hop unreachable: {exc}", "link")
+
+    def _next_hop(self, route: Any) -> tuple[str | None, list[dict[str, Any]]]:
+        """The URL of the next hop and the hops after it; an empty route means: use --peer."""
+        if self.backend.is_tail:
+            if route:
+                raise ValueError("the tail is the last hop; the route must be empty here")
+            return None, []
+        if route:
+            hop = route[0]
+            if not isinstance(hop, dict) or not isinstance(hop.get("url"), str):
+                raise ValueError("each hop of a route needs a url")
+            return hop["url"], list(route[1:])
+        if self.static_peer is None:
+            raise ValueError(f"no route given and this node has no --peer for layers from {self.backend.end}")
+        return self.static_peer, []
+
+    def _relay_to(self, ws: web.WebSocketResponse, sid: str) -> Callable[[dict[str, Any]], None]:
+        def relay(message: dict[str, Any]) -> None:
+            if message.get("lost"):
+                message = dict(message, message=f"{self.node_name}: {message['message']}")
+            self._spawn(self._send(ws, message, message["type"]))
+
+        return relay
+
+    async def _close_session(self, sid: str, owned: set[str], reason: str) -> None:
+        owned.discard(sid)
+        session = self.sessions.pop(sid, None)
+        await self.worker.call(self.backend.release_session, sid)
+        self.decode_log.forget(sid)
+        if session is None:
+            return
+        if session.next_hop is not None:
+            session.next_hop.unsubscribe(sid)
+            try:
+                await session.next_hop.send_control({"type": "close", "sid": sid})
+            except LinkDown:
+                pass  # the next hop releases the session when our link to it drops
+        log.info(
+            "session %s %s: %d prefill(s), %d decode steps, %d cache misses, %.1f ms compute, %.1f s open",
+            sid[:12], reason, session.prefills, session.decodes, session.cache_misses,
+            session.compute_seconds * 1000, time.monotonic() - session.opened,
+        )
+
+    # -- tensor frames ------------------------------------------------------
+
+    async def _on_forward(self, ws: web.WebSocketResponse, owned: set[str], data: bytes) -> None:
+        try:
+            frame = decode_forward(data, self.max_frame_bytes)
+        except FrameError as exc:
+            await self._error(ws, None, None, f"bad frame: {exc}", "bad_frame")
+            return
+        sid = frame.sid
+        session = self.sessions.get(sid) if sid in owned else None
+        if session is None:
+            await self._error(ws, sid, frame.step, f"unknown session {sid}: send open first", "unknown_session")
+            return
+        if session.busy:
+            await self._error(ws, sid, frame.step, "a step of this session is already running", "bad_frame")
+            return
+        session.busy = True
+        started = time.perf_counter()
+        try:
+            if frame.ids is not None and frame.mode == "prefill":
+                session.history = list(frame.ids)
+            result = await self.worker.call(
+                self.backend.forward_bytes,
+                frame.body,
+                list(frame.shape),
+                None,
+                None,
+                session_id=sid,
+                cache_mode=frame.mode,
+                past_len=frame.past_len,
+                dtype=frame.dtype,
+                sampling=session.sampling,
+                history=session.history or (),
+                generated_from=session.prompt_tokens,
+            )
+        except KVCacheMiss as exc:
+            session.cache_misses += 1
+            self.metrics.cache_misses.inc()
+            await self._send(ws, {"type": "cache_miss", "sid": sid, "step": frame.step, "reason": str(exc)}, "cache_miss")
+            return
+        except (ValueError, CacheBudgetExceeded) as exc:
+            await self._error(ws, sid, frame.step, f"{self.node_name}: {exc}", "bad_step")
+            return
+        except Exception as exc:  # the node stays up whatever the model raises
+            log.exception("step of session %s failed", sid[:12])
+            await self._error(ws, sid, frame.step, f"{self.node_name}: {type(exc).__name__}: {exc}", "compute")
+            return
+        finally:
+            session.busy = False
+        elapsed = time.perf_counter() - started
+        session.compute_seconds += elapsed
+        self.metrics.steps.labels(frame.mode).inc()
+        self.metrics.step_seconds.labels(frame.mode).observe(elapsed)
+        if frame.mode == "prefill":
+            session.prefills += 1
+        else:
+            session.decodes += 1
+            count = self.note_decode_step(sid)
+            if count is not None:
+                log.debug("session %s: %d decode steps, past_len %d", sid[:12], count, frame.past_len)
+        if self.sessions.get(sid) is not session:  # closed while the step ran: drop what it stored
+            await self.worker.call(self.backend.release_session, sid)
+            return
+        await self._deliver(ws, session, frame.step, frame.mode, frame.ids, result)
+
+    async def _deliver(
+        self,
+        ws: web.WebSocketResponse,
+        session: InboundSession,
+        step: int,
+        mode: str,
+        ids: tuple[int, ...] | None,
+        result: Any,
+    ) -> None:
+        sid = session.sid
+        if isinstance(result, str):  # a legacy backend: text only, no token id
+            await self._send(ws, {"type": "token", "sid": sid, "step": step, "token_id": None, "text": result}, "token")
+            return
+        token_id = getattr(result, "token_id", None)
+        if hasattr(result, "token_id"):
+            if session.history is not None and token_id is not None:
+                session.history.append(token_id)
+            reply = {"type": "token", "sid": sid, "step": step, "token_id": token_id}
+            if getattr(result, "text", None):
+                reply["text"] = result.text
+            await self._send(ws, reply, "token")
+            return
+        if session.next_hop is None:
+            await self._error(ws, sid, step, f"{self.node_name}: no next hop for the hidden states", "link")
+            return
+        data = encode_forward(
+            sid, step, mode, result.past_len, result.shape, result.dtype, result.body,
+            ids=list(ids) if ids is not None else None, compress_min_bytes=self.compress_min_bytes,
+        )
+        try:
+            await session.next_hop.send_forward(data)
+            self.metrics.frame("out", "fwd", len(data))
+        except LinkDown as exc:
+            await self._error(ws, sid, step, f"{self.node_name}: next hop unreachable: {exc}", "link")
+
+    # -- sending ------------------------------------------------------------
+
+    async def _error(self, ws: web.WebSocketResponse, sid: str | None, step: Any, text: str, kind: str) -> None:
+        self.metrics.errors.labels(kind).inc()
+        message: dict[str, Any] = {"type": "error", "message": text}
+        if sid is not None:
+            message["sid"] = sid
+        if isinstance(step, int):
+            message["step"] = step
+        await self._send(ws, message, "error")
+
+    async def _send(self, ws: web.WebSocketResponse, message: dict[str, Any], kind: str) -> None:
+        if ws.closed:
+            return
+        text = encode_control(message)
+        try:
+            await ws.send_str(text)
+            self.metrics.frame("out", kind, len(text))
+        except (ConnectionError, RuntimeError):
+            pass  # the link is going away; its sessions are released when the loop ends
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def shutdown(self) -> None:
+        for ws in list(self.inbound):
+            await ws.close(code=1001, message=b"node shutting down")
+        for task in list(self._tasks):
+            task.cancel()

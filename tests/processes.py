@@ -1,0 +1,138 @@
+"""Real node processes for tests: started through the CLI on free ports, always stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+READY = re.compile(r"meshws (\w+) ready: .* on http://127\.0\.0\.1:(\d+)")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class NodeProcess:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, name: str = "node", port: int = 0) -> None:
+        self.args = ["--host", "127.0.0.1", "--port", str(port), *args]
+        self.name = name
+        self.lines: list[str] = []
+        self.port: int | None = None
+        self._ready = threading.Event()
+        full_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "meshws.node", *self.args],
+            cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            match = READY.search(line)
+            if match and self.port is None:
+                self.port = int(match.group(2))
+                self._ready.set()
+        self._ready.set()
+
+    def wait_started(self, timeout: float = 120.0) -> "NodeProcess":
+        if not self._ready.wait(timeout) or self.port is None:
+            self.stop()
+            raise AssertionError(f"{self.name} did not start:\n" + "\n".join(self.lines[-30:]))
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+            return json.loads(response.read())
+
+    def wait_ready(self, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            health = self.health()
+            if health["ready"]:
+                return health
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name} not ready: {health['problems']}")
+            time.sleep(0.1)
+
+    def wait_sessions(self, count: int, timeout: float = 3.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            health = self.health()
+            if health["sessions"] == count:
+                return health
+            if time.monotonic() > deadline:
+                return health
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._reader.join(5)
+        return self.proc.returncode
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Mesh:
+    """A chain of node processes, head (or full) first, tail last, started side by side."""
+
+    def __init__(self, specs: list[tuple[str, str]], common: tuple[str, ...] = (),
+                 extra: dict[str, tuple[str, ...]] | None = None) -> None:
+        self.nodes: list[NodeProcess] = []
+        ports = [free_port() for _ in specs]
+        try:
+            for index, (role, layers) in enumerate(specs):
+                args = ["--role", role, "--layers", layers, *common, *(extra or {}).get(role, ())]
+                if index + 1 < len(specs):
+                    args += ["--peer", f"ws://127.0.0.1:{ports[index + 1]}"]
+                self.nodes.append(NodeProcess(*args, name=f"{role} {layers}", port=ports[index]))
+            for node in self.nodes:
+                node.wait_started()
+            self.head.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def head(self) -> NodeProcess:
+        return self.nodes[0]
+
+    @property
+    def tail(self) -> NodeProcess:
+        return self.nodes[-1]
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
