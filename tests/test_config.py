@@ -1,0 +1,64 @@
+"""Command line and MESHWS_* variables."""
+
+import subprocess
+import sys
+
+import pytest
+
+from meshws.config import NodeSettings, parse_layers, parse_settings, parse_size, settings_fields
+
+
+def test_flags_parse_into_settings_with_inclusive_layers():
+    settings = parse_settings(["--role", "tail", "--layers", "15-29", "--port", "8702", "--max-cache-bytes", "2G",
+                               "--peer", "http://10.0.0.2:8703"], environ={})
+    assert settings.role == "tail"
+    assert settings.layers == (15, 30)  # half-open in code
+    assert settings.port == 8702
+    assert settings.max_cache_bytes == 2 * 1024**3
+    assert settings.peer == "ws://10.0.0.2:8703"
+    assert settings.host == "127.0.0.1"
+
+
+def test_every_flag_has_an_environment_variable_and_flags_win():
+    environ = {"MESHWS_ROLE": "middle", "MESHWS_LAYERS": "10-19", "MESHWS_PEER": "ws://x:1", "MESHWS_PORT": "9000",
+               "MESHWS_CACHE_TTL": "30", "MESHWS_DTYPE": "float32", "MESHWS_API_KEY": "k"}
+    settings = parse_settings([], environ=environ)
+    assert (settings.role, settings.layers, settings.port, settings.cache_ttl, settings.dtype, settings.api_key) == (
+        "middle", (10, 20), 9000, 30.0, "float32", "k")
+    assert parse_settings(["--port", "9100"], environ=environ).port == 9100
+    help_text = subprocess.run([sys.executable, "-m", "meshws.node", "--help"], capture_output=True, text=True).stdout
+    for name in settings_fields():
+        if name != "extra":
+            assert "--" + name.replace("_", "-") in help_text
+            assert "MESHWS_" + name.upper() in help_text
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--role", "head", "--layers", "0-14"], "needs --peer"),
+        (["--role", "tail"], "needs --layers"),
+        (["--role", "head", "--layers", "3-14", "--peer", "ws://x:1"], "starts at layer 0"),
+        (["--role", "full", "--peer", "ws://x:1"], "takes no --peer"),
+        (["--role", "tail", "--layers", "9-3"], "ends before it starts"),
+        (["--role", "king"], "invalid choice"),
+    ],
+)
+def test_bad_settings_are_refused_with_a_reason(argv, needle, capsys):
+    with pytest.raises(SystemExit):
+        parse_settings(argv, environ={})
+    assert needle in capsys.readouterr().err
+
+
+def test_bad_environment_value_names_the_variable(capsys):
+    with pytest.raises(SystemExit):
+        parse_settings([], environ={"MESHWS_PORT": "eighty"})
+    assert "MESHWS_PORT" in capsys.readouterr().err
+
+
+def test_sizes_and_layers():
+    assert parse_size("512") == 512
+    assert parse_size("64M") == 64 * 1024**2
+    assert parse_size("1.5GiB") == int(1.5 * 1024**3)
+    assert parse_layers("0-14") == (0, 15)
+    assert NodeSettings().host == "127.0.0.1"
