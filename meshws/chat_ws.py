@@ -2,7 +2,8 @@
 
 Client -> server (JSON text frames):
   {"type": "chat", "messages": [...], "max_tokens"?, "temperature"?, "top_p"?, "top_k"?,
-   "seed"?, "stop"?, "id"?}                 start a chat turn (one at a time per socket)
+   "seed"?, "stop"?, "id"?}                 start a chat turn; one runs at a time per socket,
+                                            and a new one stops the running one first
   {"type": "stop"}                          stop the running turn; its session is released
 Server -> client:
   {"type": "start", "id", "model", "prompt_tokens"}
@@ -64,10 +65,10 @@ class ChatSocket:
                 if kind != "chat":
                     await _send(ws, {"type": "error", "message": f"unknown message type {kind!r}; use chat or stop"})
                     continue
-                if running is not None and not running.done():
-                    await _send(ws, {"type": "error", "id": data.get("id"),
-                                     "message": "a chat turn is already running; send stop first"})
-                    continue
+                if running is not None and not running.done():  # a new turn replaces the running one
+                    running.cancel()
+                    with suppress(asyncio.CancelledError):
+                        await running
                 running = asyncio.create_task(self._turn(ws, data))
         finally:
             if running is not None and not running.done():
