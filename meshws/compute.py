@@ -1,28 +1,145 @@
 """Where transport meets compute: model calls run on one worker thread, off the event loop.
 
-Every shard call (prefill, decode, release) goes through `ComputeWorker.call`, so
-websockets, heartbeats and other sessions stay responsive while a step runs,
-and steps of different sessions interleave one at a time.
+Every shard call goes through the worker, so websockets, heartbeats and other
+sessions stay responsive while a step runs. Decode steps are batched: when the
+worker turns to decode work it takes every decode step waiting at that moment
+(different sessions, different past lengths) and runs them as one forward
+through the shard's layers. Nothing waits for a batch to fill: a lone session's
+step runs as soon as the worker is free, on the ordinary single-session path.
+Other work (prefills, releases) alternates with decode batches, so neither
+starves the other.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, TypeVar
 
 T = TypeVar("T")
+MAX_BATCH = 64
+
+
+@dataclass
+class DecodeStep:
+    """One session's decode step, as handed to a backend's `decode_batch`."""
+
+    session_id: str
+    token_id: int | None = None  # on the head: the token to embed
+    body: bytes | None = None  # on later shards: the hidden state received
+    shape: Sequence[int] = ()
+    dtype: str = "bfloat16"
+    past_len: int | None = None  # None on the head: its own cache says
+    sampling: Any = None  # SamplingParams on a tail
+    history: Sequence[int] = ()
+    generated_from: int | None = None
+
+
+@dataclass
+class _Job:
+    run: Callable[[], Any] | None  # other work
+    step: DecodeStep | None  # or a decode step
+    alone: Callable[[], Any] | None  # the step's single-session path
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
 
 
 class ComputeWorker:
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, max_batch: int = MAX_BATCH) -> None:
         self.backend = backend
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshws-compute")
+        self.max_batch = max_batch
+        self.batches = 0  # decode batches of two or more steps run so far
+        self.batched_steps = 0
+        self._decodes: deque[_Job] = deque()
+        self._others: deque[_Job] = deque()
+        self._ready = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="meshws-compute", daemon=True)
+        self._thread.start()
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        """Run `fn` on the worker thread."""
+        return await self._submit(_Job(functools.partial(fn, *args, **kwargs), None, None, *self._future()))
+
+    async def decode(self, step: DecodeStep, alone: Callable[[], Any]) -> Any:
+        """A decode step, batched with other sessions' steps when the backend can."""
+        if not hasattr(self.backend, "decode_batch"):
+            return await self.call(alone)
+        return await self._submit(_Job(None, step, alone, *self._future()))
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        self._thread.join(timeout=30)
+
+    # -- internals ----------------------------------------------------------------
+
+    def _future(self) -> tuple[asyncio.Future, asyncio.AbstractEventLoop]:
+        loop = asyncio.get_running_loop()
+        return loop.create_future(), loop
+
+    async def _submit(self, job: _Job) -> Any:
+        with self._ready:
+            if self._closed:
+                raise RuntimeError("the compute worker is shut down")
+            (self._decodes if job.step is not None else self._others).append(job)
+            self._ready.notify()
+        return await job.future
+
+    def _serve(self) -> None:
+        other_turn = False
+        while True:
+            with self._ready:
+                while not (self._decodes or self._others or self._closed):
+                    self._ready.wait()
+                if self._closed and not (self._decodes or self._others):
+                    return
+                if self._decodes and not (other_turn and self._others):
+                    batch = [self._decodes.popleft() for _ in range(min(self.max_batch, len(self._decodes)))]
+                    job = None
+                else:
+                    batch, job = [], self._others.popleft()
+            other_turn = bool(batch)
+            if job is not None:
+                self._run_one(job, job.run)
+            elif len(batch) == 1:
+                self._run_one(batch[0], batch[0].alone)
+            else:
+                self._run_batch(batch)
+
+    def _run_one(self, job: _Job, fn: Callable[[], Any] | None) -> None:
+        try:
+            result = fn()  # type: ignore[misc]
+        except BaseException as exc:  # delivered to the caller, never lost in the thread
+            self._deliver(job, exc)
+        else:
+            self._deliver(job, result)
+
+    def _run_batch(self, batch: list[_Job]) -> None:
+        try:
+            results = self.backend.decode_batch([job.step for job in batch])
+        except BaseException as exc:
+            results = [exc] * len(batch)
+        self.batches += 1
+        self.batched_steps += len(batch)
+        for job, result in zip(batch, results):
+            self._deliver(job, result)
+
+    @staticmethod
+    def _deliver(job: _Job, result: Any) -> None:
+        def settle() -> None:
+            if job.future.done():
+                return  # the caller went away (cancelled)
+            if isinstance(result, BaseException):
+                job.future.set_exception(result)
+            else:
+                job.future.set_result(result)
+
+        try:
+            job.loop.call_soon_threadsafe(settle)
+        except RuntimeError:
+            pass  # the event loop is closed: nobody is waiting

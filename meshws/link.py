@@ -258,6 +258,12 @@ class LinkPool:
     def all(self) -> list[Link]:
         return list(self._links.values())
 
+    def discard(self, url: str) -> None:
+        """Forget a next hop (it left the mesh): close its link in the background."""
+        link = self._links.pop(url.rstrip("/"), None)
+        if link is not None:
+            asyncio.ensure_future(link.close())
+
     async def close(self) -> None:
         for link in self._links.values():
             await link.close()

@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
+from .auth import HEADER, Verifier, sign
 from .chat_ws import ChatSocket
 from .compute import ComputeWorker
 from .config import NodeSettings, parse_settings
@@ -25,7 +26,8 @@ from .generation import GenerationStats, Generator, PipelineError
 from .link import Link, LinkPool
 from .metrics import NodeMetrics
 from .openai_api import ApiError, OpenAIApi, PromptBuilder, error_middleware, json_response
-from .routing import Route, chain_gaps
+from .membership import Announcer, RegistryEndpoints, ask_assignment
+from .routing import NodeRecord, NoRoute, Registry, Route, chain_gaps, plan_hops
 from .shard_server import ShardService
 from .wire import hello as hello_frame
 
@@ -37,7 +39,7 @@ WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 def load_backend(settings: NodeSettings) -> Any:
     from .shard import ModelShard, ShardSettings
 
-    start, end = settings.layers if settings.layers else (0, None)
+    start, end = settings.layers if isinstance(settings.layers, tuple) else (0, None)
     shard_settings = ShardSettings(
         dtype=settings.dtype,
         wire_dtype=settings.wire_dtype,
@@ -71,6 +73,12 @@ class Node:
         self._tasks: list[asyncio.Task] = []
         self.generator: Generator | None = None
         self.shard_service: ShardService | None = None
+        self.registry: Registry | None = None
+        self.registry_endpoints: RegistryEndpoints | None = None
+        self.announcer: Announcer | None = None
+        self.advertise: str | None = None
+        self._inflight: dict[str, int] = {}  # generations routed through each hop, by URL
+        self.verifier = Verifier(settings.secret)
 
     # -- facts used by the parts ---------------------------------------------
 
@@ -101,6 +109,8 @@ class Node:
 
     async def start(self) -> int:
         if self.backend is None:
+            if self.settings.layers == "auto":
+                await self._take_assigned_layers()
             self.backend = await asyncio.to_thread(load_backend, self.settings)
             problem = check_role(self.settings, self.backend)
             if problem:
@@ -119,6 +129,7 @@ class Node:
                 self.backend, self.worker, self.links, self.metrics,
                 node_name=self.name, hello=self.hello, static_peer=self.settings.peer,
                 max_frame_bytes=self.settings.max_frame_bytes, compress_min_bytes=self.settings.compress_min_bytes,
+                authorize=self._authorize,
             )
             app.router.add_get("/ws/shard", self.shard_service.handle)
         if self.role in ("head", "full"):
@@ -132,6 +143,12 @@ class Node:
             )
             self.api = OpenAIApi(self)
             self.api.add_routes(app)
+            self.registry = Registry(self.model_id, self.backend.total_layers, ttl=self.settings.registry_ttl)
+            self.registry_endpoints = RegistryEndpoints(
+                self.registry, self.span, on_join=lambda record: self.links.get(record.url),
+                on_leave=self.links.discard, authorize=self._authorize,
+            )
+            self.registry_endpoints.add_routes(app)
             ChatSocket(self.api).add_routes(app)
             if WEB_DIR.is_dir():
                 app.router.add_get("/", self._index)
@@ -141,11 +158,41 @@ class Node:
         site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked
+        self.advertise = self.settings.advertise or f"ws://{self._public_host()}:{self.port}"
         if self.settings.peer and self.role in ("head", "middle"):
             self.links.get(self.settings.peer)
+        if self.registry_endpoints is not None:
+            self.registry_endpoints.start()
+        if self.settings.join:
+            self.announcer = Announcer(self.settings.join, self._announcement, headers=self.auth_headers)
+            self.announcer.start()
         return self.port
 
+    def _public_host(self) -> str:
+        host = self.settings.host
+        if host in ("0.0.0.0", "::", ""):
+            import socket
+
+            return socket.gethostname()
+        return host
+
+    async def _take_assigned_layers(self) -> None:
+        start, end, total = await ask_assignment(self.settings.join, self.auth_headers)
+        self.settings.layers = (start, end)
+        self.role = self.settings.role = "tail" if end == total else "middle"
+        log.info("the head assigned layers %d-%d: this node is a %s", start, end - 1, self.role)
+
+    def _announcement(self) -> dict[str, Any]:
+        sessions = self._session_count()
+        return {"url": self.advertise, "node": self.name, "model": self.model_id, "layers": list(self.span),
+                "role": self.role, "load": sessions,
+                "capacity": max(0, getattr(self.backend, "settings", self.settings).max_sessions - sessions)}
+
     async def stop(self) -> None:
+        if self.announcer is not None:
+            await self.announcer.stop()
+        if self.registry_endpoints is not None:
+            await self.registry_endpoints.stop()
         if self.shard_service is not None:
             await self.shard_service.shutdown()
         await self.links.close()
@@ -156,7 +203,14 @@ class Node:
         log.info("%s stopped (%d cached sessions released)", self.name, released)
 
     def _new_link(self, url: str) -> Link:
-        return Link(url, self.hello, max_frame_bytes=self.settings.max_frame_bytes, on_change=self._link_changed)
+        return Link(url, self.hello, max_frame_bytes=self.settings.max_frame_bytes, on_change=self._link_changed,
+                    headers=lambda: self.auth_headers("/ws/shard"))
+
+    def auth_headers(self, path: str) -> dict[str, str]:
+        return {HEADER: sign(self.settings.secret, path)} if self.settings.secret else {}
+
+    def _authorize(self, request: web.Request) -> str | None:
+        return self.verifier.check(request.headers.get(HEADER), request.path)
 
     def _link_changed(self, link: Link) -> None:
         if self.shard_service is not None:  # our chain changed: tell the hop before us
@@ -181,26 +235,76 @@ class Node:
         return own + list(link.peer_hello.get("chain") or [])
 
     def chain_problems(self) -> list[str]:
+        """Why no generation could start now ([] when one can)."""
+        if self.role in ("head", "full"):
+            try:
+                self.plan_route(set(), count=False)
+            except PipelineError as exc:
+                return [str(exc)]
+            return []
         spans = [tuple(hop["layers"]) for hop in self.chain()]
         problems = chain_gaps(spans, self.backend.total_layers, start=self.span[0])
-        if self.settings.peer and self.role in ("head", "middle"):
+        if self.settings.peer and self.role == "middle":
             link = self.links.get(self.settings.peer)
             if not link.is_up:
                 problems.insert(0, f"next hop {link.url} is {link.state}" + (f": {link.last_error}" if link.last_error else ""))
         return problems
 
-    def plan_route(self) -> Route:
-        """The route of a new generation: the static chain (full nodes have none)."""
+    def _candidates(self) -> list[NodeRecord]:
+        """Nodes a route may use now: joined ones the head can reach, and the --peer chain."""
+        records = [r for r in self.registry.nodes() if self.links.get(r.url).is_up] if self.registry else []
+        if self.settings.peer:
+            link = self.links.get(self.settings.peer)
+            chain = (link.peer_hello or {}).get("chain") or []
+            if link.is_up and chain:
+                span = (chain[0]["layers"][0], chain[-1]["layers"][1])
+                if not chain_gaps([tuple(hop["layers"]) for hop in chain], self.backend.total_layers, start=span[0]):
+                    records.append(NodeRecord(url=link.url, node=chain[0]["node"], model=self.model_id, layers=span,
+                                              role="peer", static=True))
+        return records
+
+    def plan_route(self, exclude: set[str], count: bool = True) -> Route:
+        """The route of a new generation: fewest hops, then least loaded (full nodes have none)."""
+        own = {"node": self.name, "layers": list(self.span)}
         if self.role == "full":
-            return Route(None, [], [{"node": self.name, "layers": list(self.span)}])
-        problems = self.chain_problems()
-        if problems:
-            raise PipelineError("no route: " + "; ".join(problems))
-        return Route(self.links.get(self.settings.peer), [], self.chain())
+            return Route(None, [], [own])
+        candidates = self._candidates()
+        try:
+            hops = plan_hops(candidates, self.span[1], self.backend.total_layers,
+                             load=lambda r: self._inflight.get(r.url, 0) + r.load, exclude=exclude)
+        except NoRoute as exc:
+            problems = [str(exc)]
+            if self.settings.peer and not self.links.get(self.settings.peer).is_up:
+                link = self.links.get(self.settings.peer)
+                problems.append(f"next hop {link.url} is {link.state}" + (f": {link.last_error}" if link.last_error else ""))
+            raise PipelineError("; ".join(problems)) from exc
+        view = [own]
+        for hop in hops:
+            if hop.static:
+                view += (self.links.get(hop.url).peer_hello or {}).get("chain") or []
+            else:
+                view.append({"node": hop.node, "layers": list(hop.layers), "url": hop.url})
+        after = [] if hops[0].static else [{"url": h.url, "layers": list(h.layers)} for h in hops[1:]]
+        urls = [hop.url for hop in hops]
+        route = Route(self.links.get(hops[0].url), after, view, urls)
+        if count:
+            for url in urls:
+                self._inflight[url] = self._inflight.get(url, 0) + 1
+            route.on_done = lambda: self._route_done(urls)
+        return route
+
+    def _route_done(self, urls: list[str]) -> None:
+        for url in urls:
+            self._inflight[url] = max(0, self._inflight.get(url, 0) - 1)
 
     def check_route(self) -> None:
+        """Admission for a new generation: a route must exist and the head must have room."""
+        active = len(self.generator.active) if self.generator is not None else 0
+        if active >= self.settings.max_generations:
+            raise ApiError(503, f"the head is running {active} generations, its limit; retry shortly",
+                           code="over_capacity", kind="service_unavailable", headers={"Retry-After": "1"})
         try:
-            self.plan_route()
+            self.plan_route(set(), count=False)
         except PipelineError as exc:
             raise ApiError(503, str(exc), code="no_route", kind="service_unavailable",
                            headers={"Retry-After": "2"}) from exc
@@ -228,7 +332,7 @@ class Node:
             "cache_bytes": self._cache_bytes(),
             "supports_kv_cache": bool(getattr(self.backend, "supports_kv_cache", False)),
             "links": [link.describe() for link in self.links.all()],
-            "chain": self.chain(),
+            "chain": self._route_view() if self.role in ("head", "full") else self.chain(),
             "problems": problems,
             "ready": not problems,
             "uptime_s": round(time.time() - self.started, 1),
@@ -238,7 +342,17 @@ class Node:
             info["channels"] = len(self.shard_service.sessions)
         if self.generator is not None:
             info["generations"] = len(self.generator.active)
+        if self.registry is not None:
+            info["nodes"] = [record.describe() for record in self.registry.nodes()]
+        if self.announcer is not None:
+            info["joined"] = self.announcer.joined
         return info
+
+    def _route_view(self) -> list[dict[str, Any]]:
+        try:
+            return self.plan_route(set(), count=False).view
+        except PipelineError:
+            return [{"node": self.name, "layers": list(self.span)}]
 
     async def health_handler(self, request: web.Request) -> web.Response:
         return json_response(self.health())
@@ -268,8 +382,9 @@ async def serve(settings: NodeSettings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     port = await node.start()
-    if settings.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s: anyone who can reach this address can use this node", settings.host)
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.secret:
+        log.warning("listening on %s without --secret: anyone who can reach this address can link to this node "
+                    "or join the mesh", settings.host)
     where = f"http://{settings.host}:{port}"
     first, last = node.span
     line = f"meshws {node.role} ready: {node.model_id} layers {first}-{last - 1} on {where}"

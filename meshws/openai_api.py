@@ -61,6 +61,7 @@ class CompletionSpec:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    ignore_eos: bool = False
 
 
 # -- validation ---------------------------------------------------------------
@@ -162,7 +163,7 @@ def check_common(body: dict[str, Any]) -> None:
         raise ApiError(400, "'best_of' must be 1", param="best_of", code="invalid_value")
     if body.get("echo") not in (None, False):
         raise ApiError(400, "'echo' is not supported", param="echo", code="unsupported_parameter")
-    for name in ("stream", "return_token_ids"):
+    for name in ("stream", "return_token_ids", "ignore_eos"):
         if body.get(name) is not None and not isinstance(body.get(name), bool):
             raise ApiError(400, f"'{name}' must be a boolean", param=name, code="invalid_type")
     options = body.get("stream_options")
@@ -262,6 +263,7 @@ class OpenAIApi:
             stream=bool(body.get("stream")),
             include_usage=bool(options.get("include_usage")),
             return_token_ids=bool(body.get("return_token_ids")),
+            ignore_eos=bool(body.get("ignore_eos")),
         )
 
     async def models(self, request: web.Request) -> web.Response:
@@ -370,7 +372,7 @@ class OpenAIApi:
 
     def _run(self, spec: CompletionSpec, stats: GenerationStats, token_ids: list[int] | None):
         request = GenerationRequest(prompt=spec.prompt, max_tokens=spec.max_tokens, sampling=spec.sampling,
-                                    prompt_ids=spec.prompt_ids)
+                                    prompt_ids=spec.prompt_ids, ignore_eos=spec.ignore_eos)
         return stream_completion(self.node.generator, request, self.node.decode, spec.stop, stats, token_ids)
 
 

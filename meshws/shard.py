@@ -13,6 +13,7 @@ This module knows nothing of sockets; `shard_server` hands it decoded frames.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import os
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from .cache_store import KVCacheMiss, SessionCacheStore
+from .compute import DecodeStep
 from .model_source import ResolvedModel, resolve_model
 from .sampling import DEFAULT as GREEDY
 from .sampling import SamplingParams, sample_token
@@ -125,6 +127,8 @@ class ModelShard:
             max_bytes=self.settings.max_cache_bytes,
         )
         self.supports_kv_cache = True
+        self.batched_decode = _rows_attention_fits(self.model)  # else decode_batch runs steps one by one
+        self._rotary_by_type = "layer_type" in inspect.signature(self.model.model.rotary_emb.forward).parameters
         self._eos_ids = _eos_ids(resolved.folder, config, self.tokenizer)
 
     # -- facts --------------------------------------------------------------
@@ -251,6 +255,106 @@ class ModelShard:
 
     def release_session(self, session_id: str) -> bool:
         return self.sessions.drop(session_id)
+
+    # -- continuous batching ------------------------------------------------
+
+    def decode_batch(self, steps: Sequence[DecodeStep]) -> list[TensorPayload | TailTokenResult | Exception]:
+        """Several sessions' one-token decode steps as one forward through the layers.
+
+        Each session keeps its own cache and past length; the projections and MLPs
+        read the weights once for all rows, attention runs per row against that
+        row's cache. A step that cannot run (cache miss, bad bytes) gets its own
+        exception and the others go on.
+        """
+        results: list[Any] = [None] * len(steps)
+        rows: list[tuple[int, Any, torch.Tensor, int]] = []  # (index, entry, hidden, past_len)
+        with torch.inference_mode():
+            for index, step in enumerate(steps):
+                try:
+                    rows.append((index, *self._prepare_decode(step)))
+                except (KVCacheMiss, ValueError) as exc:
+                    results[index] = exc
+            if len(rows) == 1 or (rows and not self.batched_decode):
+                for index, *_ in rows:
+                    results[index] = self._decode_alone(steps[index])
+                return results
+            if not rows:
+                return results
+            hidden = torch.cat([row[2] for row in rows])
+            positions = torch.tensor([[row[3]] for row in rows], dtype=torch.long)
+            try:
+                hidden = self._run_layers_rows(hidden, positions, [row[1].cache for row in rows])
+            except Exception as exc:  # never fail every session for one batched call; say why once
+                log.warning("batched decode failed (%s); running these steps one by one from now on", exc)
+                self.batched_decode = False
+                for index, entry, _, past in rows:
+                    self.sessions.drop(steps[index].session_id)
+                    results[index] = KVCacheMiss(f"batched step failed: {exc}")
+                return results
+            for position, (index, entry, _, past) in enumerate(rows):
+                step = steps[index]
+                entry.seq_len = past + 1
+                try:
+                    self.sessions.resize(step.session_id, cache_nbytes(entry.cache))
+                    results[index] = self._finish(hidden[position : position + 1], past, step.sampling,
+                                                  step.history, step.generated_from)
+                except Exception as exc:
+                    results[index] = exc
+        return results
+
+    def _prepare_decode(self, step: DecodeStep) -> tuple[Any, torch.Tensor, int]:
+        """The session's cache entry, the step's input hidden state and its past length."""
+        if not self.supports_kv_cache:
+            raise KVCacheMiss("caching is disabled on this shard")
+        if step.token_id is not None:
+            entry = self.sessions.lookup(step.session_id)
+            hidden = self.model.model.embed_tokens(torch.tensor([[int(step.token_id)]], dtype=torch.long))
+        else:
+            hidden = self.tensor_from_bytes(step.body or b"", step.shape, step.dtype)
+            if hidden.shape[1] != 1:
+                raise ValueError("a batched decode step carries exactly one token")
+            entry = self.sessions.lookup(step.session_id, expected_seq_len=step.past_len,
+                                         effective_start=self.start)
+        return entry, hidden, entry.seq_len
+
+    def _decode_alone(self, step: DecodeStep) -> TensorPayload | TailTokenResult | Exception:
+        try:
+            if step.token_id is not None:
+                return self.encode_next_token(step.token_id, step.session_id, sampling=step.sampling,
+                                              history=step.history, generated_from=step.generated_from)
+            return self.forward_bytes(step.body or b"", step.shape, None, None, session_id=step.session_id,
+                                      cache_mode="decode", past_len=step.past_len, dtype=step.dtype,
+                                      sampling=step.sampling, history=step.history,
+                                      generated_from=step.generated_from)
+        except Exception as exc:
+            return exc
+
+    def _run_layers_rows(self, hidden: torch.Tensor, positions: torch.Tensor, caches: list[Any]) -> torch.Tensor:
+        """The layers over a batch of one-token rows, each attending to its own cache."""
+        base = self.model.model
+        config = self.model.config
+        row_caches = _RowCaches(caches)
+        layer_types = getattr(config, "layer_types", None)
+        if self._rotary_by_type:
+            embeddings = {kind: base.rotary_emb(hidden, positions, kind) for kind in set(layer_types)}
+        else:
+            shared = base.rotary_emb(hidden, position_ids=positions)
+        previous = config._attn_implementation
+        config._attn_implementation = ROWS_ATTENTION
+        try:
+            for index, layer in enumerate(base.layers):
+                output = layer(
+                    hidden,
+                    attention_mask=None,
+                    position_embeddings=embeddings[layer_types[index]] if self._rotary_by_type else shared,
+                    position_ids=positions,
+                    cache=row_caches,
+                    use_cache=True,
+                )
+                hidden = output[0] if isinstance(output, tuple) else output
+        finally:
+            config._attn_implementation = previous
+        return base.norm(hidden)
 
     # -- bytes <-> tensors -------------------------------------------------
 
@@ -405,6 +509,57 @@ class ModelShard:
         if self.tokenizer is None:
             raise RuntimeError("only a head shard holds the tokenizer")
         return self.tokenizer
+
+
+class _RowCaches:
+    """A cache stand-in for a batch of rows: each row updates its own session's cache.
+
+    `update` returns per-row lists of keys and values, which only the rows
+    attention below knows how to read.
+    """
+
+    def __init__(self, caches: list[Any]) -> None:
+        self.caches = caches
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        keys, values = [], []
+        for row, cache in enumerate(self.caches):
+            key, value = cache.update(key_states[row : row + 1], value_states[row : row + 1], layer_idx)
+            keys.append(key)
+            values.append(value)
+        return keys, values
+
+
+def _rows_attention(module: Any, query: torch.Tensor, key: Any, value: Any, attention_mask: Any,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention for `_RowCaches`: each row's one query against its own keys, with the sdpa code HF uses."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kwargs.pop("sliding_window", None)  # the cache already holds only the window
+    outputs = [
+        sdpa_attention_forward(module, query[row : row + 1], key[row], value[row], None, **kwargs)[0]
+        for row in range(query.shape[0])
+    ]
+    return torch.cat(outputs), None
+
+
+ROWS_ATTENTION = "meshws_rows"
+
+
+def _register_rows_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
+
+
+def _rows_attention_fits(model: Any) -> bool:
+    """Batched decode needs plain sdpa-style attention (no logit soft-capping)."""
+    config = model.config
+    if getattr(config, "attn_logit_softcapping", None) or config._attn_implementation not in ("sdpa", None):
+        return False
+    _register_rows_attention()
+    return True
 
 
 def cache_nbytes(cache: Any) -> int:

@@ -12,6 +12,7 @@ sessions go on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Any, Callable
 from aiohttp import WSMsgType, web
 
 from .cache_store import CacheBudgetExceeded, KVCacheMiss
-from .compute import ComputeWorker
+from .compute import ComputeWorker, DecodeStep
 from .link import Link, LinkDown, LinkPool
 from .metrics import NodeMetrics
 from .sampling import SamplingParams
@@ -36,6 +37,7 @@ from .wire import (
 log = logging.getLogger("meshws.shard_server")
 
 DECODE_LOG_INTERVAL = 5.0  # seconds between one session's decode summary lines
+OPEN_LINK_WAIT = 5.0  # seconds an `open` waits for a next-hop link that is still dialing
 
 
 @dataclass
@@ -46,6 +48,7 @@ class InboundSession:
     next_hop: Link | None
     route: list[dict[str, Any]]  # hops after the next one
     history: list[int] | None = None  # token ids so far, kept only when sampling needs them
+    forwarding: asyncio.Future | None = None  # `open` on its way to the next hop: None = sent, else why not
     busy: bool = False
     prefills: int = 0
     decodes: int = 0
@@ -131,7 +134,6 @@ class ShardService:
                     self.metrics.frame("in", "control", len(message.data))
                     await self._on_control(ws, owned, message.data)
                 elif message.type == WSMsgType.BINARY:
-                    self.metrics.frame("in", "fwd", len(message.data))
                     self._spawn(self._on_forward(ws, owned, message.data))
                 elif message.type == WSMsgType.ERROR:
                     log.warning("inbound link from %s failed: %s", peer, ws.exception())
@@ -213,10 +215,18 @@ class ShardService:
             next_hop.subscribe(sid, self._relay_to(ws, sid))
             forwarded = {key: value for key, value in message.items() if key != "route"}
             forwarded["route"] = route
-            try:
-                await next_hop.send_control(forwarded)
-            except LinkDown as exc:
-                await self._error(ws, sid, None, f"{self.node_name}: next hop unreachable: {exc}", "link")
+            # The link may still be dialing: forward in the background; steps wait for it.
+            session.forwarding = asyncio.ensure_future(self._forward_open(next_hop, forwarded))
+
+    async def _forward_open(self, next_hop: Link, message: dict[str, Any]) -> str | None:
+        """Send `open` on; None when done, else why it could not be."""
+        if not next_hop.is_up:
+            await next_hop.wait_up(OPEN_LINK_WAIT)
+        try:
+            await next_hop.send_control(message)
+            return None
+        except LinkDown as exc:
+            return f"{self.node_name}: next hop unreachable: {exc}"
 
     def _next_hop(self, route: Any) -> tuple[str | None, list[dict[str, Any]]]:
         """The URL of the next hop and the hops after it; an empty route means: use --peer."""
@@ -228,6 +238,11 @@ class ShardService:
             hop = route[0]
             if not isinstance(hop, dict) or not isinstance(hop.get("url"), str):
                 raise ValueError("each hop of a route needs a url")
+            if not hop["url"].startswith(("ws://", "wss://")):
+                raise ValueError(f"a hop's url must be ws:// or wss://, got {hop['url']!r}")
+            layers = hop.get("layers")
+            if isinstance(layers, list) and layers and layers[0] != self.backend.end:
+                raise ValueError(f"the next hop starts at layer {layers[0]}, this node ends at {self.backend.end}")
             return hop["url"], list(route[1:])
         if self.static_peer is None:
             raise ValueError(f"no route given and this node has no --peer for layers from {self.backend.end}")
@@ -250,6 +265,8 @@ class ShardService:
             return
         if session.next_hop is not None:
             session.next_hop.unsubscribe(sid)
+            if session.forwarding is not None:
+                await session.forwarding  # the close must not overtake the open
             try:
                 await session.next_hop.send_control({"type": "close", "sid": sid})
             except LinkDown:
@@ -266,8 +283,10 @@ class ShardService:
         try:
             frame = decode_forward(data, self.max_frame_bytes)
         except FrameError as exc:
+            self.metrics.frame("in", "fwd_bad", len(data))
             await self._error(ws, None, None, f"bad frame: {exc}", "bad_frame")
             return
+        self.metrics.frame("in", f"fwd_{frame.mode}", frame.wire_bytes)
         sid = frame.sid
         session = self.sessions.get(sid) if sid in owned else None
         if session is None:
@@ -281,7 +300,7 @@ class ShardService:
         try:
             if frame.ids is not None and frame.mode == "prefill":
                 session.history = list(frame.ids)
-            result = await self.worker.call(
+            alone = functools.partial(
                 self.backend.forward_bytes,
                 frame.body,
                 list(frame.shape),
@@ -295,6 +314,13 @@ class ShardService:
                 history=session.history or (),
                 generated_from=session.prompt_tokens,
             )
+            if frame.mode == "decode" and frame.shape[-2:-1] == (1,):
+                step = DecodeStep(sid, body=frame.body, shape=frame.shape, dtype=frame.dtype,
+                                  past_len=frame.past_len, sampling=session.sampling,
+                                  history=session.history or (), generated_from=session.prompt_tokens)
+                result = await self.worker.decode(step, alone)
+            else:
+                result = await self.worker.call(alone)
         except KVCacheMiss as exc:
             session.cache_misses += 1
             self.metrics.cache_misses.inc()
@@ -350,13 +376,17 @@ class ShardService:
         if session.next_hop is None:
             await self._error(ws, sid, step, f"{self.node_name}: no next hop for the hidden states", "link")
             return
+        problem = await session.forwarding if session.forwarding is not None else None
+        if problem:
+            await self._error(ws, sid, step, problem, "link")
+            return
         data = encode_forward(
             sid, step, mode, result.past_len, result.shape, result.dtype, result.body,
             ids=list(ids) if ids is not None else None, compress_min_bytes=self.compress_min_bytes,
         )
         try:
             await session.next_hop.send_forward(data)
-            self.metrics.frame("out", "fwd", len(data))
+            self.metrics.frame("out", f"fwd_{mode}", len(data))
         except LinkDown as exc:
             await self._error(ws, sid, step, f"{self.node_name}: next hop unreachable: {exc}", "link")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import ROOT, Mesh, NodeProcess
+from meshws.launch import ROOT, Mesh, NodeProcess
 
 pytestmark = [pytest.mark.real_model, pytest.mark.processes, pytest.mark.browser]
 

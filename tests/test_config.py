@@ -36,7 +36,9 @@ def test_every_flag_has_an_environment_variable_and_flags_win():
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--role", "head", "--layers", "0-14"], "needs --peer"),
+        (["--role", "middle", "--layers", "5-14"], "needs --peer"),
+        (["--role", "head", "--layers", "auto"], "--layers auto is for"),
+        (["--role", "full", "--join", "http://h:1"], "only middle and tail"),
         (["--role", "tail"], "needs --layers"),
         (["--role", "head", "--layers", "3-14", "--peer", "ws://x:1"], "starts at layer 0"),
         (["--role", "full", "--peer", "ws://x:1"], "takes no --peer"),

@@ -8,7 +8,7 @@ import orjson
 import pytest
 import torch
 
-from processes import Mesh, NodeProcess
+from meshws.launch import Mesh, NodeProcess
 from test_shard_golden import CHAT_PROMPTS
 
 pytestmark = [pytest.mark.real_model, pytest.mark.processes]
@@ -72,7 +72,7 @@ async def test_health_and_metrics_describe_the_node(mesh):
         async with client.get(f"{mesh.tail.url}/metrics") as response:
             text = await response.text()
     for name in ("meshws_sessions ", "meshws_cache_bytes ", "meshws_steps_total{mode=\"decode\"}",
-                 "meshws_step_seconds_bucket", 'meshws_frame_bytes_total{direction="in",type="fwd"}'):
+                 "meshws_step_seconds_bucket", 'meshws_frame_bytes_total{direction="in",type="fwd_decode"}'):
         assert name in text, name
 
 

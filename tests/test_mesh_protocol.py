@@ -202,9 +202,9 @@ async def test_kv_head_with_legacy_tail_reprefills_every_step():
 # -- helpers ------------------------------------------------------------------
 
 def _metric(tail) -> float:
-    """Bytes of fwd frames the tail received."""
+    """Bytes of prefill frames the tail received."""
     text = tail.metrics.render().decode()
     for line in text.splitlines():
-        if line.startswith('meshws_frame_bytes_total{direction="in",type="fwd"}'):
+        if line.startswith('meshws_frame_bytes_total{direction="in",type="fwd_prefill"}'):
             return float(line.split()[-1])
     raise AssertionError("no fwd bytes metric")

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from fakes import CachedHeadBackend, CachedTailBackend, fake_mesh
-from processes import ROOT, Mesh
+from meshws.launch import ROOT, Mesh
 
 pytestmark = [pytest.mark.real_model, pytest.mark.processes]
 

