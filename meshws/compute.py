@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
 T = TypeVar("T")
 MAX_BATCH = 64
+LINGER = 0.003  # seconds a partial batch may wait for steps of other live sessions (never for a lone one)
 
 
 @dataclass
@@ -48,9 +50,13 @@ class _Job:
 
 
 class ComputeWorker:
-    def __init__(self, backend: Any, max_batch: int = MAX_BATCH) -> None:
+    def __init__(self, backend: Any, max_batch: int = MAX_BATCH, live_sessions: Callable[[], int] = lambda: 1) -> None:
         self.backend = backend
         self.max_batch = max_batch
+        # How many sessions could send a decode step soon. The steps of one round arrive
+        # microseconds apart; lingering a few ms for them when several sessions are live
+        # turns a 1 + 15 split into one batch of 16. A lone session never waits.
+        self.live_sessions = live_sessions
         self.batches = 0  # decode batches of two or more steps run so far
         self.batched_steps = 0
         self._decodes: deque[_Job] = deque()
@@ -99,6 +105,7 @@ class ComputeWorker:
                 if self._closed and not (self._decodes or self._others):
                     return
                 if self._decodes and not (other_turn and self._others):
+                    self._linger()
                     batch = [self._decodes.popleft() for _ in range(min(self.max_batch, len(self._decodes)))]
                     job = None
                 else:
@@ -110,6 +117,19 @@ class ComputeWorker:
                 self._run_one(batch[0], batch[0].alone)
             else:
                 self._run_batch(batch)
+
+    def _linger(self) -> None:
+        """(Lock held.) Wait briefly while more live sessions may still add their steps."""
+        try:
+            expected = min(self.max_batch, int(self.live_sessions()))
+        except Exception:  # a hint, never a reason to fail
+            expected = 1
+        deadline = time.monotonic() + LINGER
+        while len(self._decodes) < expected and not self._closed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._ready.wait(remaining)
 
     def _run_one(self, job: _Job, fn: Callable[[], Any] | None) -> None:
         try:

@@ -117,6 +117,9 @@ class Mesh:
                  echo: bool = False, timeout: float = 120.0) -> None:
         self.nodes: list[NodeProcess] = []
         ports = ports or [free_port() for _ in specs]
+        if "--threads" not in common:
+            # Nodes on one machine share its cores: oversubscribed OpenMP threads spin against each other.
+            common = (*common, "--threads", str(max(1, (os.cpu_count() or 1) // len(specs))))
         try:
             for index, (role, layers) in enumerate(specs):
                 args = ["--role", role, "--layers", layers, *common, *(extra or {}).get(role, ())]

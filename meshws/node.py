@@ -115,7 +115,7 @@ class Node:
             problem = check_role(self.settings, self.backend)
             if problem:
                 raise SystemExit(problem)
-        self.worker = ComputeWorker(self.backend)
+        self.worker = ComputeWorker(self.backend, live_sessions=self._live_sessions)
         self.metrics = NodeMetrics(sessions=self._session_count, cache_bytes=self._cache_bytes)
         self.links = LinkPool(self._new_link)
         app = web.Application(
@@ -310,6 +310,14 @@ class Node:
                            headers={"Retry-After": "2"}) from exc
 
     # -- HTTP ---------------------------------------------------------------
+
+    def _live_sessions(self) -> int:
+        """Sessions that may send a decode step soon (a batching hint for the worker)."""
+        if self.generator is not None:
+            return len(self.generator.active)
+        if self.shard_service is not None:
+            return len(self.shard_service.sessions)
+        return 1
 
     def _session_count(self) -> int:
         sessions = getattr(self.backend, "sessions", None)
