@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from .aio import run_uncancelled
 from .cache_store import KVCacheMiss
 from .compute import ComputeWorker, DecodeStep
 from .link import Link, LinkDown
@@ -188,10 +189,16 @@ class Generator:
         finally:
             stats.finished_at = time.perf_counter()
             self.active.pop(sid, None)
-            await path.close()
-            await self.worker.call(self.backend.release_session, sid)
-            if self.on_finish is not None:
-                self.on_finish(stats, outcome)
+            try:
+                await run_uncancelled(self._release(path, sid))
+            finally:
+                if self.on_finish is not None:
+                    self.on_finish(stats, outcome)
+
+    async def _release(self, path: "_Path", sid: str) -> None:
+        """Close the channel (every shard drops the session) and drop the head's own cache."""
+        await path.close()
+        await self.worker.call(self.backend.release_session, sid)
 
     async def _loop(
         self,

@@ -74,7 +74,7 @@ class NodeProcess:
                 raise AssertionError(f"{self.name} not ready: {health['problems']}")
             time.sleep(0.1)
 
-    def wait_sessions(self, count: int, timeout: float = 3.0) -> dict:
+    def wait_sessions(self, count: int, timeout: float = 8.0) -> dict:
         deadline = time.monotonic() + timeout
         while True:
             health = self.health()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 
 from .launch import Mesh
@@ -24,6 +25,10 @@ def total_layers(model: str, cache_dir: str | None) -> int:
     return AutoConfig.from_pretrained(str(resolved.folder)).num_hidden_layers
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m meshws.local_mesh", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default=None, help="require this key on the public API")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the nodes too, as Ctrl-C does
     layers = total_layers(args.model, os.environ.get("MESHWS_CACHE_DIR"))
     split = layers // 2
     head_extra = ("--api-key", args.api_key) if args.api_key else ()

@@ -125,34 +125,9 @@ class Node:
         app.router.add_get("/health", self.health_handler)
         app.router.add_get("/metrics", self.metrics_handler)
         if self.role in ("middle", "tail"):
-            self.shard_service = ShardService(
-                self.backend, self.worker, self.links, self.metrics,
-                node_name=self.name, hello=self.hello, static_peer=self.settings.peer,
-                max_frame_bytes=self.settings.max_frame_bytes, compress_min_bytes=self.settings.compress_min_bytes,
-                authorize=self._authorize,
-            )
-            app.router.add_get("/ws/shard", self.shard_service.handle)
+            self._add_shard_routes(app)
         if self.role in ("head", "full"):
-            tokenizer = getattr(self.backend, "tokenizer", None)
-            context = getattr(self.backend, "context_length", None) or 2048
-            self.prompt_builder = PromptBuilder(tokenizer, context)
-            self.generator = Generator(
-                self.backend, self.worker, plan=self.plan_route,
-                step_timeout=self.settings.step_timeout, compress_min_bytes=self.settings.compress_min_bytes,
-                on_finish=self._generation_finished,
-            )
-            self.api = OpenAIApi(self)
-            self.api.add_routes(app)
-            self.registry = Registry(self.model_id, self.backend.total_layers, ttl=self.settings.registry_ttl)
-            self.registry_endpoints = RegistryEndpoints(
-                self.registry, self.span, on_join=lambda record: self.links.get(record.url),
-                on_leave=self.links.discard, authorize=self._authorize,
-            )
-            self.registry_endpoints.add_routes(app)
-            ChatSocket(self.api).add_routes(app)
-            if WEB_DIR.is_dir():
-                app.router.add_get("/", self._index)
-                app.router.add_static("/static/", WEB_DIR)
+            self._add_public_routes(app)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
@@ -167,6 +142,39 @@ class Node:
             self.announcer = Announcer(self.settings.join, self._announcement, headers=self.auth_headers)
             self.announcer.start()
         return self.port
+
+    def _add_shard_routes(self, app: web.Application) -> None:
+        """/ws/shard: the session channels of the hop before this one."""
+        self.shard_service = ShardService(
+            self.backend, self.worker, self.links, self.metrics,
+            node_name=self.name, hello=self.hello, static_peer=self.settings.peer,
+            max_frame_bytes=self.settings.max_frame_bytes, compress_min_bytes=self.settings.compress_min_bytes,
+            authorize=self._authorize,
+        )
+        app.router.add_get("/ws/shard", self.shard_service.handle)
+
+    def _add_public_routes(self, app: web.Application) -> None:
+        """The head's surfaces: the OpenAI API, /ws/chat, the chat page, and the registry."""
+        tokenizer = getattr(self.backend, "tokenizer", None)
+        context = getattr(self.backend, "context_length", None) or 2048
+        self.prompt_builder = PromptBuilder(tokenizer, context)
+        self.generator = Generator(
+            self.backend, self.worker, plan=self.plan_route,
+            step_timeout=self.settings.step_timeout, compress_min_bytes=self.settings.compress_min_bytes,
+            on_finish=self._generation_finished,
+        )
+        self.api = OpenAIApi(self)
+        self.api.add_routes(app)
+        ChatSocket(self.api).add_routes(app)
+        if WEB_DIR.is_dir():
+            app.router.add_get("/", self._index)
+            app.router.add_static("/static/", WEB_DIR)
+        self.registry = Registry(self.model_id, self.backend.total_layers, ttl=self.settings.registry_ttl)
+        self.registry_endpoints = RegistryEndpoints(
+            self.registry, self.span, on_join=lambda record: self.links.get(record.url),
+            on_leave=self.links.discard, authorize=self._authorize,
+        )
+        self.registry_endpoints.add_routes(app)
 
     def _public_host(self) -> str:
         host = self.settings.host
@@ -185,8 +193,7 @@ class Node:
     def _announcement(self) -> dict[str, Any]:
         sessions = self._session_count()
         return {"url": self.advertise, "node": self.name, "model": self.model_id, "layers": list(self.span),
-                "role": self.role, "load": sessions,
-                "capacity": max(0, getattr(self.backend, "settings", self.settings).max_sessions - sessions)}
+                "role": self.role, "load": sessions, "capacity": max(0, self.settings.max_sessions - sessions)}
 
     async def stop(self) -> None:
         if self.announcer is not None:
@@ -348,6 +355,7 @@ class Node:
         if self.shard_service is not None:
             info["inbound_links"] = len(self.shard_service.inbound)
             info["channels"] = len(self.shard_service.sessions)
+            info["pending_tasks"] = len(self.shard_service.pending_tasks)
         if self.generator is not None:
             info["generations"] = len(self.generator.active)
         if self.registry is not None:

@@ -12,7 +12,6 @@ This module knows nothing of sockets; `shard_server` hands it decoded frames.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 import os
@@ -26,7 +25,9 @@ from .cache_store import KVCacheMiss, SessionCacheStore
 from .compute import DecodeStep
 from .model_source import ResolvedModel, resolve_model
 from .sampling import DEFAULT as GREEDY
+from .row_attention import ROWS_ATTENTION, RowCaches, rows_attention_fits
 from .sampling import SamplingParams, sample_token
+from .weights import build_shard_model, eos_ids, shard_config
 from .wire import DTYPE_SIZES
 
 log = logging.getLogger("meshws.shard")
@@ -114,8 +115,8 @@ class ModelShard:
         self.wire_dtype = self.settings.wire_dtype
         self.hidden_size = config.hidden_size
         self.context_length = getattr(config, "max_position_embeddings", None) or 2048
-        self.shard_config = _shard_config(config, start, end)
-        self.model = _build_shard_model(resolved.folder, self.shard_config, self.layout, self.compute_dtype)
+        self.shard_config = shard_config(config, start, end)
+        self.model = build_shard_model(resolved.folder, self.shard_config, self.layout, self.compute_dtype)
         self.tokenizer = None
         if self.layout.is_head:
             from transformers import AutoTokenizer
@@ -127,9 +128,9 @@ class ModelShard:
             max_bytes=self.settings.max_cache_bytes,
         )
         self.supports_kv_cache = True
-        self.batched_decode = _rows_attention_fits(self.model)  # else decode_batch runs steps one by one
+        self.batched_decode = rows_attention_fits(self.model)  # else decode_batch runs steps one by one
         self._rotary_by_type = "layer_type" in inspect.signature(self.model.model.rotary_emb.forward).parameters
-        self._eos_ids = _eos_ids(resolved.folder, config, self.tokenizer)
+        self._eos_ids = eos_ids(resolved.folder, config, self.tokenizer)
 
     # -- facts --------------------------------------------------------------
 
@@ -333,7 +334,7 @@ class ModelShard:
         """The layers over a batch of one-token rows, each attending to its own cache."""
         base = self.model.model
         config = self.model.config
-        row_caches = _RowCaches(caches)
+        row_caches = RowCaches(caches)
         layer_types = getattr(config, "layer_types", None)
         if self._rotary_by_type:
             embeddings = {kind: base.rotary_emb(hidden, positions, kind) for kind in set(layer_types)}
@@ -511,57 +512,6 @@ class ModelShard:
         return self.tokenizer
 
 
-class _RowCaches:
-    """A cache stand-in for a batch of rows: each row updates its own session's cache.
-
-    `update` returns per-row lists of keys and values, which only the rows
-    attention below knows how to read.
-    """
-
-    def __init__(self, caches: list[Any]) -> None:
-        self.caches = caches
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        keys, values = [], []
-        for row, cache in enumerate(self.caches):
-            key, value = cache.update(key_states[row : row + 1], value_states[row : row + 1], layer_idx)
-            keys.append(key)
-            values.append(value)
-        return keys, values
-
-
-def _rows_attention(module: Any, query: torch.Tensor, key: Any, value: Any, attention_mask: Any,
-                    **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Attention for `_RowCaches`: each row's one query against its own keys, with the sdpa code HF uses."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    kwargs.pop("sliding_window", None)  # the cache already holds only the window
-    outputs = [
-        sdpa_attention_forward(module, query[row : row + 1], key[row], value[row], None, **kwargs)[0]
-        for row in range(query.shape[0])
-    ]
-    return torch.cat(outputs), None
-
-
-ROWS_ATTENTION = "meshws_rows"
-
-
-def _register_rows_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
-
-
-def _rows_attention_fits(model: Any) -> bool:
-    """Batched decode needs plain sdpa-style attention (no logit soft-capping)."""
-    config = model.config
-    if getattr(config, "attn_logit_softcapping", None) or config._attn_implementation not in ("sdpa", None):
-        return False
-    _register_rows_attention()
-    return True
-
-
 def cache_nbytes(cache: Any) -> int:
     total = 0
     for layer in getattr(cache, "layers", ()):
@@ -573,100 +523,3 @@ def cache_nbytes(cache: Any) -> int:
 
 def _positions(past_len: int, count: int) -> torch.Tensor:
     return torch.arange(past_len, past_len + count, dtype=torch.long).unsqueeze(0)
-
-
-def _shard_config(config: Any, start: int, end: int) -> Any:
-    shard_config = copy.deepcopy(config)
-    shard_config.num_hidden_layers = end - start
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        shard_config.layer_types = list(layer_types[start:end])
-    # Tying is done by hand below: a tail without embeddings still needs the LM head.
-    shard_config.tie_word_embeddings = False
-    return shard_config
-
-
-def _build_shard_model(folder: Path, shard_config: Any, layout: ShardLayout, dtype: torch.dtype) -> Any:
-    """A CausalLM holding only this shard's layers, with weights read from disk."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(shard_config)
-    base = model.model
-    if not layout.is_head:
-        base.embed_tokens = None
-    if not layout.is_tail:
-        base.norm = torch.nn.Identity()
-        model.lm_head = None
-
-    available = _checkpoint_keys(folder)  # tensor name -> safetensors file
-    sources: dict[str, str] = {}  # name in the shard model -> name in the checkpoint
-    for name, _ in model.named_parameters():
-        source = _checkpoint_name(name, layout.start)
-        if source == "lm_head.weight" and source not in available:
-            source = "model.embed_tokens.weight"  # tied embeddings
-        sources[name] = source
-    missing = sorted(set(sources.values()) - set(available))
-    if missing:
-        raise RuntimeError(f"the checkpoint in {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    tensors = _read_tensors(available, set(sources.values()))
-    state = {name: tensors[source].to(dtype) for name, source in sources.items()}
-    model.load_state_dict(state, strict=True, assign=True)
-    if base.embed_tokens is not None and sources.get("lm_head.weight") == "model.embed_tokens.weight":
-        model.lm_head.weight = base.embed_tokens.weight  # one copy for a full shard
-    model.eval()
-    return model
-
-
-def _checkpoint_name(name: str, start: int) -> str:
-    prefix = "model.layers."
-    if name.startswith(prefix):
-        index, rest = name[len(prefix) :].split(".", 1)
-        return f"{prefix}{int(index) + start}.{rest}"
-    return name
-
-
-def _checkpoint_keys(folder: Path) -> dict[str, Path]:
-    from safetensors import safe_open
-
-    keys: dict[str, Path] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                keys[key] = path
-    return keys
-
-
-def _read_tensors(available: dict[str, Path], names: set[str]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(set(available[name] for name in names)):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in names:
-                if available[name] == path:
-                    tensors[name] = handle.get_tensor(name)
-    return tensors
-
-
-def _eos_ids(folder: Path, config: Any, tokenizer: Any) -> list[int]:
-    ids: list[int] = []
-
-    def add(value: Any) -> None:
-        if isinstance(value, int) and value not in ids:
-            ids.append(value)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                add(item)
-
-    try:
-        from transformers import GenerationConfig
-
-        add(GenerationConfig.from_pretrained(str(folder)).eos_token_id)
-    except (OSError, ValueError):
-        pass
-    add(getattr(config, "eos_token_id", None))
-    if tokenizer is not None:
-        add(tokenizer.eos_token_id)
-    return ids

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from aiohttp import WSMsgType, web
 
+from .aio import run_uncancelled
 from .cache_store import CacheBudgetExceeded, KVCacheMiss
 from .compute import ComputeWorker, DecodeStep
 from .link import Link, LinkDown, LinkPool
@@ -108,7 +109,7 @@ class ShardService:
         self.decode_log = DecodeLogThrottle()
         self.inbound: set[web.WebSocketResponse] = set()
         self.sessions: dict[str, InboundSession] = {}  # every live session on this node
-        self._tasks: set[asyncio.Task] = set()
+        self.pending_tasks: set[asyncio.Task] = set()  # frame handlers and relays still running
 
     def note_decode_step(self, sid: str, now: float | None = None) -> int | None:
         return self.decode_log.note(sid, time.monotonic() if now is None else now)
@@ -139,11 +140,14 @@ class ShardService:
                     log.warning("inbound link from %s failed: %s", peer, ws.exception())
         finally:
             self.inbound.discard(ws)
-            for sid in list(owned):
-                await self._close_session(sid, owned, reason="inbound link dropped")
-            if owned or ws.close_code not in (None, 1000):
+            if ws.close_code not in (None, 1000):
                 log.info("inbound link from %s closed (code %s)", peer, ws.close_code)
+            await run_uncancelled(self._close_all(owned))
         return ws
+
+    async def _close_all(self, owned: set[str]) -> None:
+        for sid in list(owned):
+            await self._close_session(sid, owned, reason="inbound link dropped")
 
     async def _handshake(self, ws: web.WebSocketResponse, request: web.Request) -> str | None:
         try:
@@ -413,11 +417,11 @@ class ShardService:
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.create_task(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.pending_tasks.add(task)
+        task.add_done_callback(self.pending_tasks.discard)
 
     async def shutdown(self) -> None:
         for ws in list(self.inbound):
             await ws.close(code=1001, message=b"node shutting down")
-        for task in list(self._tasks):
+        for task in list(self.pending_tasks):
             task.cancel()

@@ -1,6 +1,5 @@
 """The chat page in real headless Chromium against a real head + tail on the embedded model."""
 
-import os
 import time
 from pathlib import Path
 

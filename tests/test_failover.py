@@ -6,7 +6,6 @@ import time
 import aiohttp
 import orjson
 import pytest
-import torch
 
 from meshws.launch import NodeProcess, free_port
 from test_mesh_processes import chat_ids, complete_ids, golden

@@ -345,7 +345,8 @@ async def test_load_64_streams_a_third_abort_everything_else_correct_and_nothing
             assert health["sessions"] == 0 and health["cache_bytes"] == 0, health
         head = mesh.head.health()
         assert head["generations"] == 0
-        assert mesh.tail.health()["channels"] == 0
+        tail = mesh.tail.health()
+        assert tail["channels"] == 0 and tail["pending_tasks"] == 0 and tail["inbound_links"] == 1
         print(f"64 streams (21 aborted) in {elapsed:.1f} s")
     finally:
         mesh.stop()

@@ -1,6 +1,5 @@
 """The head's public API against a real head + tail: the official openai client, /ws/chat, errors."""
 
-import asyncio
 import subprocess
 import sys
 

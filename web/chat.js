@@ -153,16 +153,20 @@ async function refreshMesh() {
     $("model").textContent = health.model;
     const list = $("mesh-nodes");
     list.replaceChildren();
-    for (const hop of health.chain || []) {
+    // Joined nodes (with their load) when the head has a registry, else the --peer chain.
+    const joined = (health.nodes || []).map((n) => `${n.node} · layers ${n.layers[0]}-${n.layers[1] - 1} · ${n.load} session(s)`);
+    const head = `${health.node} · layers ${health.layers[0]}-${health.layers[1] - 1} · ${health.sessions} session(s)`;
+    const lines = joined.length ? [head, ...joined]
+      : (health.chain || []).map((hop) => `${hop.node} · layers ${hop.layers[0]}-${hop.layers[1] - 1}`);
+    for (const text of lines) {
       const item = document.createElement("li");
-      item.textContent = `${hop.node} · layers ${hop.layers[0]}-${hop.layers[1] - 1}`;
+      item.textContent = text;
       list.appendChild(item);
     }
     const problems = health.problems || [];
     $("mesh-status").textContent = problems.length
       ? "Not ready: " + problems.join("; ")
-      : `Ready · ${health.chain.length} node(s) · ${health.generations ?? 0} generating · ` +
-        `${health.sessions} cached session(s) on the head`;
+      : `Ready · ${lines.length} node(s) · ${health.generations ?? 0} generating`;
   } catch (error) {
     $("mesh-status").textContent = "The head does not answer.";
   }
