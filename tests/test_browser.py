@@ -115,6 +115,11 @@ def test_second_turn_sends_the_conversation_and_new_chat_clears_it(page):
     wait_answer(ask(page, "Hi", max_tokens=4))
     chats = [json.loads(frame) for frame in page.sent if '"chat"' in frame]
     assert [m["role"] for m in chats[-1]["messages"]] == ["user"]
+    set_setting(page, "#system", "Answer in one word.")
+    wait_answer(ask(page, "Hi again", max_tokens=4))
+    chats = [json.loads(frame) for frame in page.sent if '"chat"' in frame]
+    assert chats[-1]["messages"][0] == {"role": "system", "content": "Answer in one word."}
+    set_setting(page, "#system", "")
 
 
 def test_stop_button_stops_the_answer_and_releases_the_session(page, mesh):

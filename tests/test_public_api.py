@@ -148,6 +148,7 @@ def test_streaming_client_that_disconnects_leaves_no_sessions(client, mesh):
         ({"model": MODEL, "messages": QUESTION, "stop": 5}, 400, "stop"),
         ({"model": MODEL, "messages": QUESTION, "stream": "yes"}, 400, "stream"),
         ({"model": "gpt-4o", "messages": QUESTION}, 404, "model"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hello " * 9000}]}, 400, "messages"),
     ],
 )
 async def test_bad_chat_requests_get_openai_shaped_errors(mesh, body, status, param):
