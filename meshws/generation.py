@@ -4,7 +4,9 @@ prefill -> token -> (decode -> token)* -> close. A `cache_miss` from any shard,
 or from the head's own store, re-prefills prompt + tokens so far under the same
 session id. A hop that answers without a `token_id` (a stateless, legacy tail)
 gets a full re-prefill every step, and an empty text from it ends the
-generation. EOS stops by token id, never by text. Whatever ends the loop (EOS,
+generation. A hop lost mid-generation (link dropped, no answer in time) is
+routed around: a new route without it, the same session id, a re-prefill.
+EOS stops by token id, never by text. Whatever ends the loop (EOS,
 `max_tokens`, the consumer closing the iterator, an error), the channel is
 closed, which releases the session's caches on every shard.
 """
