@@ -86,6 +86,10 @@ class Link:
             await self._client.close()
         self._fail_subscribers("link closed")
 
+    def status(self) -> str:
+        """Its state, with the last error when there is one: 'down (ConnectionRefused...)'."""
+        return self.state + (f" ({self.last_error})" if self.last_error else "")
+
     def describe(self) -> dict[str, Any]:
         peer = self.peer_hello or {}
         return {
@@ -115,7 +119,7 @@ class Link:
     async def _send(self, data: str | bytes) -> None:
         ws = self._ws
         if ws is None or ws.closed or self.state != "up":
-            raise LinkDown(f"link to {self.url} is {self.state}" + (f" ({self.last_error})" if self.last_error else ""))
+            raise LinkDown(f"link to {self.url} is {self.status()}")
         try:
             async with self._send_lock:
                 if isinstance(data, bytes):

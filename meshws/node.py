@@ -254,7 +254,7 @@ class Node:
         if self.settings.peer and self.role == "middle":
             link = self.links.get(self.settings.peer)
             if not link.is_up:
-                problems.insert(0, f"next hop {link.url} is {link.state}" + (f": {link.last_error}" if link.last_error else ""))
+                problems.insert(0, f"next hop {link.url} is {link.status()}")
         return problems
 
     def _candidates(self) -> list[NodeRecord]:
@@ -281,9 +281,9 @@ class Node:
                              load=lambda r: self._inflight.get(r.url, 0) + r.load, exclude=exclude)
         except NoRoute as exc:
             problems = [str(exc)]
-            if self.settings.peer and not self.links.get(self.settings.peer).is_up:
-                link = self.links.get(self.settings.peer)
-                problems.append(f"next hop {link.url} is {link.state}" + (f": {link.last_error}" if link.last_error else ""))
+            link = self.links.get(self.settings.peer) if self.settings.peer else None
+            if link is not None and not link.is_up:
+                problems.append(f"next hop {link.url} is {link.status()}")
             raise PipelineError("; ".join(problems)) from exc
         view = [own]
         for hop in hops:
