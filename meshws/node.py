@@ -241,21 +241,20 @@ class Node:
             return own
         return own + list(link.peer_hello.get("chain") or [])
 
-    def chain_problems(self) -> list[str]:
-        """Why no generation could start now ([] when one can)."""
+    def _chain_state(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """The chain to show (the route a generation would take now, on a head) and its problems."""
         if self.role in ("head", "full"):
             try:
-                self.plan_route(set(), count=False)
+                return self.plan_route(set(), count=False).view, []
             except PipelineError as exc:
-                return [str(exc)]
-            return []
-        spans = [tuple(hop["layers"]) for hop in self.chain()]
-        problems = chain_gaps(spans, self.backend.total_layers, start=self.span[0])
+                return [{"node": self.name, "layers": list(self.span)}], [str(exc)]
+        chain = self.chain()
+        problems = chain_gaps([tuple(hop["layers"]) for hop in chain], self.backend.total_layers, start=self.span[0])
         if self.settings.peer and self.role == "middle":
             link = self.links.get(self.settings.peer)
             if not link.is_up:
                 problems.insert(0, f"next hop {link.url} is {link.status()}")
-        return problems
+        return chain, problems
 
     def _candidates(self) -> list[NodeRecord]:
         """Nodes a route may use now: joined ones the head can reach, and the --peer chain."""
@@ -335,7 +334,7 @@ class Node:
         return sessions.total_bytes if sessions is not None else 0
 
     def health(self) -> dict[str, Any]:
-        problems = self.chain_problems()
+        chain, problems = self._chain_state()
         info: dict[str, Any] = {
             "status": "ok",
             "role": self.role,
@@ -347,7 +346,7 @@ class Node:
             "cache_bytes": self._cache_bytes(),
             "supports_kv_cache": bool(getattr(self.backend, "supports_kv_cache", False)),
             "links": [link.describe() for link in self.links.all()],
-            "chain": self._route_view() if self.role in ("head", "full") else self.chain(),
+            "chain": chain,
             "problems": problems,
             "ready": not problems,
             "uptime_s": round(time.time() - self.started, 1),
@@ -363,12 +362,6 @@ class Node:
         if self.announcer is not None:
             info["joined"] = self.announcer.joined
         return info
-
-    def _route_view(self) -> list[dict[str, Any]]:
-        try:
-            return self.plan_route(set(), count=False).view
-        except PipelineError:
-            return [{"node": self.name, "layers": list(self.span)}]
 
     async def health_handler(self, request: web.Request) -> web.Response:
         return json_response(self.health())
