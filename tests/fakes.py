@@ -1,17 +1,20 @@
-"""Fake backends for protocol tests (the seed's, with the few attributes meshws reads)."""
+"""Fake shard backends for protocol tests: they follow `ShardBackend` exactly (see
+`mesh/test_fakes_follow_the_protocol.py`) and fake only the model."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Sequence
 
 import aiohttp
 
-from meshws.cache_store import KVCacheMiss, SessionCacheStore
 from meshws.config import NodeSettings
+from meshws.model.backend import DecodeStep, StepResult, TailTokenResult, TensorPayload, decode_alone
+from meshws.model.cache_store import KVCacheMiss, SessionCacheStore
+from meshws.model.sampling import SamplingParams
 from meshws.node import Node
-from meshws.shard import TailTokenResult, TensorPayload
 
 TEXTS = {1: " a", 2: " b", 3: " c", 99: ""}
 
@@ -23,72 +26,111 @@ class ChatTokenizer:
         return "debug prompt"
 
 
-class CachedHeadBackend:
+class FakeBackend:
+    """Every member of `ShardBackend`, with the defaults of a 12-layer fake model; steps must be overridden."""
+
     model_id = "fake-model"
     total_layers = 12
-    start, end = 0, 6
-    is_head = True
-    is_tail = False
+    start, end = 0, 12
+    is_head = is_tail = False
+    context_length = 2048
+    vocab_size = 100
     supports_kv_cache = True
-    tokenizer = ChatTokenizer()
+    supports_batching = False
+    tokenizer = None
 
     def __init__(self) -> None:
-        self.prefills: list[str | None] = []
-        self.decode_calls: list[tuple[int, str]] = []
-        self.released: list[str] = []
-        self._seq: dict[str, int] = {}
         self.sessions = SessionCacheStore()
+        self.released: list[str] = []
 
     def eos_token_ids(self) -> list[int]:
         return [99]
 
     def tokenize(self, text: str) -> list[int]:
+        raise NotImplementedError("this fake holds no tokenizer")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(TEXTS.get(i, f"<{i}>") for i in token_ids)
+
+    def encode_prompt(self, prompt: str | Sequence[int], session_id: str | None = None, *,
+                      sampling: SamplingParams | None = None, generated_from: int | None = None) -> StepResult:
+        raise NotImplementedError("this fake is not a head")
+
+    def encode_next_token(self, token_id: int, session_id: str, *, sampling: SamplingParams | None = None,
+                          history: Sequence[int] = (), generated_from: int | None = None) -> StepResult:
+        raise NotImplementedError("this fake is not a head")
+
+    def forward_bytes(self, body: bytes, shape: Sequence[int], *, dtype: str = "bfloat16",
+                      session_id: str | None = None, cache_mode: str | None = None, past_len: int | None = None,
+                      sampling: SamplingParams | None = None, history: Sequence[int] = (),
+                      generated_from: int | None = None) -> StepResult:
+        raise NotImplementedError("this fake receives no hidden states")
+
+    def decode_batch(self, steps: Sequence[DecodeStep]) -> list[StepResult | Exception]:
+        results: list[StepResult | Exception] = []
+        for step in steps:
+            try:
+                results.append(decode_alone(self, step))
+            except Exception as exc:
+                results.append(exc)
+        return results
+
+    def release_session(self, session_id: str) -> bool:
+        self.released.append(session_id)
+        return True
+
+
+class CachedHeadBackend(FakeBackend):
+    start, end = 0, 6
+    is_head = True
+    tokenizer = ChatTokenizer()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefills: list[str | None] = []
+        self.decode_calls: list[tuple[int, str]] = []
+        self._seq: dict[str, int] = {}
+
+    def tokenize(self, text: str) -> list[int]:
         return [5] * 6
 
-    def decode(self, ids) -> str:
-        return "".join(TEXTS.get(i, f"<{i}>") for i in ids)
-
-    def release_session(self, session_id: str) -> None:
-        self.released.append(session_id)
-
-    def encode_prompt(self, prompt, session_id=None, **kwargs) -> TensorPayload:
+    def encode_prompt(self, prompt: str | Sequence[int], session_id: str | None = None, *,
+                      sampling: SamplingParams | None = None, generated_from: int | None = None) -> StepResult:
         self.prefills.append(session_id)
         if session_id:
             self._seq[session_id] = 6
         return TensorPayload(body=b"\x00" * (1 * 6 * 8 * 2), shape=[1, 6, 8])
 
-    def encode_next_token(self, token_id: int, session_id: str, **kwargs) -> TensorPayload:
+    def encode_next_token(self, token_id: int, session_id: str, *, sampling: SamplingParams | None = None,
+                          history: Sequence[int] = (), generated_from: int | None = None) -> StepResult:
         self.decode_calls.append((token_id, session_id))
         past = self._seq[session_id]
         self._seq[session_id] = past + 1
         return TensorPayload(body=b"\x00" * (1 * 1 * 8 * 2), shape=[1, 1, 8], past_len=past)
 
 
-class CachedTailBackend:
-    model_id = "fake-model"
-    total_layers = 12
+class CachedTailBackend(FakeBackend):
     start, end = 6, 12
-    is_head = False
     is_tail = True
-    supports_kv_cache = True
 
     def __init__(self, tokens, miss_on_call: int | None = None) -> None:
+        super().__init__()
         self._tokens = list(tokens)
         self.miss_on_call = miss_on_call
         self.calls: list[dict] = []
-        self.released: list[str] = []
-        self.sessions = SessionCacheStore()
 
-    def release_session(self, session_id: str) -> None:
-        self.released.append(session_id)
-
-    def forward_bytes(self, body, shape, attention_mask_header, position_ids_header, start_layer=None,
-                      session_id=None, cache_mode=None, past_len=None, **kwargs):
+    def forward_bytes(self, body: bytes, shape: Sequence[int], *, dtype: str = "bfloat16",
+                      session_id: str | None = None, cache_mode: str | None = None, past_len: int | None = None,
+                      sampling: SamplingParams | None = None, history: Sequence[int] = (),
+                      generated_from: int | None = None) -> StepResult:
         call_index = len(self.calls)
         self.calls.append({"session": session_id, "mode": cache_mode, "past_len": past_len, "shape": list(shape),
                            "bytes": len(body)})
         if self.miss_on_call is not None and call_index == self.miss_on_call:
             raise KVCacheMiss("session evicted (test)")
+        return self.answer(past_len)
+
+    def answer(self, past_len: int | None) -> StepResult:
         text, token_id = self._tokens.pop(0)
         return TailTokenResult(text=text, token_id=token_id)
 
@@ -96,28 +138,37 @@ class CachedTailBackend:
 class BrokenTailBackend(CachedTailBackend):
     """Tail whose forward always fails (e.g. missing compiler, OOM)."""
 
-    def forward_bytes(self, *args, **kwargs):
+    def answer(self, past_len: int | None) -> StepResult:
         raise RuntimeError("Failed to find C compiler (test)")
 
 
-class LegacyTailBackend:
-    """A tail that predates the protocol: returns text, no token id."""
-
-    model_id = "fake-model"
-    total_layers = 12
-    start, end = 6, 12
-    is_head = False
-    is_tail = True
+class LoopTailBackend(CachedTailBackend):
+    """A tail that answers ' a' until past_len 8, then EOS (for fuzzing the API quickly)."""
 
     def __init__(self) -> None:
+        super().__init__([])
+
+    def answer(self, past_len: int | None) -> StepResult:
+        return TailTokenResult(" a", 99 if (past_len or 0) >= 8 else 1)
+
+
+class LegacyTailBackend(FakeBackend):
+    """A tail that predates the protocol: answers text, no token id (an empty text is its EOS)."""
+
+    start, end = 6, 12
+    is_tail = True
+    supports_kv_cache = False
+
+    def __init__(self) -> None:
+        super().__init__()
         self.calls = 0
 
-    def release_session(self, session_id: str) -> None:
-        pass
-
-    def forward_bytes(self, body, shape, attention_mask_header, position_ids_header, start_layer=None, **kwargs):
+    def forward_bytes(self, body: bytes, shape: Sequence[int], *, dtype: str = "bfloat16",
+                      session_id: str | None = None, cache_mode: str | None = None, past_len: int | None = None,
+                      sampling: SamplingParams | None = None, history: Sequence[int] = (),
+                      generated_from: int | None = None) -> StepResult:
         self.calls += 1
-        return " x" if self.calls < 3 else ""
+        return TailTokenResult(" x" if self.calls < 3 else "", None)
 
 
 @dataclass

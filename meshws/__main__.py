@@ -1,0 +1,5 @@
+"""`python -m meshws ...` is the `meshws` command."""
+
+from .cli import main
+
+main()

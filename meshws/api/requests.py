@@ -1,0 +1,213 @@
+"""Validating a request body (OpenAI fields) into a `CompletionSpec`, the same for chat,
+completions and `/ws/chat`. Every refusal is an `ApiError` naming the field in `param`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..head.service import HeadService
+from ..model.sampling import SamplingParams
+from .errors import ApiError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+DEFAULT_MAX_TOKENS = 1024
+MAX_STOP_STRINGS = 16
+
+
+@dataclass
+class CompletionSpec:
+    """A validated request, the same for chat, completions and /ws/chat."""
+
+    prompt: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+    ignore_eos: bool = False
+
+
+# -- validation ---------------------------------------------------------------
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f"'{name}' must be a number", param=name, code="invalid_type")
+    if not low <= value <= high:
+        raise ApiError(400, f"'{name}' must be between {low} and {high}, got {value}", param=name, code="invalid_value")
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, low: int, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"'{name}' must be an integer", param=name, code="invalid_type")
+    if value < low:
+        raise ApiError(400, f"'{name}' must be >= {low}, got {value}", param=name, code="invalid_value")
+    return value
+
+
+def parse_sampling(body: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(
+        temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
+        top_p=_number(body, "top_p", 1e-9, 1.0, 1.0),
+        top_k=_integer(body, "top_k", 0, 0) or 0,
+        repetition_penalty=_number(body, "repetition_penalty", 0.01, 10.0, 1.0),
+        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
+        seed=_integer(body, "seed", -(2**62), None),
+    )
+
+
+def parse_stop(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop", code="invalid_type")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings", param="stop", code="invalid_value")
+    return [s for s in stop if s]
+
+
+def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError(400, "'messages' is a required field", param="messages", code="missing_required_parameter")
+    if not isinstance(messages, list):
+        raise ApiError(400, "'messages' must be a list", param="messages", code="invalid_type")
+    if not messages:
+        raise ApiError(400, "'messages' must not be empty", param="messages", code="invalid_value")
+    plain: list[dict[str, str]] = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise ApiError(400, f"'{where}' must be an object", param=where, code="invalid_type")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}",
+                           param=f"{where}.role", code="invalid_value")
+        plain.append({"role": "system" if role == "developer" else role, "content": _content(message, where)})
+    return plain
+
+
+def _content(message: dict[str, Any], where: str) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and message.get("role") == "assistant":
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"'{where}.content' parts must be text parts; only text is supported",
+                               param=f"{where}.content", code="invalid_value")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError(400, f"'{where}.content' must be a string or a list of text parts",
+                   param=f"{where}.content", code="invalid_type")
+
+
+def check_common(body: dict[str, Any]) -> None:
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise ApiError(400, "'n' must be 1: meshws returns one choice per request", param="n", code="invalid_value")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+        raise ApiError(400, "'logprobs' is not supported", param="logprobs", code="unsupported_parameter")
+    if body.get("best_of") not in (None, 1):
+        raise ApiError(400, "'best_of' must be 1", param="best_of", code="invalid_value")
+    if body.get("echo") not in (None, False):
+        raise ApiError(400, "'echo' is not supported", param="echo", code="unsupported_parameter")
+    for name in ("stream", "return_token_ids", "ignore_eos"):
+        if body.get(name) is not None and not isinstance(body.get(name), bool):
+            raise ApiError(400, f"'{name}' must be a boolean", param=name, code="invalid_type")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)):
+        raise ApiError(400, "'stream_options' must be an object with a boolean include_usage",
+                       param="stream_options", code="invalid_type")
+
+
+async def build_spec(body: dict[str, Any], chat: bool, head: HeadService) -> CompletionSpec:
+    """Validate a request body (OpenAI fields) into a spec; ApiError names what is wrong."""
+    check_common(body)
+    model = body.get("model")
+    if model is None:
+        raise ApiError(400, "'model' is a required field", param="model", code="missing_required_parameter")
+    if not isinstance(model, str):
+        raise ApiError(400, "'model' must be a string", param="model", code="invalid_type")
+    if model != head.model_id:
+        raise ApiError(404, f"the model '{model}' does not exist; this mesh serves '{head.model_id}'",
+                       param="model", code="model_not_found")
+    sampling = parse_sampling(body)
+    stop = parse_stop(body)
+    builder = head.prompts
+    prompt_ids: list[int] | None = None
+    if chat:
+        prompt = builder.chat_prompt(parse_messages(body))
+        if not builder.has_template:
+            stop += builder.DEFAULT_STOP
+    else:
+        prompt, prompt_ids = _completion_prompt(body)
+    if prompt_ids is None:
+        prompt_ids = await head.tokenize(prompt)
+    context = head.context_length
+    if not prompt_ids:
+        raise ApiError(400, "the prompt is empty", param="prompt" if not chat else "messages", code="invalid_value")
+    vocab = head.vocab_size
+    if vocab and max(prompt_ids) >= vocab:
+        raise ApiError(400, f"token ids must be below the vocabulary size {vocab}", param="prompt",
+                       code="invalid_value")
+    if len(prompt_ids) >= context:
+        raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the context window is {context}",
+                       param="messages" if chat else "prompt", code="context_length_exceeded")
+    max_tokens = _integer(body, "max_completion_tokens", 1, None)
+    name = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, name = _integer(body, "max_tokens", 1, None), "max_tokens"
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_MAX_TOKENS, context - len(prompt_ids))
+    elif max_tokens > context:
+        raise ApiError(400, f"'{name}' is {max_tokens}; this node allows at most {context}",
+                       param=name, code="invalid_value")
+    elif len(prompt_ids) + max_tokens > context:
+        raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + '{name}' ({max_tokens}) exceeds the "
+                       f"context window of {context} tokens", param=name, code="context_length_exceeded")
+    options = body.get("stream_options") or {}
+    return CompletionSpec(
+        prompt=prompt,
+        prompt_ids=list(prompt_ids),
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=stop,
+        stream=bool(body.get("stream")),
+        include_usage=bool(options.get("include_usage")),
+        return_token_ids=bool(body.get("return_token_ids")),
+        ignore_eos=bool(body.get("ignore_eos")),
+    )
+
+
+def _completion_prompt(body: dict[str, Any]) -> tuple[str, list[int] | None]:
+    """/v1/completions takes a string, a one-string list, or a list of token ids."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError(400, "'prompt' is a required field", param="prompt", code="missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        return "", list(prompt)
+    raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
+                   param="prompt", code="invalid_type")

@@ -1,0 +1,353 @@
+"""The head's generation loop: one session channel per generation.
+
+prefill -> token -> (decode -> token)* -> close. A `cache_miss` from any shard,
+or from the head's own store, re-prefills prompt + tokens so far under the same
+session id. A hop that answers without a `token_id` (a stateless, legacy tail)
+gets a full re-prefill every step, and an empty text from it ends the
+generation. A hop lost mid-generation (link dropped, no answer in time) is
+routed around: a new route without it, the same session id, a re-prefill.
+EOS stops by token id, never by text. Whatever ends the loop (EOS,
+`max_tokens`, the consumer closing the iterator, an error), the channel is
+closed, which releases the session's caches on every shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, AsyncIterator, Callable
+
+from ..mesh.aio import run_uncancelled
+from ..mesh.compute import ComputeWorker
+from ..mesh.link import Link, LinkDown
+from ..mesh.wire import CacheMiss, Close, Error, Open, RouteHop, SessionReply, Token, encode_forward
+from ..model.backend import DecodeStep, ShardBackend, TailTokenResult, TensorPayload
+from ..model.cache_store import KVCacheMiss
+from ..model.sampling import SamplingParams
+from .planner import RoutePlanner
+from .routes import NoRoute, Route
+
+log = logging.getLogger("meshws.generation")
+
+MAX_CONSECUTIVE_CACHE_MISSES = 8
+MAX_FAILOVERS = 3  # re-routes per generation before its error is reported
+LINK_WAIT = 5.0  # seconds to wait for a link that is still being dialed
+
+
+class FinishReason(str, Enum):
+    """Why an answer ended, in the words OpenAI clients expect."""
+
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens
+    STOPPED = "stopped"  # the client stopped it (/ws/chat)
+
+
+class PipelineError(Exception):
+    """The mesh could not produce the next token; the message names the cause."""
+
+    def __init__(self, message: str, lost: bool = False, url: str | None = None) -> None:
+        super().__init__(message)
+        self.lost = lost  # a hop went away or hung: another route might work
+        self.url = url  # the hop that went away, when known
+
+
+@dataclass
+class GenerationRequest:
+    prompt: str  # the prompt as text (templated already)
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompt_ids: list[int] | None = None  # token ids of the prompt, if already known
+    ignore_eos: bool = False  # keep going past EOS until max_tokens (benchmarks)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int | None  # None only from a legacy tail, which sends text instead
+    text: str | None = None
+
+
+@dataclass
+class GenerationStats:
+    sid: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: FinishReason | None = None  # None while running or if cut short
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    prefills: int = 0
+    cache_misses: int = 0
+    failovers: int = 0
+    route: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        if self.first_token_at is None or self.finished_at is None or self.completion_tokens < 2:
+            return None
+        span = self.finished_at - self.first_token_at
+        return (self.completion_tokens - 1) / span if span > 0 else None
+
+
+class HopChannel:
+    """The head's end of one session channel on the link to its first hop."""
+
+    def __init__(self, link: Link, sid: str, step_timeout: float, compress_min_bytes: int) -> None:
+        self.link = link
+        self.sid = sid
+        self.step_timeout = step_timeout
+        self.compress_min_bytes = compress_min_bytes
+        self._replies: asyncio.Queue[SessionReply] = asyncio.Queue()
+        link.subscribe(sid, self._replies.put_nowait)
+
+    async def open(self, sampling: SamplingParams, prompt_tokens: int, route: tuple[RouteHop, ...]) -> None:
+        message = Open(self.sid, sampling, prompt_tokens, route)
+        if not self.link.is_up:
+            await self.link.wait_up(LINK_WAIT)
+        try:
+            await self.link.send_control(message)
+        except LinkDown as exc:
+            raise PipelineError(str(exc), lost=True, url=self.link.url) from exc
+
+    async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None) -> TailTokenResult:
+        data = encode_forward(
+            self.sid, step, mode, payload.past_len, payload.shape, payload.dtype, payload.body,
+            ids=ids, compress_min_bytes=self.compress_min_bytes,
+        )
+        try:
+            await self.link.send_forward(data)
+        except LinkDown as exc:
+            raise PipelineError(str(exc), lost=True, url=self.link.url) from exc
+        deadline = time.monotonic() + self.step_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                reply = await asyncio.wait_for(self._replies.get(), max(remaining, 0.001))
+            except asyncio.TimeoutError:
+                raise PipelineError(f"no answer from the route behind {self.link.url} within "
+                                    f"{self.step_timeout:.0f} s", lost=True) from None
+            if reply.step not in (None, step):
+                continue  # a late answer to an earlier step
+            if isinstance(reply, Token):
+                return TailTokenResult(text=reply.text or "", token_id=reply.token_id)
+            if isinstance(reply, CacheMiss):
+                raise KVCacheMiss(reply.reason)
+            if isinstance(reply, Error):
+                raise PipelineError(reply.message, lost=reply.lost, url=reply.url)
+
+    async def close(self) -> None:
+        self.link.unsubscribe(self.sid)
+        try:
+            await self.link.send_control(Close(self.sid))
+        except LinkDown:
+            pass  # the next hop releases the session when the link drops
+
+
+class Generator:
+    """Runs generations on a head (or full) node."""
+
+    def __init__(
+        self,
+        backend: ShardBackend,
+        worker: ComputeWorker,
+        *,
+        planner: RoutePlanner,
+        step_timeout: float,
+        compress_min_bytes: int,
+        on_finish: Callable[[GenerationStats, str], None] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.worker = worker
+        self.planner = planner
+        self.step_timeout = step_timeout
+        self.compress_min_bytes = compress_min_bytes
+        self.on_finish = on_finish
+        self.eos_ids = set(backend.eos_token_ids())
+        self.active: dict[str, GenerationStats] = {}
+
+    async def generate(self, request: GenerationRequest, stats: GenerationStats | None = None,
+                       route: Route | None = None) -> AsyncIterator[TokenEvent]:
+        """Yield tokens as they come. Close the iterator (aclosing) to stop early.
+
+        `route` is the route admission planned; without one, the generation plans its own.
+        """
+        stats = stats or GenerationStats(sid=uuid.uuid4().hex)
+        sid = stats.sid
+        self.active[sid] = stats
+        path = _Path(self, sid, route)
+        outcome = "error"
+        try:
+            prompt_ids = request.prompt_ids
+            if prompt_ids is None:
+                prompt_ids = await self.worker.call(self.backend.tokenize, request.prompt)
+            stats.prompt_tokens = len(prompt_ids)
+            await path.open(request.sampling, len(prompt_ids), stats)
+            async for event in self._loop(request, stats, prompt_ids, path):
+                yield event
+            outcome = stats.finish_reason.value if stats.finish_reason else "stopped"
+        except GeneratorExit:
+            outcome = "stopped"
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            stats.finished_at = time.perf_counter()
+            self.active.pop(sid, None)
+            try:
+                await run_uncancelled(self._release(path, sid))
+            finally:
+                if self.on_finish is not None:
+                    self.on_finish(stats, outcome)
+
+    async def _release(self, path: "_Path", sid: str) -> None:
+        """Close the channel (every shard drops the session) and drop the head's own cache."""
+        await path.close()
+        await self.worker.call(self.backend.release_session, sid)
+
+    async def _loop(
+        self,
+        request: GenerationRequest,
+        stats: GenerationStats,
+        prompt_ids: list[int],
+        path: "_Path",
+    ) -> AsyncIterator[TokenEvent]:
+        sid, sampling = stats.sid, request.sampling
+        sequence = _Sequence(request.prompt, prompt_ids)
+        need_prefill, step, misses = True, 0, 0
+        while len(sequence) < request.max_tokens:
+            step += 1
+            stats.prefills += 1 if need_prefill else 0
+            try:
+                result = await self._lap(sid, step, need_prefill, sequence, sampling, path)
+            except KVCacheMiss as exc:
+                misses += 1
+                stats.cache_misses += 1
+                if misses > MAX_CONSECUTIVE_CACHE_MISSES:
+                    raise PipelineError(f"{misses} cache misses in a row: {exc}") from exc
+                log.debug("session %s: cache miss (%s); re-prefilling", sid[:12], exc)
+                need_prefill = True
+                continue
+            except PipelineError as exc:
+                if not exc.lost or stats.failovers >= MAX_FAILOVERS or path.channel is None:
+                    raise
+                stats.failovers += 1
+                log.warning("session %s: %s; re-routing (failover %d)", sid[:12], exc, stats.failovers)
+                await path.reroute(exc, sampling, len(prompt_ids), stats)
+                need_prefill = True
+                continue
+            except ValueError as exc:  # a step refused by a backend (bad length, dtype...)
+                raise PipelineError(str(exc)) from exc
+            misses = 0
+            if stats.first_token_at is None:
+                stats.first_token_at = time.perf_counter()
+            if result.token_id is None:  # a legacy tail: text only, an empty text ends; prefill every step
+                if not result.text:
+                    stats.finish_reason = FinishReason.STOP
+                    return
+                sequence.legacy_text.append(result.text)
+                stats.completion_tokens += 1
+                need_prefill = True
+                yield TokenEvent(None, result.text)
+                continue
+            if result.token_id in self.eos_ids and not request.ignore_eos:
+                stats.finish_reason = FinishReason.STOP
+                return
+            sequence.tokens.append(result.token_id)
+            stats.completion_tokens += 1
+            need_prefill = not self.backend.supports_kv_cache
+            yield TokenEvent(result.token_id)
+        stats.finish_reason = FinishReason.LENGTH
+
+    async def _lap(self, sid: str, step: int, prefill: bool, sequence: "_Sequence", sampling: SamplingParams,
+                   path: "_Path") -> TailTokenResult:
+        """One step through the head's layers and the route: a (re-)prefill, or one token's decode."""
+        prompt_length = len(sequence.prompt_ids)
+        if prefill:
+            result = await self.worker.call(
+                self.backend.encode_prompt, sequence.prefill_input(), sid if self.backend.supports_kv_cache else None,
+                sampling=sampling, generated_from=prompt_length,
+            )
+        else:
+            history = sequence.ids() if sampling.needs_history else ()
+            result = await self.worker.decode(DecodeStep(sid, token_id=sequence.tokens[-1], sampling=sampling,
+                                                         history=history, generated_from=prompt_length))
+        if isinstance(result, TailTokenResult):  # a full node: the head is the tail
+            return result
+        ids = sequence.ids() if prefill and sampling.needs_history else None
+        return await path.step(step, "prefill" if prefill else "decode", result, ids)
+
+
+@dataclass
+class _Sequence:
+    """What a generation holds so far: the prompt, and the token ids (or a legacy tail's texts) after it."""
+
+    prompt: str
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    legacy_text: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens) + len(self.legacy_text)
+
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.tokens
+
+    def prefill_input(self) -> str | list[int]:
+        """What a (re-)prefill runs: the token ids so far, or prompt + text with a legacy tail."""
+        return self.prompt + "".join(self.legacy_text) if self.legacy_text else self.ids()
+
+
+class _Path:
+    """A generation's current route and its channel, replaced when a hop fails."""
+
+    def __init__(self, generator: Generator, sid: str, route: Route | None) -> None:
+        self.generator = generator
+        self.sid = sid
+        self.planned = route  # planned at admission: the first open takes it
+        self.route: Route | None = None
+        self.channel: HopChannel | None = None
+        self.avoid: set[str] = set()
+
+    async def open(self, sampling: SamplingParams, prompt_tokens: int, stats: GenerationStats) -> None:
+        planner = self.generator.planner
+        route, self.planned = self.planned, None  # admitted and held already
+        try:
+            self.route = route or planner.hold(planner.plan(self.avoid))
+        except NoRoute as exc:
+            raise PipelineError(str(exc)) from exc
+        stats.route = self.route.view
+        if self.route.link is not None:
+            self.channel = HopChannel(self.route.link, self.sid, self.generator.step_timeout,
+                                      self.generator.compress_min_bytes)
+            await self.channel.open(sampling, prompt_tokens, self.route.hops)
+
+    async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None) -> TailTokenResult:
+        if self.channel is None:
+            raise PipelineError("the head has no next hop for its hidden states")
+        return await self.channel.step(step, mode, payload, ids)
+
+    async def reroute(self, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int,
+                      stats: GenerationStats) -> None:
+        """Close the session on the failed route and open it again on one without the failed hop."""
+        self.avoid |= {failure.url} if failure.url else set(self.route.urls if self.route else ())
+        await self.close()
+        try:
+            await self.open(sampling, prompt_tokens, stats)
+        except PipelineError as exc:
+            raise PipelineError(f"{failure}; and no other route: {exc}") from exc
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+            self.channel = None
+        if self.route is not None:
+            self.route.release()
+        self.route = None

@@ -1,0 +1,81 @@
+"""The head's route planner: which nodes a new generation goes through, and how loaded each is.
+
+Candidates are the joined nodes the head has a live link to, plus the `--peer`
+chain (one static hop that covers the layers its hello's chain covers). A route is
+planned once per generation (and again only to go around a failed hop); while a
+generation holds a route, each of its hops counts one more in flight, so
+concurrent generations spread over replicas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..mesh.link import Link, LinkPool
+from ..mesh.wire import RouteHop
+from .registry import Registry
+from .routes import NodeRecord, NoRoute, Route, chain_gaps, plan_hops
+
+
+class RoutePlanner:
+    def __init__(self, name: str, span: tuple[int, int], total_layers: int, model_id: str, links: LinkPool,
+                 registry: Registry | None, static_peer: str | None, full: bool) -> None:
+        self.name = name
+        self.span = span
+        self.total_layers = total_layers
+        self.model_id = model_id
+        self.links = links
+        self.registry = registry
+        self.static_peer = static_peer
+        self.full = full  # a full node runs every layer itself: zero hops
+        self._inflight: dict[str, int] = {}  # generations routed through each hop, by URL
+
+    def plan(self, exclude: set[str] | None = None) -> Route:
+        """The route of a new generation: fewest hops, then least loaded. NoRoute says why there is none."""
+        own = {"node": self.name, "layers": list(self.span)}
+        if self.full:
+            return Route(None, (), [own])
+        try:
+            hops = plan_hops(self._candidates(), self.span[1], self.total_layers,
+                             load=lambda r: self._inflight.get(r.url, 0) + r.load, exclude=exclude or set())
+        except NoRoute as exc:
+            problems = [str(exc)]
+            link = self._peer_link()
+            if link is not None and not link.is_up:
+                problems.append(f"next hop {link.url} is {link.status()}")
+            raise NoRoute("; ".join(problems)) from exc
+        view: list[dict[str, Any]] = [own]
+        for hop in hops:
+            if hop.static:
+                peer = self.links.get(hop.url).peer_hello
+                view += [chain_hop.to_wire() for chain_hop in (peer.chain if peer else ())]
+            else:
+                view.append({"node": hop.node, "layers": list(hop.layers), "url": hop.url})
+        after = () if hops[0].static else tuple(RouteHop(h.url, h.layers) for h in hops[1:])
+        return Route(self.links.get(hops[0].url), after, view, [hop.url for hop in hops])
+
+    def hold(self, route: Route) -> Route:
+        """A generation uses `route` until `route.release()`: its hops count one more in flight."""
+        for url in route.urls:
+            self._inflight[url] = self._inflight.get(url, 0) + 1
+        route.on_done = lambda: self._release(route.urls)
+        return route
+
+    def _release(self, urls: list[str]) -> None:
+        for url in urls:
+            self._inflight[url] = max(0, self._inflight.get(url, 0) - 1)
+
+    def _peer_link(self) -> Link | None:
+        return self.links.get(self.static_peer) if self.static_peer else None
+
+    def _candidates(self) -> list[NodeRecord]:
+        """Nodes a route may use now: joined ones the head can reach, and the --peer chain."""
+        records = [r for r in self.registry.nodes() if self.links.get(r.url).is_up] if self.registry else []
+        link = self._peer_link()
+        peer = link.peer_hello if link is not None and link.is_up else None
+        if link is not None and peer is not None and peer.chain:
+            span = (peer.chain[0].layers[0], peer.chain[-1].layers[1])
+            if not chain_gaps([hop.layers for hop in peer.chain], self.total_layers, start=span[0]):
+                records.append(NodeRecord(url=link.url, node=peer.chain[0].node, model=self.model_id, layers=span,
+                                          role="peer", static=True))
+        return records

@@ -1,0 +1,150 @@
+"""Where transport meets compute: model calls run on one worker thread, off the event loop.
+
+Every shard call goes through the worker, so websockets, heartbeats and other
+sessions stay responsive while a step runs. Decode steps are batched: when the
+worker turns to decode work it takes every decode step waiting at that moment
+(different sessions, different past lengths) and runs them as one `decode_batch`.
+Nothing waits for a batch to fill: a lone session's step runs as soon as the worker
+is free, on the single-session path. Other work (prefills, releases) alternates with
+decode batches, so neither starves the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+from ..model.backend import DecodeStep, ShardBackend, StepResult, decode_alone
+
+T = TypeVar("T")
+MAX_BATCH = 64
+LINGER = 0.003  # seconds a partial batch may wait for steps of other live sessions (never for a lone one)
+
+
+@dataclass
+class _Job:
+    run: Callable[[], Any] | None  # other work
+    step: DecodeStep | None  # or a decode step
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+class ComputeWorker:
+    def __init__(self, backend: ShardBackend, max_batch: int = MAX_BATCH,
+                 live_sessions: Callable[[], int] = lambda: 1) -> None:
+        self.backend = backend
+        self.max_batch = max_batch
+        # How many sessions could send a decode step soon. The steps of one round arrive
+        # microseconds apart; lingering a few ms for them when several sessions are live
+        # turns a 1 + 15 split into one batch of 16. A lone session never waits.
+        self.live_sessions = live_sessions
+        self.batches = 0  # decode batches of two or more steps run so far
+        self.batched_steps = 0
+        self._decodes: deque[_Job] = deque()
+        self._others: deque[_Job] = deque()
+        self._ready = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="meshws-compute", daemon=True)
+        self._thread.start()
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run `fn` on the worker thread."""
+        return await self._submit(_Job(functools.partial(fn, *args, **kwargs), None, *self._future()))
+
+    async def decode(self, step: DecodeStep) -> StepResult:
+        """A decode step, batched with other sessions' steps waiting at the same time."""
+        return await self._submit(_Job(None, step, *self._future()))
+
+    def shutdown(self) -> None:
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        self._thread.join(timeout=30)
+
+    # -- internals ----------------------------------------------------------------
+
+    def _future(self) -> tuple[asyncio.Future, asyncio.AbstractEventLoop]:
+        loop = asyncio.get_running_loop()
+        return loop.create_future(), loop
+
+    async def _submit(self, job: _Job) -> Any:
+        with self._ready:
+            if self._closed:
+                raise RuntimeError("the compute worker is shut down")
+            (self._decodes if job.step is not None else self._others).append(job)
+            self._ready.notify()
+        return await job.future
+
+    def _serve(self) -> None:
+        other_turn = False
+        while True:
+            with self._ready:
+                while not (self._decodes or self._others or self._closed):
+                    self._ready.wait()
+                if self._closed and not (self._decodes or self._others):
+                    return
+                if self._decodes and not (other_turn and self._others):
+                    self._linger()
+                    batch = [self._decodes.popleft() for _ in range(min(self.max_batch, len(self._decodes)))]
+                    job = None
+                else:
+                    batch, job = [], self._others.popleft()
+            other_turn = bool(batch)
+            if job is not None:
+                self._run_one(job, job.run)  # type: ignore[arg-type]
+            elif len(batch) == 1:
+                step = batch[0].step
+                self._run_one(batch[0], lambda: decode_alone(self.backend, step))  # type: ignore[arg-type]
+            else:
+                self._run_batch(batch)
+
+    def _linger(self) -> None:
+        """(Lock held.) Wait briefly while more live sessions may still add their steps."""
+        try:
+            expected = min(self.max_batch, int(self.live_sessions()))
+        except Exception:  # a hint, never a reason to fail
+            expected = 1
+        deadline = time.monotonic() + LINGER
+        while len(self._decodes) < expected and not self._closed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._ready.wait(remaining)
+
+    def _run_one(self, job: _Job, fn: Callable[[], Any]) -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # delivered to the caller, never lost in the thread
+            self._deliver(job, exc)
+        else:
+            self._deliver(job, result)
+
+    def _run_batch(self, batch: list[_Job]) -> None:
+        try:
+            results: list[Any] = self.backend.decode_batch([job.step for job in batch])  # type: ignore[misc]
+        except BaseException as exc:
+            results = [exc] * len(batch)
+        self.batches += 1
+        self.batched_steps += len(batch)
+        for job, result in zip(batch, results):
+            self._deliver(job, result)
+
+    @staticmethod
+    def _deliver(job: _Job, result: Any) -> None:
+        def settle() -> None:
+            if job.future.done():
+                return  # the caller went away (cancelled)
+            if isinstance(result, BaseException):
+                job.future.set_exception(result)
+            else:
+                job.future.set_result(result)
+
+        try:
+            job.loop.call_soon_threadsafe(settle)
+        except RuntimeError:
+            pass  # the event loop is closed: nobody is waiting

@@ -1,0 +1,85 @@
+"""Joining a mesh, the node's side: the heartbeat a joined node sends, and `--layers auto`.
+
+A middle or tail started with `--join http://HEAD:PORT` POSTs its record to
+`/mesh/join` every `HEARTBEAT` seconds (the first POST joins, later ones are the
+heartbeat) and `/mesh/leave` when it stops. `--layers auto` asks
+`GET /mesh/assign` which span to load before loading anything. The head's side
+is `meshws.head.membership`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, Callable
+
+import aiohttp
+
+log = logging.getLogger("meshws.membership")
+
+HEARTBEAT = 2.0  # seconds between a joined node's announcements
+
+
+class Announcer:
+    """A joined node's side: announce, repeat as a heartbeat, leave on stop."""
+
+    def __init__(self, head: str, record: Callable[[], dict[str, Any]],
+                 headers: Callable[[str], dict[str, str]] = lambda path: {}) -> None:
+        self.head = head.rstrip("/")
+        self.record = record
+        self.headers = headers
+        self.joined = False
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._announce_forever())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as client:
+                await client.post(f"{self.head}/mesh/leave", json={"url": self.record()["url"]},
+                                  headers=self.headers("/mesh/leave"))
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            pass  # the head drops us when the heartbeats stop
+
+    async def _announce_forever(self) -> None:
+        failures = 0
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as client:
+            while True:
+                try:
+                    async with client.post(f"{self.head}/mesh/join", json=self.record(),
+                                           headers=self.headers("/mesh/join")) as response:
+                        body = await response.json(content_type=None)
+                        if response.status != 200:
+                            raise RuntimeError(body.get("error") if isinstance(body, dict) else response.status)
+                    if not self.joined:
+                        log.info("joined the mesh at %s", self.head)
+                    self.joined, failures = True, 0
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError, ValueError) as exc:
+                    failures += 1
+                    if failures == 1 or failures % 15 == 0:
+                        log.warning("cannot announce to %s (%s); retrying", self.head, exc)
+                    self.joined = False
+                await asyncio.sleep(HEARTBEAT)
+
+
+async def ask_assignment(head: str, headers: Callable[[str], dict[str, str]]) -> tuple[int, int, int]:
+    """`--layers auto`: the span the head wants this node to serve (retries until the head answers)."""
+    delay = 0.5
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
+        while True:
+            try:
+                async with client.get(f"{head.rstrip('/')}/mesh/assign", headers=headers("/mesh/assign")) as response:
+                    body = await response.json(content_type=None)
+                    if response.status == 200:
+                        return body["layers"][0], body["layers"][1], body["total_layers"]
+                    raise RuntimeError(body.get("error"))
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError, KeyError, ValueError) as exc:
+                log.warning("asking %s for layers failed (%s); retrying", head, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)

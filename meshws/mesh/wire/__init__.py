@@ -1,0 +1,50 @@
+"""The wire format between nodes: this package is the schema, and the only reader of peers' raw JSON.
+
+Control frames (`control`) are websocket text frames holding one JSON object:
+
+  Hello     {type: "hello", version, model, layers: [start, end], role, node,
+             total_layers, chain: [{node, layers}]}                 both ways, first
+  Open      {type: "open", sid, sampling?, prompt_tokens?, route?: [{url, layers?}]}
+                                                                     head -> tail
+  Token     {type: "token", sid, step, token_id, text?}             tail -> head
+  CacheMiss {type: "cache_miss", sid, step, reason}                 any shard -> head
+  Error     {type: "error", sid?, step?, message, lost?, url?}      any node -> previous
+  Close     {type: "close", sid}                                    head -> tail
+
+Tensor frames (`tensors`) are binary: a 4-byte big-endian header length, a JSON header
+`{type: "fwd", sid, step, mode: "prefill"|"decode", past_len, shape, dtype,
+enc: "zstd"|null, ids?}`, then the raw little-endian tensor bytes. Nothing is pickled.
+Every check raises `FrameError` with a message fit to send back in an error frame.
+"""
+
+from .control import (
+    PROTOCOL_VERSION,
+    CacheMiss,
+    ChainHop,
+    Close,
+    ControlMessage,
+    Error,
+    Hello,
+    Open,
+    RouteHop,
+    SessionReply,
+    Token,
+    decode_control,
+    encode_control,
+)
+from .fields import MAX_SID_LENGTH, FrameError
+from .tensors import (
+    DEFAULT_COMPRESS_MIN_BYTES,
+    DEFAULT_MAX_FRAME_BYTES,
+    MAX_HEADER_BYTES,
+    ForwardFrame,
+    decode_forward,
+    encode_forward,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION", "CacheMiss", "ChainHop", "Close", "ControlMessage", "Error", "Hello", "Open", "RouteHop",
+    "SessionReply", "Token", "decode_control", "encode_control", "MAX_SID_LENGTH", "FrameError",
+    "DEFAULT_COMPRESS_MIN_BYTES", "DEFAULT_MAX_FRAME_BYTES", "MAX_HEADER_BYTES", "ForwardFrame", "decode_forward",
+    "encode_forward",
+]

@@ -1,0 +1,242 @@
+"""Control frames: one JSON object per websocket text frame, one frozen dataclass per type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+import orjson
+
+from ...model.sampling import DEFAULT as DEFAULT_SAMPLING
+from ...model.sampling import SamplingParams
+from .fields import (
+    MAX_TEXT_LENGTH,
+    FrameError,
+    int_field,
+    layers_field,
+    list_field,
+    name_field,
+    sid_field,
+    text_field,
+)
+
+PROTOCOL_VERSION = 2
+MAX_CONTROL_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class ChainHop:
+    """One node of a chain, as people and `hello` see it."""
+
+    node: str
+    layers: tuple[int, int]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"node": self.node, "layers": list(self.layers)}
+
+    @classmethod
+    def parse(cls, data: Any) -> "ChainHop":
+        if not isinstance(data, dict):
+            raise FrameError("each hop of a chain must be an object")
+        return cls(name_field(data, "node"), layers_field(data, "layers"))
+
+
+@dataclass(frozen=True)
+class RouteHop:
+    """A hop a session goes through next, as `open` names it."""
+
+    url: str
+    layers: tuple[int, int] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"url": self.url} if self.layers is None else {"url": self.url, "layers": list(self.layers)}
+
+    @classmethod
+    def parse(cls, data: Any) -> "RouteHop":
+        if not isinstance(data, dict):
+            raise FrameError("each hop of a route must be an object with a url")
+        url = name_field(data, "url")
+        if not url.startswith(("ws://", "wss://")):
+            raise FrameError(f"a hop's url must be ws:// or wss://, got {url!r}")
+        return cls(url, layers_field(data, "layers") if data.get("layers") is not None else None)
+
+
+@dataclass(frozen=True)
+class Hello:
+    """First frame both ways on a link: who the node is and the static chain behind it."""
+
+    type: ClassVar[str] = "hello"
+    model: str
+    layers: tuple[int, int]
+    role: str
+    node: str
+    total_layers: int
+    chain: tuple[ChainHop, ...] = ()  # this node and the static chain behind it
+    version: int = PROTOCOL_VERSION
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.type, "version": self.version, "model": self.model, "layers": list(self.layers),
+                "role": self.role, "node": self.node, "total_layers": self.total_layers,
+                "chain": [hop.to_wire() for hop in self.chain]}
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> "Hello":
+        version = int_field(data, "version", 0)
+        if version != PROTOCOL_VERSION:  # first: other fields may mean other things in another version
+            raise FrameError(f"peer speaks protocol {version}, this node {PROTOCOL_VERSION}")
+        layers = layers_field(data, "layers")
+        total = int_field(data, "total_layers", 1)
+        if layers[1] > total:
+            raise FrameError(f"hello layers {list(layers)} end beyond total_layers {total}")
+        chain = tuple(ChainHop.parse(hop) for hop in list_field(data, "chain"))
+        return cls(name_field(data, "model"), layers, name_field(data, "role"), name_field(data, "node"), total,
+                   chain)
+
+
+@dataclass(frozen=True)
+class Open:
+    """A new session channel (or a re-open after a failure): its sampling and its route."""
+
+    type: ClassVar[str] = "open"
+    sid: str
+    sampling: SamplingParams = DEFAULT_SAMPLING
+    prompt_tokens: int | None = None  # where generated tokens start (for the OpenAI-style penalties)
+    route: tuple[RouteHop, ...] = ()  # hops after the receiver; empty: the receiver's --peer
+
+    def to_wire(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"type": self.type, "sid": self.sid, "sampling": self.sampling.to_wire()}
+        if self.prompt_tokens is not None:
+            message["prompt_tokens"] = self.prompt_tokens
+        if self.route:
+            message["route"] = [hop.to_wire() for hop in self.route]
+        return message
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> "Open":
+        sid = sid_field(data)
+        try:
+            sampling = SamplingParams.from_wire(data.get("sampling"))
+            prompt_tokens = int_field(data, "prompt_tokens", 0) if data.get("prompt_tokens") is not None else None
+            route = tuple(RouteHop.parse(hop) for hop in list_field(data, "route"))
+        except ValueError as exc:  # FrameError included
+            raise FrameError(f"bad open: {exc}", sid) from None
+        return cls(sid, sampling, prompt_tokens, route)
+
+
+@dataclass(frozen=True)
+class Token:
+    """The tail's answer to a step: the sampled token id (a legacy tail sends only text)."""
+
+    type: ClassVar[str] = "token"
+    sid: str
+    step: int
+    token_id: int | None
+    text: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"type": self.type, "sid": self.sid, "step": self.step, "token_id": self.token_id}
+        if self.text is not None:
+            message["text"] = self.text
+        return message
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> "Token":
+        sid = sid_field(data)
+        try:
+            token_id = int_field(data, "token_id", 0) if data.get("token_id") is not None else None
+            text = text_field(data, "text")
+            if token_id is None and text is None:
+                raise FrameError("a token frame needs a token_id or a text")
+            return cls(sid, int_field(data, "step", 0), token_id, text)
+        except FrameError as exc:
+            raise FrameError(str(exc), sid) from None
+
+
+@dataclass(frozen=True)
+class CacheMiss:
+    """A shard lacks the session's cache (or holds another length): the head re-prefills."""
+
+    type: ClassVar[str] = "cache_miss"
+    sid: str
+    step: int
+    reason: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.type, "sid": self.sid, "step": self.step, "reason": self.reason}
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> "CacheMiss":
+        return cls(sid_field(data), int_field(data, "step", 0), text_field(data, "reason") or "cache miss")
+
+
+@dataclass(frozen=True)
+class Error:
+    """Something went wrong: a bad frame (no sid), or a session's step or route failed."""
+
+    type: ClassVar[str] = "error"
+    message: str
+    sid: str | None = None
+    step: int | None = None
+    lost: bool = False  # a hop went away or hung: another route may work
+    url: str | None = None  # the hop that went away, when known
+
+    def to_wire(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"type": self.type, "message": self.message[:MAX_TEXT_LENGTH]}
+        for name in ("sid", "step", "url"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        if self.lost:
+            message["lost"] = True
+        return message
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> "Error":
+        sid = sid_field(data) if data.get("sid") is not None else None
+        step = int_field(data, "step", 0) if data.get("step") is not None else None
+        lost = data.get("lost", False)
+        if not isinstance(lost, bool):
+            raise FrameError("an error's lost must be a boolean", sid)
+        message = text_field(data, "message")
+        if message is None:
+            raise FrameError("an error frame needs a message", sid)
+        return cls(message, sid, step, lost, name_field(data, "url") if data.get("url") is not None else None)
+
+
+@dataclass(frozen=True)
+class Close:
+    """The session is over: drop its cache here and pass the close on."""
+
+    type: ClassVar[str] = "close"
+    sid: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.type, "sid": self.sid}
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> "Close":
+        return cls(sid_field(data))
+
+
+ControlMessage = Union[Hello, Open, Token, CacheMiss, Error, Close]
+SessionReply = Union[Token, CacheMiss, Error]  # what a session's subscriber receives
+_TYPES: dict[str, Any] = {kind.type: kind for kind in (Hello, Open, Token, CacheMiss, Error, Close)}
+
+
+def encode_control(message: ControlMessage) -> str:
+    return orjson.dumps(message.to_wire()).decode()
+
+
+def decode_control(text: str | bytes) -> ControlMessage:
+    """Parse a text frame into its message; FrameError names what is wrong."""
+    if len(text) > MAX_CONTROL_BYTES:
+        raise FrameError(f"control frame of {len(text)} bytes is too large")
+    try:
+        data = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise FrameError(f"control frame is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise FrameError("control frame must be a JSON object")
+    kind = _TYPES.get(data["type"]) if isinstance(data.get("type"), str) else None
+    if kind is None:
+        raise FrameError(f"unknown frame type {data.get('type')!r}")
+    return kind.parse(data)

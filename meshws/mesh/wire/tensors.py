@@ -1,0 +1,120 @@
+"""Tensor frames (`fwd`): hidden states between shards, as raw bytes behind a JSON header.
+
+A 4-byte big-endian header length, a JSON header `{type: "fwd", sid, step, mode,
+past_len, shape, dtype, enc, ids?}`, then the raw little-endian tensor bytes, zstd
+compressed when `enc` says so. The header is checked and the body's size derived from
+the shape before anything is inflated.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import zstandard
+
+from ...model.backend import DTYPE_SIZES
+from .fields import FrameError, int_field, is_int, sid_field
+
+MODES = ("prefill", "decode")
+MAX_HEADER_BYTES = 64 * 1024
+DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+DEFAULT_COMPRESS_MIN_BYTES = 64 * 1024
+
+_HEADER_LENGTH = struct.Struct(">I")
+
+
+@dataclass(frozen=True)
+class ForwardFrame:
+    sid: str
+    step: int  # the head's step counter, echoed in the answer
+    mode: str  # "prefill": start the cache at 0; "decode": extend it at past_len
+    past_len: int
+    shape: tuple[int, ...]
+    dtype: str
+    body: bytes  # raw tensor bytes, already decompressed
+    ids: tuple[int, ...] | None = None  # token ids so far, sent on prefill when sampling needs them
+    wire_bytes: int = field(default=0, compare=False)  # size of the frame as it travelled
+
+
+def encode_forward(sid: str, step: int, mode: str, past_len: int, shape: list[int] | tuple[int, ...], dtype: str,
+                   body: bytes, ids: list[int] | None = None,
+                   compress_min_bytes: int = DEFAULT_COMPRESS_MIN_BYTES) -> bytes:
+    enc = None
+    if len(body) >= compress_min_bytes:
+        packed = zstandard.ZstdCompressor(level=1).compress(body)
+        if len(packed) < 0.9 * len(body):  # activations barely compress; send raw unless it pays
+            body, enc = packed, "zstd"
+    header: dict[str, Any] = {"type": "fwd", "sid": sid, "step": step, "mode": mode, "past_len": past_len,
+                              "shape": list(shape), "dtype": dtype, "enc": enc}
+    if ids is not None:
+        header["ids"] = ids
+    head = orjson.dumps(header)
+    return b"".join((_HEADER_LENGTH.pack(len(head)), head, body))
+
+
+def decode_forward(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> ForwardFrame:
+    if len(data) > max_frame_bytes:
+        raise FrameError(f"frame of {len(data)} bytes exceeds the limit of {max_frame_bytes}")
+    if len(data) < _HEADER_LENGTH.size:
+        raise FrameError("binary frame shorter than its 4-byte header length")
+    (header_len,) = _HEADER_LENGTH.unpack_from(data)
+    if header_len > MAX_HEADER_BYTES or _HEADER_LENGTH.size + header_len > len(data):
+        raise FrameError(f"header length {header_len} does not fit the frame")
+    try:
+        header = orjson.loads(data[_HEADER_LENGTH.size : _HEADER_LENGTH.size + header_len])
+    except orjson.JSONDecodeError as exc:
+        raise FrameError(f"frame header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise FrameError("frame header must be a JSON object")
+    if header.get("type") != "fwd":
+        raise FrameError(f"binary frame of unknown type {header.get('type')!r}")
+    sid = sid_field(header)
+    try:
+        return _checked(header, data[_HEADER_LENGTH.size + header_len :], sid, len(data), max_frame_bytes)
+    except FrameError as exc:
+        raise FrameError(str(exc), sid) from None
+
+
+def _checked(header: dict[str, Any], body: bytes, sid: str, size: int, max_frame_bytes: int) -> ForwardFrame:
+    step = int_field(header, "step", 0)
+    mode = header.get("mode")
+    if mode not in MODES:
+        raise FrameError(f"mode must be one of {MODES}, got {mode!r}")
+    past_len = int_field(header, "past_len", 0)
+    dtype = header.get("dtype")
+    if dtype not in DTYPE_SIZES:
+        raise FrameError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {dtype!r}")
+    shape = header.get("shape")
+    if not isinstance(shape, list) or not 1 <= len(shape) <= 4 or not all(is_int(n) and n > 0 for n in shape):
+        raise FrameError(f"shape must be a list of 1 to 4 positive integers, got {shape!r}")
+    ids = header.get("ids")
+    if ids is not None and (not isinstance(ids, list) or not all(is_int(t) and t >= 0 for t in ids)):
+        raise FrameError("ids must be a list of non-negative integers")
+    expected = DTYPE_SIZES[dtype]
+    for dim in shape:
+        expected *= dim
+    if expected > max_frame_bytes:
+        raise FrameError(f"shape {shape} x {dtype} is {expected} bytes, above the limit of {max_frame_bytes}")
+    enc = header.get("enc")
+    if enc == "zstd":
+        body = _decompress(body, expected)
+    elif enc is not None:
+        raise FrameError(f"unknown encoding {enc!r}")
+    if len(body) != expected:
+        raise FrameError(f"body has {len(body)} bytes but shape {shape} x {dtype} needs {expected}")
+    return ForwardFrame(sid, step, mode, past_len, tuple(shape), dtype, bytes(body),
+                        tuple(ids) if ids is not None else None, size)
+
+
+def _decompress(body: bytes, expected: int) -> bytes:
+    """Inflate only a body whose zstd header declares exactly the expected size (no bombs)."""
+    try:
+        declared = zstandard.frame_content_size(body)
+        if declared != expected:
+            raise FrameError(f"zstd body declares {declared} bytes, the shape needs {expected}")
+        return zstandard.ZstdDecompressor().decompress(body, max_output_size=expected)
+    except zstandard.ZstdError as exc:
+        raise FrameError(f"zstd body does not decompress: {exc}") from None

@@ -1,0 +1,129 @@
+"""The compute boundary: what the transport and the head may call on a shard, and the step types.
+
+`ShardBackend` lists exactly what `mesh` and `head` use; `ModelShard` implements it,
+and so do the test fakes (a type checker, or `tests/mesh/test_fakes_follow_the_protocol`,
+flags one that drifts). Capabilities are attributes of the protocol, never probed:
+`supports_kv_cache` (the cached path works on this hardware) and `supports_batching`
+(`decode_batch` runs rows as one forward rather than one by one).
+
+This module imports no torch, so the transport can name the types without loading it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    from .cache_store import SessionCacheStore
+    from .sampling import SamplingParams
+
+# Dtype names hidden states may travel in, and their sizes in bytes.
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class TensorPayload:
+    """Hidden states on their way to the next hop."""
+
+    body: bytes
+    shape: list[int]
+    past_len: int = 0  # tokens the session's caches held before this step
+    dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class TailTokenResult:
+    """What a tail answers: the sampled token. A legacy tail sends text and no token id."""
+
+    text: str
+    token_id: int | None
+
+
+StepResult = TensorPayload | TailTokenResult
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One session's one-token decode step, as handed to `decode_batch`."""
+
+    session_id: str
+    token_id: int | None = None  # on the head: the token to embed
+    body: bytes | None = None  # on later shards: the hidden state received
+    shape: Sequence[int] = ()
+    dtype: str = "bfloat16"
+    past_len: int | None = None  # None on the head: its own cache says
+    sampling: SamplingParams | None = None  # on a tail
+    history: Sequence[int] = ()  # token ids so far, when sampling needs them
+    generated_from: int | None = None  # where generated tokens start in `history`
+
+
+@runtime_checkable
+class ShardBackend(Protocol):
+    """A layer range `[start, end)` of one model, with a KV cache per session."""
+
+    model_id: str  # the name peers compare in `hello`
+    total_layers: int
+    start: int
+    end: int
+    is_head: bool  # holds the tokenizer and the embeddings
+    is_tail: bool  # holds the final norm and the LM head, and samples
+    context_length: int
+    vocab_size: int
+    supports_kv_cache: bool
+    supports_batching: bool
+    sessions: SessionCacheStore
+    tokenizer: Any  # the head's tokenizer (chat template); None elsewhere
+
+    def eos_token_ids(self) -> list[int]: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def encode_prompt(
+        self,
+        prompt: str | Sequence[int],
+        session_id: str | None = None,
+        *,
+        sampling: SamplingParams | None = None,
+        generated_from: int | None = None,
+    ) -> StepResult: ...
+
+    def encode_next_token(
+        self,
+        token_id: int,
+        session_id: str,
+        *,
+        sampling: SamplingParams | None = None,
+        history: Sequence[int] = (),
+        generated_from: int | None = None,
+    ) -> StepResult: ...
+
+    def forward_bytes(
+        self,
+        body: bytes,
+        shape: Sequence[int],
+        *,
+        dtype: str = "bfloat16",
+        session_id: str | None = None,
+        cache_mode: str | None = None,
+        past_len: int | None = None,
+        sampling: SamplingParams | None = None,
+        history: Sequence[int] = (),
+        generated_from: int | None = None,
+    ) -> StepResult: ...
+
+    def decode_batch(self, steps: Sequence[DecodeStep]) -> list[StepResult | Exception]: ...
+
+    def release_session(self, session_id: str) -> bool: ...
+
+
+def decode_alone(backend: ShardBackend, step: DecodeStep) -> StepResult:
+    """A decode step on the single-session path (what a batch of one runs)."""
+    if step.token_id is not None:
+        return backend.encode_next_token(step.token_id, step.session_id, sampling=step.sampling,
+                                         history=step.history, generated_from=step.generated_from)
+    return backend.forward_bytes(step.body or b"", step.shape, dtype=step.dtype, session_id=step.session_id,
+                                 cache_mode="decode", past_len=step.past_len, sampling=step.sampling,
+                                 history=step.history, generated_from=step.generated_from)

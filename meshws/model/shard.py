@@ -1,0 +1,284 @@
+"""`ModelShard`: the decoder layers `[start, end)` of a causal LM, with a KV cache per session.
+
+The head shard (start == 0) also holds the tokenizer and the embeddings; the tail
+shard (end == total layers) also holds the final norm and the LM head and samples the
+next token. A shard keeps only the weights it serves (`weights`). Hidden states come
+and go as raw bytes with a shape and a dtype name (`tensors`). This is the
+`ShardBackend` the transport and the head call; it knows nothing of sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .backend import DecodeStep, StepResult, TailTokenResult, TensorPayload, decode_alone
+from .batched import RowRunner
+from .cache_store import CacheEntry, KVCacheMiss, SessionCacheStore
+from .sampling import DEFAULT as GREEDY
+from .sampling import SamplingParams, sample_token
+from .session_layers import SessionLayers
+from .source import ResolvedModel, resolve_model
+from .tensors import TORCH_DTYPES, cache_nbytes, payload_from_tensor, positions, tensor_from_bytes
+from .weights import build_shard_model, eos_ids, shard_config
+
+log = logging.getLogger("meshws.shard")
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    total_layers: int
+    start: int
+    end: int
+
+    @property
+    def is_head(self) -> bool:
+        return self.start == 0
+
+    @property
+    def is_tail(self) -> bool:
+        return self.end == self.total_layers
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    dtype: str = "float32"  # compute dtype: float32 or bfloat16
+    wire_dtype: str = "bfloat16"  # dtype of hidden states sent to the next hop
+    max_sessions: int = 64  # KV caches held at once (LRU beyond)
+    cache_ttl: float = 600.0  # seconds an idle session's cache is kept
+    max_cache_bytes: int | None = None  # byte budget for all KV caches (LRU beyond)
+    threads: int | None = None  # torch intra-op threads; None = torch's default
+
+
+class ModelShard:
+    def __init__(
+        self,
+        model: str | ResolvedModel | None,
+        start: int,
+        end: int | None = None,
+        settings: ShardSettings | None = None,
+        cache_dir: Path | str | None = None,
+    ) -> None:
+        from transformers import AutoConfig, AutoTokenizer, DynamicCache
+
+        self.settings = settings or ShardSettings()
+        if self.settings.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, not {self.settings.dtype!r}")
+        if self.settings.wire_dtype not in TORCH_DTYPES:
+            raise ValueError(f"wire dtype must be one of {sorted(TORCH_DTYPES)}")
+        if self.settings.threads:
+            torch.set_num_threads(self.settings.threads)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        resolved = model if isinstance(model, ResolvedModel) else resolve_model(model, cache_dir)
+        self.model_id = resolved.model_id
+        config = AutoConfig.from_pretrained(str(resolved.folder))
+        total = config.num_hidden_layers
+        end = total if end is None else end
+        if not 0 <= start < end <= total:
+            raise ValueError(f"layer range [{start}, {end}) is not within the model's {total} layers")
+        self.layout = ShardLayout(total, start, end)
+        self.config = config
+        self.compute_dtype = TORCH_DTYPES[self.settings.dtype]
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.context_length = getattr(config, "max_position_embeddings", None) or 2048
+        layers_config = shard_config(config, start, end)
+        self.model = build_shard_model(resolved.folder, layers_config, self.layout, self.compute_dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder)) if self.layout.is_head else None
+        self.sessions = SessionCacheStore(
+            max_sessions=self.settings.max_sessions,
+            ttl_seconds=self.settings.cache_ttl,
+            max_bytes=self.settings.max_cache_bytes,
+        )
+        self.layers = SessionLayers(self._run_layers, lambda: DynamicCache(config=layers_config), self.sessions,
+                                    start, label=f"model {self.model_id}")
+        self.rows = RowRunner(self.model)
+        self.supports_batching = self.rows.fits  # else decode_batch runs the steps one by one
+        self._eos_ids = eos_ids(resolved.folder, config, self.tokenizer)
+
+    # -- facts --------------------------------------------------------------
+
+    total_layers = property(lambda self: self.layout.total_layers)
+    start = property(lambda self: self.layout.start)
+    end = property(lambda self: self.layout.end)
+    is_head = property(lambda self: self.layout.is_head)
+    is_tail = property(lambda self: self.layout.is_tail)
+
+    @property
+    def supports_kv_cache(self) -> bool:
+        return self.layers.supports_kv_cache
+
+    def eos_token_ids(self) -> list[int]:
+        return list(self._eos_ids)
+
+    def parameter_count(self) -> int:
+        """Parameters this shard holds (a tied matrix counts once)."""
+        unique = {id(param): param.numel() for param in self.model.parameters()}
+        return sum(unique.values())
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text`; adds the model's BOS unless the text already starts with it."""
+        tokenizer = self._need_tokenizer()
+        bos = tokenizer.bos_token
+        add_special = not (bos and text.startswith(bos))
+        return list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._need_tokenizer().decode(list(token_ids), skip_special_tokens=True)
+
+    # -- the seed's API -----------------------------------------------------
+
+    def encode_prompt(self, prompt: str | Sequence[int], session_id: str | None = None, *,
+                      sampling: SamplingParams | None = None, generated_from: int | None = None) -> StepResult:
+        """Prefill: embed the prompt (text or token ids) and run this shard's layers.
+
+        A re-prefill passes prompt + tokens so far, with `generated_from` = the
+        prompt's length. A shard that is head and tail at once (a full node)
+        answers with the token.
+        """
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt has no tokens")
+        return self.run_tokens(ids, session_id, "prefill" if session_id else None, 0, sampling, ids, generated_from)
+
+    def encode_next_token(self, token_id: int, session_id: str, *, sampling: SamplingParams | None = None,
+                          history: Sequence[int] = (), generated_from: int | None = None) -> StepResult:
+        """One decode step on the head: a single token against the session's cache."""
+        if not self.supports_kv_cache:
+            raise KVCacheMiss("caching is off on this shard; re-prefill")
+        past_len = self.sessions.lookup(session_id).seq_len
+        return self.run_tokens([int(token_id)], session_id, "decode", past_len, sampling, history, generated_from)
+
+    def forward_bytes(self, body: bytes, shape: Sequence[int], *, dtype: str = "bfloat16",
+                      session_id: str | None = None, cache_mode: str | None = None, past_len: int | None = None,
+                      sampling: SamplingParams | None = None, history: Sequence[int] = (),
+                      generated_from: int | None = None) -> StepResult:
+        """Run this shard's layers on hidden states received from the previous hop.
+
+        `cache_mode` "prefill" starts the session's cache at position 0; "decode"
+        extends it at `past_len` (one token, or a chunk). With no session the step
+        runs stateless over the whole sequence.
+        """
+        if cache_mode not in (None, "prefill", "decode"):
+            raise ValueError(f"unknown cache mode {cache_mode!r}")
+        hidden = self.tensor_from_bytes(body, shape, dtype)
+        past = int(past_len or 0) if cache_mode == "decode" else 0
+        with torch.inference_mode():
+            hidden = self.layers.run(hidden, positions(past, hidden.shape[1]), session_id,
+                                     cache_mode if session_id else None, past)
+            return self._finish(hidden, past, sampling, history, generated_from)
+
+    def release_session(self, session_id: str) -> bool:
+        return self.sessions.drop(session_id)
+
+    def run_tokens(self, ids: list[int], session_id: str | None, mode: str | None, past_len: int,
+                   sampling: SamplingParams | None = None, history: Sequence[int] = (),
+                   generated_from: int | None = None) -> StepResult:
+        """Embed `ids` at `past_len` and run them through (a prefill, a decode step or a chunk)."""
+        with torch.inference_mode():
+            hidden = self.model.model.embed_tokens(torch.tensor([ids], dtype=torch.long))
+            hidden = self.layers.run(hidden, positions(past_len, len(ids)), session_id, mode, past_len)
+            return self._finish(hidden, past_len, sampling, history, generated_from)
+
+    # -- continuous batching ------------------------------------------------
+
+    def decode_batch(self, steps: Sequence[DecodeStep]) -> list[StepResult | Exception]:
+        """Several sessions' one-token decode steps as one forward through the layers.
+
+        Each session keeps its own cache and past length. A step that cannot run
+        (cache miss, bad bytes) gets its own exception and the others go on.
+        """
+        results: list[StepResult | Exception | None] = [None] * len(steps)
+        rows: list[tuple[int, CacheEntry, torch.Tensor, int]] = []  # (index, entry, hidden, past_len)
+        with torch.inference_mode():
+            for index, step in enumerate(steps):
+                try:
+                    rows.append((index, *self._prepare_decode(step)))
+                except (KVCacheMiss, ValueError) as exc:
+                    results[index] = exc
+            if len(rows) == 1 or (rows and not self.supports_batching):
+                for index, *_ in rows:
+                    results[index] = self._decode_alone(steps[index])
+                return results  # type: ignore[return-value]
+            if not rows:
+                return results  # type: ignore[return-value]
+            hidden = torch.cat([row[2] for row in rows])
+            row_positions = torch.tensor([[row[3]] for row in rows], dtype=torch.long)
+            try:
+                hidden = self.rows.run(hidden, row_positions, [row[1].cache for row in rows])
+            except Exception as exc:  # never fail every session for one batched call; say why once
+                log.warning("batched decode failed (%s); running these steps one by one from now on", exc)
+                self.supports_batching = False
+                for index, *_ in rows:
+                    self.sessions.drop(steps[index].session_id)
+                    results[index] = KVCacheMiss(f"batched step failed: {exc}")
+                return results  # type: ignore[return-value]
+            for position, (index, entry, _, past) in enumerate(rows):
+                step = steps[index]
+                entry.seq_len = past + 1
+                try:
+                    self.sessions.resize(step.session_id, cache_nbytes(entry.cache))
+                    results[index] = self._finish(hidden[position : position + 1], past, step.sampling,
+                                                  step.history, step.generated_from)
+                except Exception as exc:
+                    results[index] = exc
+        return results  # type: ignore[return-value]
+
+    def _decode_alone(self, step: DecodeStep) -> StepResult | Exception:
+        try:
+            return decode_alone(self, step)
+        except Exception as exc:
+            return exc
+
+    def _prepare_decode(self, step: DecodeStep) -> tuple[CacheEntry, torch.Tensor, int]:
+        """The session's cache entry, the step's input hidden state and its past length."""
+        if not self.supports_kv_cache:
+            raise KVCacheMiss("caching is off on this shard; re-prefill")
+        if step.token_id is not None:
+            entry = self.sessions.lookup(step.session_id)
+            hidden = self.model.model.embed_tokens(torch.tensor([[int(step.token_id)]], dtype=torch.long))
+        else:
+            hidden = self.tensor_from_bytes(step.body or b"", step.shape, step.dtype)
+            if hidden.shape[1] != 1:
+                raise ValueError("a batched decode step carries exactly one token")
+            entry = self.sessions.lookup(step.session_id, expected_seq_len=step.past_len, effective_start=self.start)
+        return entry, hidden, entry.seq_len
+
+    # -- bytes <-> tensors and the last step ---------------------------------
+
+    def tensor_from_bytes(self, body: bytes | memoryview, shape: Sequence[int], dtype: str) -> torch.Tensor:
+        return tensor_from_bytes(body, shape, dtype, self.hidden_size, self.compute_dtype)
+
+    def _finish(self, hidden: torch.Tensor, past_len: int, sampling: SamplingParams | None,
+                history: Sequence[int], generated_from: int | None) -> StepResult:
+        if not self.is_tail:
+            return payload_from_tensor(hidden, past_len, self.settings.wire_dtype)
+        logits = self.last_logits(hidden)
+        position = past_len + hidden.shape[1]
+        token_id = sample_token(logits, sampling or GREEDY, position, history, generated_from)
+        return TailTokenResult(text="", token_id=token_id)
+
+    def last_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.model.lm_head(hidden[0, -1, :])
+        softcap = getattr(self.config, "final_logit_softcapping", None)
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
+
+    def _run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        output = self.model.model(inputs_embeds=hidden, position_ids=position_ids, cache=cache,
+                                  use_cache=cache is not None)
+        return output.last_hidden_state
+
+    def _need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise RuntimeError("only a head shard holds the tokenizer")
+        return self.tokenizer
+
+
+__all__ = ["ModelShard", "ShardLayout", "ShardSettings", "TailTokenResult", "TensorPayload"]

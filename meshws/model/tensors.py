@@ -1,0 +1,52 @@
+"""Hidden states <-> raw little-endian bytes, and the small tensor helpers a shard shares.
+
+Nothing is pickled: a tensor crosses the wire as its bytes, a shape and a dtype name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .backend import DTYPE_SIZES, TensorPayload
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+assert set(TORCH_DTYPES) == set(DTYPE_SIZES)  # one list of dtype names for the wire and the shard
+
+
+def tensor_from_bytes(body: bytes | memoryview, shape: Sequence[int], dtype: str, hidden_size: int,
+                      compute_dtype: torch.dtype) -> torch.Tensor:
+    """Hidden states `[1, tokens, hidden_size]` from bytes; ValueError names what does not fit."""
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}")
+    shape = [int(n) for n in shape]
+    if len(shape) != 3 or shape[0] != 1 or shape[1] < 1 or shape[2] != hidden_size:
+        raise ValueError(f"hidden states must have shape [1, tokens, {hidden_size}], got {shape}")
+    expected = shape[0] * shape[1] * shape[2] * DTYPE_SIZES[dtype]
+    if len(body) != expected:
+        raise ValueError(f"body has {len(body)} bytes, shape {shape} x {dtype} needs {expected}")
+    # One copy into memory we own (torch will not wrap read-only bytes), then the cast.
+    tensor = torch.frombuffer(bytearray(body), dtype=TORCH_DTYPES[dtype]).view(shape)
+    return tensor.to(compute_dtype)
+
+
+def payload_from_tensor(hidden: torch.Tensor, past_len: int, wire_dtype: str) -> TensorPayload:
+    wire = hidden.to(TORCH_DTYPES[wire_dtype]).contiguous()
+    body = wire.view(torch.uint8).numpy().tobytes()
+    return TensorPayload(body=body, shape=list(wire.shape), past_len=past_len, dtype=wire_dtype)
+
+
+def cache_nbytes(cache: Any) -> int:
+    """Bytes held by a transformers cache's keys and values."""
+    total = 0
+    for layer in getattr(cache, "layers", ()):
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.nbytes
+    return total
+
+
+def positions(past_len: int, count: int) -> torch.Tensor:
+    """Position ids `[1, count]` starting at `past_len`."""
+    return torch.arange(past_len, past_len + count, dtype=torch.long).unsqueeze(0)

@@ -1,0 +1,282 @@
+"""`python -m meshws.bench`: how fast meshws is, as ratios to in-process `generate()` in the same run.
+
+For each dtype it measures, on the embedded model:
+  * in-process `model.generate()` on the whole model (the baseline);
+  * a `full` node process (one machine, zero hops) through the OpenAI API;
+  * a head + tail mesh on loopback at 1, 4 and 16 concurrent sessions: decode tokens/s
+    per session, aggregate tokens/s, time to first token (p50, p95);
+  * bytes per decode and per prefill frame (from the tail's metrics);
+  * a cached decode step vs a stateless one (the whole context re-run) at several
+    context lengths, in-process.
+It prints a table and writes JSON. Timing on shared machines is noisy: compare the
+ratios, and rerun before believing a small difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
+MODEL_ENV = {"HF_HUB_OFFLINE": "1"}
+
+
+# -- in-process measurements ---------------------------------------------------
+
+
+def measure_generate(folder: Path, dtype: str, prompt_ids: list[int], tokens: int) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype)).eval()
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        model.generate(ids, do_sample=False, max_new_tokens=2)  # warm-up
+        started = time.perf_counter()
+        model.generate(ids, do_sample=False, max_new_tokens=1)
+        ttft = time.perf_counter() - started
+        started = time.perf_counter()
+        model.generate(ids, do_sample=False, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1)
+        total = time.perf_counter() - started
+    decode = tokens / max(total - ttft, 1e-9)
+    return {"decode_tok_s": round(decode, 2), "ttft_s": round(ttft, 4)}
+
+
+def measure_cached_vs_stateless(folder: Path, dtype: str, contexts: list[int], repeats: int) -> dict[str, Any]:
+    import torch
+
+    from ..model.source import ResolvedModel
+    from ..model.shard import ModelShard, ShardSettings
+
+    shard = ModelShard(ResolvedModel("bench", folder), 0, None, ShardSettings(dtype=dtype))
+    results: dict[str, Any] = {}
+    for context in contexts:
+        ids = [int(i) for i in torch.randint(100, 40000, (context,), generator=torch.Generator().manual_seed(0))]
+        shard.encode_prompt(ids, session_id="bench")
+        cached, stateless = [], []
+        for index in range(repeats):
+            started = time.perf_counter()
+            shard.encode_next_token(ids[index], "bench")
+            cached.append(time.perf_counter() - started)
+            if index < max(1, repeats * 256 // context):  # long stateless steps take seconds: fewer of them
+                started = time.perf_counter()
+                shard.encode_prompt(ids + ids[: index + 1])  # no session: the whole context again
+                stateless.append(time.perf_counter() - started)
+        shard.release_session("bench")
+        c, s = statistics.median(cached), statistics.median(stateless)
+        results[str(context)] = {"cached_step_s": round(c, 5), "stateless_step_s": round(s, 5),
+                                 "stateless_over_cached": round(s / c, 2)}
+    return results
+
+
+# -- measurements through real processes -----------------------------------------
+
+
+async def stream_once(url: str, model: str, prompt_ids: list[int], tokens: int) -> dict[str, float]:
+    import aiohttp
+
+    body = {"model": model, "prompt": prompt_ids, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    first = last = None
+    completion = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as client:
+        async with client.post(f"{url}/v1/completions", json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"{response.status}: {await response.text()}")
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    completion = chunk["usage"]["completion_tokens"]
+                elif chunk["choices"] and chunk["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+    if first is None or last is None or completion < 2:
+        raise RuntimeError("the stream carried no tokens")
+    return {"ttft_s": first - started, "decode_tok_s": (completion - 1) / max(last - first, 1e-9),
+            "tokens": completion, "wall_s": last - started}
+
+
+async def sessions_run(url: str, model: str, prompt_ids: list[int], tokens: int, count: int) -> dict[str, float]:
+    started = time.perf_counter()
+    runs = await asyncio.gather(*(stream_once(url, model, prompt_ids, tokens) for _ in range(count)))
+    wall = time.perf_counter() - started
+    ttfts = sorted(run["ttft_s"] for run in runs)
+    return {
+        "sessions": count,
+        "per_session_tok_s": round(statistics.mean(run["decode_tok_s"] for run in runs), 2),
+        "aggregate_tok_s": round(sum(run["tokens"] for run in runs) / wall, 2),
+        "ttft_p50_s": round(ttfts[len(ttfts) // 2], 4),
+        "ttft_p95_s": round(ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))], 4),
+    }
+
+
+def frame_sizes(metrics_text: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        for mode in ("decode", "prefill"):
+            for kind in ("frames_total", "frame_bytes_total"):
+                if line.startswith(f'meshws_{kind}{{direction="in",type="fwd_{mode}"}}'):
+                    values[f"{mode}_{kind}"] = float(line.split()[-1])
+    sizes = {}
+    for mode in ("decode", "prefill"):
+        frames = values.get(f"{mode}_frames_total", 0)
+        if frames:
+            sizes[f"{mode}_frame_bytes"] = round(values[f"{mode}_frame_bytes_total"] / frames, 1)
+    return sizes
+
+
+def read_metrics(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def measure_processes(args: argparse.Namespace, dtype: str, prompt_ids: list[int], model_id: str) -> dict[str, Any]:
+    from .launch import Mesh
+
+    common = ("--model", args.model, "--dtype", dtype)
+    results: dict[str, Any] = {}
+    full = Mesh([("full", f"0-{args.layers - 1}")], common=common)
+    try:
+        asyncio.run(stream_once(full.head.url, model_id, prompt_ids, 4))  # warm-up
+        results["full_node"] = asyncio.run(sessions_run(full.head.url, model_id, prompt_ids, args.tokens, 1))
+    finally:
+        full.stop()
+    split = args.layers // 2
+    mesh = Mesh([("head", f"0-{split - 1}"), ("tail", f"{split}-{args.layers - 1}")], common=common)
+    try:
+        asyncio.run(stream_once(mesh.head.url, model_id, prompt_ids, 4))  # warm-up
+        results["mesh"] = {}
+        for count in args.sessions:
+            results["mesh"][str(count)] = asyncio.run(
+                sessions_run(mesh.head.url, model_id, prompt_ids, args.tokens, count))
+        results["wire"] = frame_sizes(read_metrics(mesh.tail.url))
+        results["wire"]["prefill_tokens"] = len(prompt_ids)
+    finally:
+        mesh.stop()
+    return results
+
+
+# -- the report -------------------------------------------------------------------
+
+
+def add_ratios(result: dict[str, Any]) -> None:
+    base = result["generate"]["decode_tok_s"]
+    result["full_node"]["ratio_to_generate"] = round(result["full_node"]["per_session_tok_s"] / base, 3)
+    one = result["mesh"].get("1", {}).get("aggregate_tok_s")
+    for entry in result["mesh"].values():
+        entry["per_session_ratio_to_generate"] = round(entry["per_session_tok_s"] / base, 3)
+        entry["aggregate_ratio_to_generate"] = round(entry["aggregate_tok_s"] / base, 3)
+        if one:
+            entry["aggregate_over_one_session"] = round(entry["aggregate_tok_s"] / one, 3)
+
+
+def targets(result: dict[str, Any]) -> dict[str, Any]:
+    mesh = result["mesh"]
+    checks = {
+        "mesh_one_session_ge_1x_generate": mesh.get("1", {}).get("per_session_ratio_to_generate"),
+        "mesh_16_sessions_ge_6x_one": mesh.get("16", {}).get("aggregate_over_one_session"),
+        "decode_frame_le_1400_bytes": result["wire"].get("decode_frame_bytes"),
+        "cached_ge_15x_stateless_at_1024": result["stateless"].get("1024", {}).get("stateless_over_cached"),
+    }
+    limits = {"mesh_one_session_ge_1x_generate": 1.0, "mesh_16_sessions_ge_6x_one": 6.0,
+              "decode_frame_le_1400_bytes": 1400, "cached_ge_15x_stateless_at_1024": 15.0}
+    report = {}
+    for name, value in checks.items():
+        if value is None:
+            report[name] = {"value": None, "met": None}
+        elif name == "decode_frame_le_1400_bytes":
+            report[name] = {"value": value, "met": value <= limits[name]}
+        else:
+            report[name] = {"value": value, "met": value >= limits[name]}
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    for dtype, result in report["results"].items():
+        base = result["generate"]
+        print(f"\n== {dtype} == generate(): {base['decode_tok_s']} tok/s decode, ttft {base['ttft_s'] * 1000:.0f} ms")
+        full = result["full_node"]
+        print(f"full node          : {full['per_session_tok_s']:7.2f} tok/s  ({full['ratio_to_generate']:.2f}x generate)")
+        print("mesh sessions | tok/s per session (x gen) | aggregate tok/s (x gen, x one) | ttft p50 / p95")
+        for count, entry in result["mesh"].items():
+            print(f"  {count:>11} | {entry['per_session_tok_s']:8.2f} ({entry['per_session_ratio_to_generate']:.2f}x)"
+                  f"          | {entry['aggregate_tok_s']:8.2f} ({entry['aggregate_ratio_to_generate']:.2f}x, "
+                  f"{entry.get('aggregate_over_one_session', 0):.2f}x)      | "
+                  f"{entry['ttft_p50_s'] * 1000:.0f} / {entry['ttft_p95_s'] * 1000:.0f} ms")
+        wire = result["wire"]
+        print(f"frames: decode {wire.get('decode_frame_bytes')} B, prefill {wire.get('prefill_frame_bytes')} B "
+              f"({wire['prefill_tokens']} tokens)")
+        for context, entry in result["stateless"].items():
+            print(f"context {context:>5}: cached step {entry['cached_step_s'] * 1000:.1f} ms, stateless "
+                  f"{entry['stateless_step_s'] * 1000:.1f} ms ({entry['stateless_over_cached']}x)")
+        for name, check in result["targets"].items():
+            state = {True: "met", False: "NOT met", None: "not measured"}[check["met"]]
+            print(f"target {name}: {check['value']} -> {state}")
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="embedded")
+    parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"], choices=("bfloat16", "float32"))
+    parser.add_argument("--sessions", nargs="+", type=int, default=[1, 4, 16])
+    parser.add_argument("--tokens", type=int, default=32, help="tokens generated per session")
+    parser.add_argument("--contexts", nargs="+", type=int, default=[64, 256, 1024])
+    parser.add_argument("--repeats", type=int, default=4, help="steps timed per context length")
+    parser.add_argument("--short", action="store_true", help="a quick run (CI): few tokens and repeats")
+    parser.add_argument("--out", default="bench-results/bench.json", help="where to write the JSON")
+    args = parser.parse_args(argv)
+    if args.short:
+        args.tokens, args.repeats = min(args.tokens, 4), 1
+    os.environ.update(MODEL_ENV)
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ..model.source import resolve_model
+
+    resolved = resolve_model(args.model, os.environ.get("MESHWS_CACHE_DIR"))
+    args.layers = AutoConfig.from_pretrained(str(resolved.folder)).num_hidden_layers
+    tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder))
+    if tokenizer.chat_template:
+        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False)
+    else:
+        prompt_ids = tokenizer(PROMPT)["input_ids"]
+    report: dict[str, Any] = {
+        "model": resolved.model_id,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
+        "settings": {"tokens": args.tokens, "sessions": args.sessions, "contexts": args.contexts,
+                     "repeats": args.repeats, "prompt_tokens": len(prompt_ids)},
+        "results": {},
+    }
+    for dtype in args.dtype:
+        print(f"measuring {dtype} ...", flush=True)
+        result: dict[str, Any] = {"generate": measure_generate(resolved.folder, dtype, prompt_ids, args.tokens)}
+        result.update(measure_processes(args, dtype, prompt_ids, resolved.model_id))
+        result["stateless"] = measure_cached_vs_stateless(resolved.folder, dtype, args.contexts, args.repeats)
+        add_ratios(result)
+        result["targets"] = targets(result)
+        report["results"][dtype] = result
+    print_table(report)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

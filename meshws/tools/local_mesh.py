@@ -1,0 +1,71 @@
+"""Start a whole mesh on this machine: `meshws mesh` (what `./dev mesh` runs).
+
+Starts a tail and a head as separate processes (real websockets on loopback),
+splitting the model's layers between them, waits until the head reports the
+chain complete, prints where to chat, and stops both on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+
+from .launch import Mesh
+
+
+def total_layers(model: str, cache_dir: str | None) -> int:
+    from transformers import AutoConfig
+
+    from ..model.source import resolve_model
+
+    print(f"preparing the model ({model}); the first run converts it once, later runs take a second", flush=True)
+    resolved = resolve_model(model, cache_dir)
+    return AutoConfig.from_pretrained(str(resolved.folder)).num_hidden_layers
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m meshws.tools.local_mesh") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="embedded", help="as for meshws.node --model")
+    parser.add_argument("--port", type=int, default=8700, help="the head's port (the tail takes the next one)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--api-key", default=None, help="require this key on the public API")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the nodes too, as Ctrl-C does
+    layers = total_layers(args.model, os.environ.get("MESHWS_CACHE_DIR"))
+    split = layers // 2
+    head_extra = ("--api-key", args.api_key) if args.api_key else ()
+    mesh = Mesh(
+        [("head", f"0-{split - 1}"), ("tail", f"{split}-{layers - 1}")],
+        common=("--model", args.model, "--dtype", args.dtype),
+        extra={"head": head_extra},
+        ports=[args.port, args.port + 1],
+        echo=True,
+        timeout=300.0,
+    )
+    try:
+        health = mesh.head.health()
+        chain = ", ".join(f"{hop['node']} layers {hop['layers'][0]}-{hop['layers'][1] - 1}" for hop in health["chain"])
+        print(f"\nmeshws local mesh ready: {chain}")
+        print(f"  chat page:   {mesh.head.url}/")
+        print(f"  OpenAI API:  {mesh.head.url}/v1  (model {health['model']!r})")
+        print(f"  terminal:    python examples/ws_client.py --url {mesh.head.ws_url}")
+        print("Ctrl-C stops both nodes.", flush=True)
+        while mesh.running():
+            time.sleep(0.5)
+        print("a node exited; stopping the mesh", flush=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        mesh.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""What several test files share: the test prompts, golden generation, and a completion request."""
+
+from pathlib import Path
+
+import aiohttp
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository
+MODEL = "SmolLM2-135M-Instruct"
+EXACT = ("--dtype", "float32", "--wire-dtype", "float32")
+CHAT_PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain in detail how a bicycle works.",
+    "List ten fruits and describe the taste of each one.",
+]
+
+
+def chat_ids(tokenizer, text):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+
+
+def golden(reference_model, ids, steps):
+    with torch.inference_mode():
+        out = reference_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=steps)[0, len(ids):]
+    return [t for t in out.tolist() if t != 2]  # the mesh stops on EOS and does not return it
+
+
+async def complete_ids(url, ids, max_tokens, **extra):
+    body = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
+            **extra}
+    async with aiohttp.ClientSession() as client:
+        async with client.post(f"{url}/v1/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            answer = await response.json()
+    return answer["choices"][0]["token_ids"], answer["choices"][0]["text"]

@@ -1,0 +1,149 @@
+"""The frame schema: round trips, compression, and a named error for every bad frame."""
+
+import os
+import struct
+
+import orjson
+import pytest
+
+from meshws.mesh import wire
+from meshws.mesh.wire import FrameError, decode_control, decode_forward, encode_forward
+from meshws.model.sampling import SamplingParams
+
+
+def _frame(header: dict, body: bytes) -> bytes:
+    head = orjson.dumps(header)
+    return struct.pack(">I", len(head)) + head + body
+
+
+GOOD = {"type": "fwd", "sid": "s1", "step": 0, "mode": "decode", "past_len": 7, "shape": [1, 1, 4], "dtype": "bfloat16", "enc": None}
+
+
+def test_decode_frame_round_trip_and_size():
+    body = bytes(range(8))
+    data = encode_forward("s1", 3, "decode", 7, [1, 1, 4], "bfloat16", body)
+    frame = decode_forward(data)
+    assert (frame.sid, frame.step, frame.mode, frame.past_len, frame.shape, frame.dtype) == (
+        "s1", 3, "decode", 7, (1, 1, 4), "bfloat16")
+    assert frame.body == body
+    assert frame.wire_bytes == len(data)
+
+
+def test_decode_step_of_hidden_576_stays_under_1400_bytes():
+    sid = "0123456789abcdef0123456789abcdef"
+    data = encode_forward(sid, 99999, "decode", 123456, [1, 1, 576], "bfloat16", b"\x01" * 1152)
+    assert len(data) <= 1400
+    assert len(data) - 1152 - 4 < 256  # header well under 256 bytes
+
+
+def test_large_compressible_prefill_travels_zstd_and_round_trips():
+    body = b"\x00" * (1 * 2048 * 32 * 2)
+    data = encode_forward("s", 0, "prefill", 0, [1, 2048, 32], "bfloat16", body, ids=[1, 2, 3])
+    assert len(data) < len(body) // 10
+    header = orjson.loads(data[4 : 4 + struct.unpack(">I", data[:4])[0]])
+    assert header["enc"] == "zstd"
+    frame = decode_forward(data)
+    assert frame.body == body and frame.ids == (1, 2, 3)
+
+
+def test_incompressible_body_is_sent_raw():
+    body = os.urandom(200_000)
+    data = encode_forward("s", 0, "prefill", 0, [1, 100_000], "bfloat16", body)
+    assert orjson.loads(data[4 : 4 + struct.unpack(">I", data[:4])[0]])["enc"] is None
+
+
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        (b"\x00\x00", "shorter"),
+        (struct.pack(">I", 999) + b"{}", "does not fit"),
+        (struct.pack(">I", 3) + b"abc", "not JSON"),
+        (_frame([1, 2], b""), "JSON object"),
+        (_frame({**GOOD, "type": "nope"}, b"\x00" * 8), "unknown type"),
+        (_frame({**GOOD, "sid": ""}, b"\x00" * 8), "sid"),
+        (_frame({**GOOD, "mode": "sideways"}, b"\x00" * 8), "mode"),
+        (_frame({**GOOD, "past_len": -1}, b"\x00" * 8), "past_len"),
+        (_frame({**GOOD, "dtype": "int8"}, b"\x00" * 8), "dtype"),
+        (_frame({**GOOD, "shape": [1, -1, 4]}, b"\x00" * 8), "shape"),
+        (_frame({**GOOD, "shape": "1,1,4"}, b"\x00" * 8), "shape"),
+        (_frame(GOOD, b"\x00" * 7), "needs 8"),
+        (_frame({**GOOD, "enc": "gzip"}, b"\x00" * 8), "encoding"),
+        (_frame({**GOOD, "enc": "zstd"}, b"garbage!"), "zstd"),
+        (_frame({**GOOD, "shape": [1, 1 << 30, 1 << 20]}, b""), "above the limit"),
+        (_frame({**GOOD, "ids": [1, "x"]}, b"\x00" * 8), "ids"),
+    ],
+)
+def test_bad_tensor_frames_raise_named_errors(data, needle):
+    with pytest.raises(FrameError, match=needle):
+        decode_forward(data)
+
+
+def test_zstd_bomb_is_bounded_by_the_declared_shape():
+    import zstandard
+
+    bomb = zstandard.ZstdCompressor().compress(b"\x00" * 10_000_000)
+    with pytest.raises(FrameError, match="zstd"):
+        decode_forward(_frame({**GOOD, "enc": "zstd"}, bomb))
+
+
+def test_frame_above_the_size_limit_is_refused():
+    data = encode_forward("s", 0, "prefill", 0, [1, 100, 576], "bfloat16", os.urandom(115200))
+    with pytest.raises(FrameError, match="exceeds the limit"):
+        decode_forward(data, max_frame_bytes=1000)
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("not json", "not JSON"),
+        ("[1]", "JSON object"),
+        ('{"type": "launch", "sid": "a"}', "unknown frame type"),
+        ('{"type": "close"}', "sid"),
+        ('{"type": "close", "sid": 5}', "sid"),
+        ('{"type": "token", "sid": "a", "token_id": -3}', "token_id"),
+        ('{"type": "token", "sid": "a"}', "token_id or a text"),
+        ('{"type": "hello", "version": "2", "model": "m"}', "version"),
+        ('{"type": "hello", "version": 1, "model": "m"}', "protocol 1"),
+        ('{"type": "hello", "version": 2, "layers": [0, 1], "total_layers": 30}', "model"),
+        ('{"type": "hello", "version": 2, "model": "m", "layers": [5, 2]}', "layers"),
+        ('{"type": "hello", "version": 2, "model": "m", "layers": [0, 40], "total_layers": 30}', "beyond"),
+        ('{"type": "hello", "version": 2, "model": "m", "layers": [0, 3], "total_layers": 30, "role": "head",'
+         ' "node": "n", "chain": [{}]}', "node"),
+        ('{"type": "error"}', "message"),
+        ('{"type": "error", "message": "x", "lost": "yes"}', "lost"),
+        ('{"type": "open", "sid": "a", "route": [{"url": "http://x"}]}', "ws://"),
+        ('{"type": "open", "sid": "a", "prompt_tokens": -1}', "prompt_tokens"),
+        ('{"type": "cache_miss", "sid": "a"}', "step"),
+        ('{"type": "open", "sid": "a", "route": {}}', "route"),
+        ('{"type": "open", "sid": "a", "sampling": 3}', "sampling"),
+    ],
+)
+def test_bad_control_frames_raise_named_errors(text, needle):
+    with pytest.raises(FrameError, match=needle):
+        decode_control(text)
+
+
+def test_every_message_round_trips():
+    messages = [
+        wire.Hello("m", (0, 15), "head", "node-1", 30, (wire.ChainHop("node-1", (0, 15)),
+                                                        wire.ChainHop("tail@x", (15, 30)))),
+        wire.Open("a", SamplingParams(temperature=0.7, seed=3), 12, (wire.RouteHop("ws://h:1", (15, 30)),)),
+        wire.Open("b"),
+        wire.Token("a", 2, 17),
+        wire.Token("a", 3, None, ""),
+        wire.CacheMiss("a", 4, "evicted"),
+        wire.Error("boom", "a", 5, lost=True, url="ws://h:1"),
+        wire.Error("bad frame"),
+        wire.Close("a"),
+    ]
+    for message in messages:
+        assert decode_control(wire.encode_control(message)) == message
+
+
+def test_a_bad_field_of_a_known_session_names_the_session():
+    with pytest.raises(FrameError) as caught:
+        decode_control('{"type": "open", "sid": "s9", "sampling": {"top_p": 7}}')
+    assert caught.value.sid == "s9" and "top_p" in str(caught.value)
+    with pytest.raises(FrameError) as caught:
+        decode_forward(_frame({**GOOD, "sid": "s8", "mode": "sideways"}, b"\x00" * 8))
+    assert caught.value.sid == "s8"

@@ -1,0 +1,121 @@
+"""SessionCacheStore: the seed's unit tests as written, plus the byte budget."""
+
+import pytest
+
+from meshws.model.cache_store import CacheBudgetExceeded, KVCacheMiss, SessionCacheStore
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_store_lookup_roundtrip_advances_lru():
+    store = SessionCacheStore(max_sessions=4, ttl_seconds=100.0, clock=_Clock())
+    store.store("s1", cache=object(), seq_len=6, effective_start=12)
+    entry = store.lookup("s1", expected_seq_len=6, effective_start=12)
+    assert entry.seq_len == 6
+    entry.seq_len += 1
+    assert store.lookup("s1", expected_seq_len=7).seq_len == 7
+
+
+def test_lookup_unknown_session_raises_cache_miss():
+    store = SessionCacheStore(max_sessions=4, ttl_seconds=100.0)
+    with pytest.raises(KVCacheMiss):
+        store.lookup("nope")
+
+
+def test_seq_len_mismatch_drops_entry_and_raises():
+    store = SessionCacheStore(max_sessions=4, ttl_seconds=100.0)
+    store.store("s1", cache=object(), seq_len=6, effective_start=0)
+    with pytest.raises(KVCacheMiss):
+        store.lookup("s1", expected_seq_len=9)
+    # Entry must be gone — a poisoned cache is never reused.
+    with pytest.raises(KVCacheMiss):
+        store.lookup("s1")
+
+
+def test_effective_start_mismatch_raises():
+    store = SessionCacheStore(max_sessions=4, ttl_seconds=100.0)
+    store.store("s1", cache=object(), seq_len=6, effective_start=12)
+    with pytest.raises(KVCacheMiss):
+        store.lookup("s1", effective_start=21)
+
+
+def test_ttl_expiry_evicts_stale_sessions():
+    clock = _Clock()
+    store = SessionCacheStore(max_sessions=4, ttl_seconds=60.0, clock=clock)
+    store.store("s1", cache=object(), seq_len=6, effective_start=0)
+    clock.now = 61.0
+    with pytest.raises(KVCacheMiss):
+        store.lookup("s1")
+    assert len(store) == 0
+
+
+def test_lru_eviction_bounds_session_count():
+    clock = _Clock()
+    store = SessionCacheStore(max_sessions=2, ttl_seconds=1000.0, clock=clock)
+    store.store("s1", cache=object(), seq_len=1, effective_start=0)
+    store.store("s2", cache=object(), seq_len=1, effective_start=0)
+    store.lookup("s1")  # s1 becomes most recent → s2 is LRU
+    store.store("s3", cache=object(), seq_len=1, effective_start=0)
+    assert len(store) == 2
+    with pytest.raises(KVCacheMiss):
+        store.lookup("s2")
+    store.lookup("s1")
+    store.lookup("s3")
+
+
+def test_drop_removes_session():
+    store = SessionCacheStore(max_sessions=4, ttl_seconds=100.0)
+    store.store("s1", cache=object(), seq_len=1, effective_start=0)
+    store.drop("s1")
+    with pytest.raises(KVCacheMiss):
+        store.lookup("s1")
+
+
+# -- byte budget ------------------------------------------------------------
+
+
+def test_byte_budget_evicts_least_recently_used():
+    store = SessionCacheStore(max_sessions=10, ttl_seconds=100.0, max_bytes=1000)
+    store.store("s1", cache=object(), seq_len=1, effective_start=0, nbytes=400)
+    store.store("s2", cache=object(), seq_len=1, effective_start=0, nbytes=400)
+    store.lookup("s1")  # s2 is now the least recent
+    store.store("s3", cache=object(), seq_len=1, effective_start=0, nbytes=400)
+    assert sorted(store.session_ids()) == ["s1", "s3"]
+    assert store.total_bytes == 800
+
+
+def test_growing_session_evicts_others_to_stay_under_budget():
+    store = SessionCacheStore(max_sessions=10, ttl_seconds=100.0, max_bytes=1000)
+    store.store("old", cache=object(), seq_len=1, effective_start=0, nbytes=300)
+    store.store("live", cache=object(), seq_len=1, effective_start=0, nbytes=300)
+    store.resize("live", 800)
+    assert store.session_ids() == ["live"]
+    assert store.total_bytes == 800
+
+
+def test_session_larger_than_budget_is_refused_and_dropped():
+    store = SessionCacheStore(max_sessions=10, ttl_seconds=100.0, max_bytes=1000)
+    with pytest.raises(CacheBudgetExceeded):
+        store.store("huge", cache=object(), seq_len=1, effective_start=0, nbytes=1001)
+    store.store("s1", cache=object(), seq_len=1, effective_start=0, nbytes=900)
+    with pytest.raises(CacheBudgetExceeded):
+        store.resize("s1", 1200)
+    assert len(store) == 0
+    assert store.total_bytes == 0
+
+
+def test_purge_expired_counts_removed_sessions():
+    clock = _Clock()
+    store = SessionCacheStore(max_sessions=4, ttl_seconds=10.0, clock=clock)
+    store.store("s1", cache=object(), seq_len=1, effective_start=0, nbytes=5)
+    clock.now = 5.0
+    store.store("s2", cache=object(), seq_len=1, effective_start=0, nbytes=5)
+    clock.now = 12.0
+    assert store.purge_expired() == 1
+    assert store.session_ids() == ["s2"]

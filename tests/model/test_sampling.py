@@ -1,0 +1,60 @@
+"""Choosing the next token: greedy, seeded sampling per position, top-k/top-p, penalties, wire form."""
+
+import pytest
+import torch
+
+from meshws.model.sampling import SamplingParams, sample_token
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    assert sample_token(logits, SamplingParams(), position=0) == 1
+
+
+def test_seeded_sampling_is_reproducible_per_position():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0, seed=42)
+    first = [sample_token(logits, params, position=p) for p in range(20)]
+    again = [sample_token(logits, params, position=p) for p in range(20)]
+    other = [sample_token(logits, SamplingParams(temperature=1.0, seed=43), position=p) for p in range(20)]
+    assert first == again
+    assert first != other
+
+
+def test_top_k_and_top_p_restrict_the_choice():
+    logits = torch.tensor([5.0, 4.9, 4.8, 0.0, -1.0])
+    draws = {sample_token(logits, SamplingParams(temperature=5.0, top_k=2, seed=s), position=0) for s in range(200)}
+    assert draws == {0, 1}
+    probs_first = torch.tensor([10.0, 0.0, 0.0, 0.0])
+    draws = {sample_token(probs_first, SamplingParams(temperature=1.0, top_p=0.5, seed=s), 0) for s in range(50)}
+    assert draws == {0}
+
+
+def test_repetition_and_frequency_penalties_change_the_choice():
+    logits = torch.tensor([2.0, 1.9, 0.0])
+    assert sample_token(logits, SamplingParams(repetition_penalty=1.5), 3, history=[0, 2]) == 1
+    assert sample_token(logits, SamplingParams(frequency_penalty=0.2), 3, history=[5, 0], generated_from=1) == 1
+    # Prompt tokens do not count for the OpenAI-style penalties.
+    assert sample_token(logits, SamplingParams(frequency_penalty=0.2), 3, history=[0, 1], generated_from=2) == 0
+
+
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        ({"temperature": "hot"}, "number"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": 1.5}, "number"),
+        ({"volume": 11}, "unknown"),
+        ("greedy", "object"),
+    ],
+)
+def test_sampling_from_wire_rejects_bad_fields(data, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams.from_wire(data)
+
+
+def test_sampling_wire_round_trip():
+    params = SamplingParams(temperature=0.7, top_k=40, seed=3)
+    assert params.to_wire() == {"temperature": 0.7, "top_k": 40, "seed": 3}
+    assert SamplingParams.from_wire(params.to_wire()) == params

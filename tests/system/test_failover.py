@@ -1,0 +1,170 @@
+"""Registry, route planning, replicas and failover, with real processes (issue: failover)."""
+
+import asyncio
+import time
+
+import aiohttp
+import orjson
+import pytest
+
+from helpers import EXACT, MODEL, chat_ids, complete_ids, golden
+from meshws.tools.launch import NodeProcess, free_port
+
+pytestmark = [pytest.mark.real_model, pytest.mark.processes]
+
+STORY = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(embedded_model.folder))
+
+
+class Cluster:
+    """A head and the nodes that --join it; everything stopped at the end."""
+
+    def __init__(self, head_layers: str) -> None:
+        self.port = free_port()
+        self.head = NodeProcess("--role", "head", "--layers", head_layers, *EXACT, "--registry-ttl", "4",
+                                name="head", port=self.port).wait_started()
+        self.nodes: list[NodeProcess] = []
+
+    def join(self, role: str, layers: str) -> NodeProcess:
+        node = NodeProcess("--role", role, "--layers", layers, *EXACT, "--join", f"http://127.0.0.1:{self.port}",
+                           name=f"{role} {layers} #{len(self.nodes)}")
+        self.nodes.append(node)
+        return node
+
+    def wait_nodes(self, count: int, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            health = self.head.health()
+            links_up = sum(link["state"] == "up" for link in health["links"])
+            if len(health["nodes"]) == count and health["ready"] and links_up == count:
+                return health  # every joined node registered, and the head's link to each is up
+            if time.monotonic() > deadline:
+                raise AssertionError(f"expected {count} nodes: {health['nodes']} {health['problems']}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for node in self.nodes + [self.head]:
+            node.stop()
+
+
+async def stream_text(url, messages, max_tokens, on_chunk=None):
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    parts, events = [], []
+    async with aiohttp.ClientSession() as client:
+        async with client.post(f"{url}/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            async for line in response.content:
+                if not line.startswith(b"data: "):
+                    continue
+                events.append(line[6:].strip())
+                if events[-1] == b"[DONE]":
+                    break
+                chunk = orjson.loads(events[-1])
+                assert "error" not in chunk, chunk
+                if chunk["choices"]:
+                    parts.append(chunk["choices"][0]["delta"].get("content") or "")
+                if on_chunk:
+                    on_chunk(len(parts))
+    return "".join(parts)
+
+
+async def test_killing_the_serving_tail_mid_answer_keeps_the_answer(tokenizer):
+    cluster = Cluster("0-14")
+    try:
+        tails = [cluster.join("tail", "15-29"), cluster.join("tail", "15-29")]
+        for tail in tails:
+            tail.wait_started()
+        health = cluster.wait_nodes(2)
+        assert {tuple(n["layers"]) for n in health["nodes"]} == {(15, 30)}
+        messages = [{"role": "user", "content": STORY}]
+        fault_free = await stream_text(cluster.head.url, messages, 90)
+        assert len(fault_free) > 200
+
+        killed = []
+
+        def kill_serving_tail(chunks):
+            if chunks == 25 and not killed:
+                serving = [tail for tail in tails if tail.health()["sessions"] == 1]
+                assert len(serving) == 1, "exactly one replica serves the session"
+                serving[0].kill()
+                killed.append(serving[0])
+
+        started = time.monotonic()
+        with_fault = await stream_text(cluster.head.url, messages, 90, on_chunk=kill_serving_tail)
+        assert killed, "the tail was never killed"
+        assert with_fault == fault_free  # greedy, float32: the re-prefill continues exactly
+        survivor = next(tail for tail in tails if tail not in killed)
+        assert survivor.wait_sessions(0)["sessions"] == 0
+        assert any("failover" in line for line in cluster.head.lines)
+        # The dead tail leaves the registry within a few seconds.
+        deadline = time.monotonic() + 15
+        while len(cluster.head.health()["nodes"]) != 1:
+            assert time.monotonic() < deadline, cluster.head.health()["nodes"]
+            time.sleep(0.3)
+        assert time.monotonic() - started < 60
+        assert cluster.head.health()["nodes"][0]["url"] == f"ws://127.0.0.1:{survivor.port}"
+    finally:
+        cluster.stop()
+
+
+async def test_dynamic_three_node_chain_matches_generate_and_sessions_spread(tokenizer, reference_model):
+    cluster = Cluster("0-9")
+    try:
+        for role, layers in (("middle", "10-19"), ("tail", "20-29")):
+            cluster.join(role, layers).wait_started()
+        health = cluster.wait_nodes(2)
+        assert [hop["layers"] for hop in health["chain"]] == [[0, 10], [10, 20], [20, 30]]
+        ids = chat_ids(tokenizer, "Explain in detail how a bicycle works.")
+        tokens, _ = await complete_ids(cluster.head.url, ids, 24)
+        assert tokens == golden(reference_model, ids, 24)  # == the static chain (test_mesh_processes)
+        for node in cluster.nodes:
+            assert node.wait_sessions(0)["sessions"] == 0
+    finally:
+        cluster.stop()
+
+
+async def test_missing_layers_get_503_until_a_node_joins():
+    cluster = Cluster("0-14")
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        async with aiohttp.ClientSession() as client:
+            async with client.post(f"{cluster.head.url}/v1/chat/completions", json=body) as response:
+                assert response.status == 503
+                assert response.headers.get("Retry-After")
+                assert "layers 15-29 are not served" in (await response.json())["error"]["message"]
+            assert "layers 15-29 are not served" in cluster.head.health()["problems"][0]
+            cluster.join("tail", "15-29").wait_started()
+            cluster.wait_nodes(1)
+            async with client.post(f"{cluster.head.url}/v1/chat/completions", json=body) as response:
+                assert response.status == 200
+                assert (await response.json())["usage"]["completion_tokens"] >= 1
+    finally:
+        cluster.stop()
+
+
+async def test_layers_auto_covers_the_gap_then_replicates():
+    cluster = Cluster("0-9")
+    try:
+        first = cluster.join("tail", "auto")
+        second = cluster.join("tail", "auto")
+        first.wait_started()
+        second.wait_started()
+        health = cluster.wait_nodes(2)
+        spans = sorted(tuple(node["layers"]) for node in health["nodes"])
+        assert spans == [(10, 30), (10, 30)], spans  # the gap first, then a replica of the least-served span
+        assert health["ready"]
+        # Two generations at once spread across the replicas (the less loaded one is chosen).
+        messages = [{"role": "user", "content": STORY}]
+        await asyncio.gather(stream_text(cluster.head.url, messages, 30), stream_text(cluster.head.url, messages, 30))
+        deadline = time.monotonic() + 10  # the close reaches the tails just after the answers end
+        while (served := [sum(" closed: " in line for line in node.lines) for node in (first, second)]) != [1, 1]:
+            assert time.monotonic() < deadline, served
+            time.sleep(0.1)
+    finally:
+        cluster.stop()

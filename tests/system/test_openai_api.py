@@ -1,0 +1,250 @@
+"""The head's public API against a real head + tail: the official openai client, /ws/chat, errors."""
+
+import subprocess
+import sys
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from fakes import CachedHeadBackend, CachedTailBackend, fake_mesh
+from helpers import ROOT
+from meshws.tools.launch import Mesh
+
+pytestmark = [pytest.mark.real_model, pytest.mark.processes]
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "Explain in detail how a bicycle works."}]
+
+
+@pytest.fixture(scope="module")
+def mesh(embedded_model):
+    mesh = Mesh([("head", "0-14"), ("tail", "15-29")])
+    yield mesh
+    mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def client(mesh):
+    return openai.OpenAI(base_url=f"{mesh.head.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(embedded_model.folder))
+
+
+def test_models_list(client):
+    models = client.models.list()
+    assert [model.id for model in models.data] == [MODEL]
+
+
+def test_chat_streaming_equals_non_streaming_for_greedy(client, mesh):
+    answer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40, temperature=0)
+    text = answer.choices[0].message.content
+    assert answer.object == "chat.completion" and answer.id.startswith("chatcmpl-")
+    assert answer.choices[0].message.role == "assistant"
+    assert len(text) > 20
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [answer.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == answer.usage.completion_tokens
+    assert chunks[-1].choices == []
+    assert mesh.tail.wait_sessions(0)["sessions"] == 0
+
+
+def test_completions_endpoint(client):
+    answer = client.completions.create(model=MODEL, prompt="The three primary colours are", max_tokens=12,
+                                       temperature=0)
+    assert answer.object == "text_completion"
+    assert answer.choices[0].text.strip()
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The three primary colours are", max_tokens=12, temperature=0, stream=True))
+    assert streamed == answer.choices[0].text
+
+
+def test_max_tokens_gives_finish_reason_length_and_usage_matches_the_tokenizer(client, tokenizer):
+    answer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=7, temperature=0,
+                                            extra_body={"return_token_ids": True})
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage.completion_tokens == 7
+    prompt_ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert answer.usage.prompt_tokens == len(prompt_ids)
+    assert answer.usage.total_tokens == len(prompt_ids) + 7
+    token_ids = answer.model_extra["prompt_token_ids"], answer.choices[0].model_extra["token_ids"]
+    assert token_ids[0] == prompt_ids
+    assert tokenizer.decode(token_ids[1], skip_special_tokens=True) == answer.choices[0].message.content
+    # max_completion_tokens is the newer name for the same limit.
+    newer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=3, temperature=0)
+    assert newer.usage.completion_tokens == 3
+
+
+def test_stop_strings_end_the_answer_before_the_stop_text(client):
+    full = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40, temperature=0)
+    text = full.choices[0].message.content
+    words = text.split()
+    stop_word = next(w for w in words[3:] if len(w) > 3)
+    expected = text[: text.index(stop_word)]
+    for stop in (stop_word, [stop_word, "zzzz-never"]):
+        cut = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40, temperature=0, stop=stop)
+        assert cut.choices[0].message.content == expected
+        assert cut.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=40, temperature=0, stop=stop_word, stream=True) if c.choices)
+    assert streamed == expected
+
+
+def test_same_seed_gives_the_same_sampled_text(client):
+    def sample(seed):
+        return client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0.9,
+                                              top_p=0.95, seed=seed).choices[0].message.content
+
+    first, second = sample(1234), sample(1234)
+    assert first == second
+    others = {sample(seed) for seed in (1, 2, 3)}
+    assert len(others | {first}) > 1, "different seeds should not all give the same text"
+    penalised = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0,
+                                               frequency_penalty=1.5, presence_penalty=0.5)
+    assert penalised.choices[0].message.content
+
+
+def test_streaming_client_that_disconnects_leaves_no_sessions(client, mesh):
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=300, temperature=0,
+                                            stream=True)
+    for index, _ in enumerate(stream):
+        if index == 3:
+            assert mesh.tail.health()["sessions"] == 1
+            break
+    stream.close()
+    assert mesh.head.wait_sessions(0)["sessions"] == 0
+    assert mesh.tail.wait_sessions(0)["sessions"] == 0
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 400, None),
+        ({"model": MODEL}, 400, "messages"),
+        ({"messages": QUESTION}, 400, "model"),
+        ({"model": MODEL, "messages": "hi"}, 400, "messages"),
+        ({"model": MODEL, "messages": []}, 400, "messages"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+        ({"model": MODEL, "messages": QUESTION, "temperature": "hot"}, 400, "temperature"),
+        ({"model": MODEL, "messages": QUESTION, "temperature": 7}, 400, "temperature"),
+        ({"model": MODEL, "messages": QUESTION, "max_tokens": "ten"}, 400, "max_tokens"),
+        ({"model": MODEL, "messages": QUESTION, "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "messages": QUESTION, "max_tokens": 9000}, 400, "max_tokens"),
+        ({"model": MODEL, "messages": QUESTION, "n": 2}, 400, "n"),
+        ({"model": MODEL, "messages": QUESTION, "stop": 5}, 400, "stop"),
+        ({"model": MODEL, "messages": QUESTION, "stream": "yes"}, 400, "stream"),
+        ({"model": "gpt-4o", "messages": QUESTION}, 404, "model"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hello " * 9000}]}, 400, "messages"),
+    ],
+)
+async def test_bad_chat_requests_get_openai_shaped_errors(mesh, body, status, param):
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{mesh.head.url}/v1/chat/completions", data=data,
+                                headers={"Content-Type": "application/json"}) as response:
+            assert response.status == status
+            error = (await response.json())["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["param"] == param
+
+
+async def test_bad_completion_requests_and_unknown_routes(mesh, client):
+    async with aiohttp.ClientSession() as session:
+        for body, param in (({"model": MODEL}, "prompt"), ({"model": MODEL, "prompt": [1, "x"]}, "prompt"),
+                            ({"model": MODEL, "prompt": [10**7]}, "prompt"), ({"model": MODEL, "prompt": ""}, "prompt")):
+            async with session.post(f"{mesh.head.url}/v1/completions", json=body) as response:
+                assert response.status == 400
+                assert (await response.json())["error"]["param"] == param
+        async with session.get(f"{mesh.head.url}/v1/engines") as response:
+            assert response.status == 404
+            assert "no route" in (await response.json())["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=QUESTION)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=QUESTION, n=3)
+    # The head keeps serving after every bad request.
+    assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3).usage.completion_tokens == 3
+
+
+async def test_ws_chat_streams_stops_and_chats_twice_on_one_socket(mesh):
+    async with aiohttp.ClientSession() as session:
+        async with session.ws_connect(f"{mesh.head.ws_url}/ws/chat") as ws:
+            await ws.send_json({"type": "chat", "messages": QUESTION, "max_tokens": 16, "temperature": 0, "id": "t1"})
+            start = await ws.receive_json()
+            assert start["type"] == "start" and start["id"] == "t1" and start["prompt_tokens"] > 10
+            deltas = []
+            while (message := await ws.receive_json())["type"] == "delta":
+                deltas.append(message["text"])
+            assert message["type"] == "done" and message["id"] == "t1"
+            assert message["finish_reason"] == "length" and len(deltas) > 3
+            assert message["text"] == "".join(deltas)
+            assert message["usage"]["completion_tokens"] == 16
+            assert message["timing"]["ttft_ms"] > 0 and message["timing"]["tokens_per_second"] > 0
+            assert [hop["layers"] for hop in message["route"]] == [[0, 15], [15, 30]]
+
+            # Second turn on the same socket, stopped mid-way.
+            history = QUESTION + [{"role": "assistant", "content": message["text"]},
+                                  {"role": "user", "content": "Now tell me a very long story about it."}]
+            await ws.send_json({"type": "chat", "messages": history, "max_tokens": 500, "temperature": 0})
+            assert (await ws.receive_json())["type"] == "start"
+            for _ in range(3):
+                assert (await ws.receive_json())["type"] == "delta"
+            assert mesh.tail.health()["sessions"] == 1
+            await ws.send_json({"type": "stop"})
+            while (message := await ws.receive_json())["type"] == "delta":
+                pass
+            assert message["type"] == "done" and message["finish_reason"] == "stopped"
+            assert message["usage"]["completion_tokens"] < 500
+            assert mesh.tail.wait_sessions(0)["sessions"] == 0
+
+            await ws.send_json({"type": "dance"})
+            assert "unknown message type" in (await ws.receive_json())["message"]
+            await ws.send_json({"type": "chat", "messages": []})
+            assert (await ws.receive_json())["type"] == "error"
+            await ws.send_json({"type": "chat", "messages": QUESTION, "max_tokens": 2})
+            assert (await ws.receive_json())["type"] == "start"
+
+
+def test_example_ws_client_streams_an_answer(mesh):
+    result = subprocess.run(
+        [sys.executable, "examples/ws_client.py", "--url", mesh.head.ws_url, "--max-tokens", "8", "--temperature", "0",
+         "What is the capital of France?"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "tok/s" in result.stderr
+
+
+async def test_api_key_guards_the_api_but_not_health():
+    tail_backend = CachedTailBackend([(" a", 1), ("", 99)])
+    async with fake_mesh(CachedHeadBackend(), tail_backend, api_key="sekrit") as fake:
+        url = f"http://127.0.0.1:{fake.head_port}"
+        body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+        async with aiohttp.ClientSession() as session:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+                async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as response:
+                    assert response.status == 401
+                    assert (await response.json())["error"]["code"] == "invalid_api_key"
+            async with session.get(f"{url}/health") as response:
+                assert response.status == 200
+        keyed = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="sekrit", max_retries=0)
+        answer = await keyed.chat.completions.create(model="fake-model", messages=body["messages"])
+        assert answer.choices[0].message.content == " a"
+        with pytest.raises(openai.AuthenticationError):
+            await openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bad", max_retries=0).models.list()

@@ -1,0 +1,113 @@
+"""The package's layers: api -> head -> mesh -> model, arrows pointing down only, and no cycles.
+
+Built from the source with `ast`, so the rule holds for every import, lazy ones included.
+"""
+
+import ast
+from pathlib import Path
+
+import meshws
+
+PACKAGE = Path(meshws.__file__).resolve().parent
+LAYERS = ["model", "mesh", "head", "api"]  # each may import only those before it
+MAX_LINES = 365
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every meshws module `path` imports (relative imports resolved)."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("meshws")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("meshws"):
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(path): _imports(path) for path in PACKAGE.rglob("*.py")}
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a layer to a layer above it (or out of the layers into node, config, tools)."""
+    upward = []
+    for module, targets in graph.items():
+        mine = _layer(module)
+        if mine is None:
+            continue  # the node, the CLI, config and tools wire everything
+        for target in targets:
+            theirs = _layer(target)
+            if (theirs is None and target != "meshws") or (theirs is not None and theirs > mine):
+                upward.append(f"{module} -> {target}")
+    return sorted(upward)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle among the modules of `graph`, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        stack.append(module)
+        for target in sorted(graph[module] & set(graph)):
+            if target in (module, "meshws"):
+                continue
+            if state.get(target) == 1:
+                return stack[stack.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        stack.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def test_imports_between_the_subpackages_point_down_only():
+    assert upward_imports(_graph()) == []
+
+
+def test_there_is_no_import_cycle():
+    assert find_cycle(_graph()) is None
+
+
+def test_the_checks_catch_an_upward_import_and_a_cycle():
+    graph = _graph()
+    assert "meshws.model.backend" in graph["meshws.mesh.compute"]  # the graph sees real imports
+    bad = dict(graph, **{"meshws.model.shard": graph["meshws.model.shard"] | {"meshws.api.errors"}})
+    assert upward_imports(bad) == ["meshws.model.shard -> meshws.api.errors"]
+    looped = dict(graph, **{"meshws.model.tensors": graph["meshws.model.tensors"] | {"meshws.model.shard"}})
+    assert find_cycle(looped) is not None
+
+
+def test_every_module_says_what_it_owns_and_fits_in_one_sitting():
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "__main__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        assert ast.get_docstring(tree), f"{path.relative_to(PACKAGE)} has no docstring"
+        lines = len(path.read_text().splitlines())
+        assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE)} has {lines} lines"
