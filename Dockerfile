@@ -1,7 +1,7 @@
 # meshws node, CPU only. The embedded model is converted at build time (about 540 MB in the image).
 #   docker build -t meshws .
 #   docker run -p 8701:8701 -e MESHWS_ROLE=tail -e MESHWS_LAYERS=15-29 -e MESHWS_PORT=8701 \
-#       -e MESHWS_ADVERTISE=ws://10.0.0.2:8701 -e MESHWS_JOIN=http://10.0.0.1:8700 -e MESHWS_SECRET=... meshws
+#       -e MESHWS_ADVERTISE=ws://10.0.0.2:8701 -e MESHWS_JOIN=http://10.0.0.1:8700 -e MESHWS_SECRET_FILE=/run/mesh.secret meshws
 # Every flag of `python -m meshws.node` is a MESHWS_* variable; see README.md.
 FROM python:3.11-slim
 

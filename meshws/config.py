@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 ROLES = ("head", "middle", "tail", "full")
+MIN_SECRET_BYTES = 16
 
 
 @dataclass
@@ -32,7 +33,15 @@ class NodeSettings:
     compress_min_bytes: int = 64 * 1024  # tensor bodies at least this big are zstd-compressed if it pays
     step_timeout: float = 120.0  # seconds the head waits for one step's answer
     api_key: str | None = None  # when set, the public API needs "Authorization: Bearer <key>"
+    api_key_file: str | None = None  # read the API key from this file (keeps it out of `ps`)
     secret: str | None = None  # the mesh secret: links and joins must prove they know it
+    secret_file: str | None = None  # read the mesh secret from this file (keeps it out of `ps`)
+    insecure: bool = False  # allow listening beyond loopback without a secret (loud warnings)
+    tls_cert: str | None = None  # serve HTTPS/WSS with this certificate (PEM)
+    tls_key: str | None = None  # ... and this private key (PEM)
+    tls_ca: str | None = None  # CA bundle that peers' certificates must verify against (wss://, https://)
+    cors_origins: tuple[str, ...] = ()  # browser origins besides the node's own allowed on the API and /ws/chat
+    allowed_hosts: tuple[str, ...] = ()  # Host names the page and API answer besides IPs, loopback and own names
     max_generations: int = 32  # generations a head runs at once; beyond, 503 with Retry-After
     cache_dir: str | None = None  # where converted models are cached
     log_level: str = "INFO"
@@ -57,8 +66,18 @@ _HELP = {
     "max_frame_bytes": "largest websocket frame this node accepts, e.g. 64M",
     "compress_min_bytes": "tensor bodies at least this large are zstd-compressed when that saves 10%%",
     "step_timeout": "seconds the head waits for one step before calling the pipeline failed",
-    "api_key": "require 'Authorization: Bearer KEY' on the public API (health stays open)",
-    "secret": "the mesh secret: only nodes knowing it may link to this node or join this head (HMAC, never sent)",
+    "api_key": "require 'Authorization: Bearer KEY' on the public API (prefer --api-key-file or MESHWS_API_KEY)",
+    "api_key_file": "a file holding the API key",
+    "secret": "the mesh secret, at least 16 bytes: only nodes knowing it may link to this node or join this head "
+              "(HMAC, never sent; prefer --secret-file or MESHWS_SECRET, which ps does not show)",
+    "secret_file": "a file holding the mesh secret",
+    "insecure": "listen beyond loopback without a mesh secret (anyone who reaches the port can join or link)",
+    "tls_cert": "certificate (PEM) to serve HTTPS and WSS with; needs --tls-key",
+    "tls_key": "private key (PEM) of --tls-cert",
+    "tls_ca": "CA certificates (PEM) that wss:// peers and https:// heads must verify against (default: the system's)",
+    "cors_origins": "comma-separated browser origins (https://app.example) allowed to call the API and /ws/chat",
+    "allowed_hosts": "comma-separated host names the page and API answer to, besides IP addresses, localhost and "
+                     "this node's own names (DNS-rebinding guard)",
     "max_generations": "on a head: generations run at once; more get 503 with Retry-After",
     "cache_dir": "folder for converted models (default ~/.cache/meshws/models)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
@@ -111,6 +130,17 @@ def _peer(text: str) -> str:
     return value
 
 
+def _flag(text: str) -> bool:
+    value = str(text).strip().lower()
+    if value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise argparse.ArgumentTypeError(f"not a yes/no value: {text!r}")
+    return value in ("1", "true", "yes", "on")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip().rstrip("/") for part in str(text).split(",") if part.strip())
+
+
 _TYPES = {
     "role": str,
     "model": str,
@@ -131,7 +161,15 @@ _TYPES = {
     "compress_min_bytes": parse_size,
     "step_timeout": float,
     "api_key": str,
+    "api_key_file": str,
     "secret": str,
+    "secret_file": str,
+    "insecure": _flag,
+    "tls_cert": str,
+    "tls_key": str,
+    "tls_ca": str,
+    "cors_origins": _names,
+    "allowed_hosts": _names,
     "max_generations": int,
     "cache_dir": str,
     "log_level": str,
@@ -160,14 +198,11 @@ def build_parser(prog: str = "python -m meshws.node") -> argparse.ArgumentParser
     for name, kind in _TYPES.items():
         flag = "--" + name.replace("_", "-")
         default = getattr(defaults, name)
-        parser.add_argument(
-            flag,
-            dest=name,
-            type=kind,
-            default=None,
-            choices=_CHOICES.get(name),
-            help=f"{_HELP[name]} [env {env_name(name)}; default {default}]",
-        )
+        help_text = f"{_HELP[name]} [env {env_name(name)}; default {default}]"
+        if kind is _flag:
+            parser.add_argument(flag, dest=name, action="store_const", const=True, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, type=kind, default=None, choices=_CHOICES.get(name), help=help_text)
     return parser
 
 
@@ -191,10 +226,29 @@ def parse_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | 
         if value is not None:
             values[name] = value
     settings = NodeSettings(**values)
-    problem = check_settings(settings)
+    problem = read_secret_files(settings) or check_settings(settings)
     if problem:
         parser.error(problem)
     return settings
+
+
+def read_secret_files(settings: NodeSettings) -> str | None:
+    """--secret-file and --api-key-file fill in the secret and the key; None, or what went wrong."""
+    for name, path in (("secret", settings.secret_file), ("api_key", settings.api_key_file)):
+        if path is None:
+            continue
+        try:
+            value = open(path, encoding="utf-8").read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            return f"--{name.replace('_', '-')}-file {path}: {exc}"
+        if not value:
+            return f"--{name.replace('_', '-')}-file {path} is empty"
+        setattr(settings, name, value)
+    return None
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def check_settings(settings: NodeSettings) -> str | None:
@@ -212,6 +266,15 @@ def check_settings(settings: NodeSettings) -> str | None:
         return "only middle and tail nodes --join a head"
     if settings.role == "full" and settings.peer:
         return "a full node holds all layers and takes no --peer"
+    if settings.secret is not None and len(settings.secret.encode()) < MIN_SECRET_BYTES:
+        return f"the mesh secret must be at least {MIN_SECRET_BYTES} bytes (e.g. python -c \"import secrets; " \
+               "print(secrets.token_hex(16))\")"
+    if not is_loopback(settings.host) and not settings.secret and not settings.insecure:
+        return (f"refusing to listen on {settings.host} without a mesh secret: anyone who reaches the port could "
+                "join the mesh or link to this node. Give one with --secret-file or MESHWS_SECRET (--secret), "
+                "or accept that with --insecure")
+    if bool(settings.tls_cert) != bool(settings.tls_key):
+        return "--tls-cert and --tls-key go together"
     return None
 
 

@@ -21,16 +21,18 @@ from aiohttp import web
 
 from .api.chat_ws import ChatSocket
 from .api.errors import error_middleware, json_response
+from .api.guards import RequestGuard, add_security_headers
 from .api.openai_routes import OpenAIApi
 from .api.page import add_page_routes
-from .config import NodeSettings, parse_settings
+from .access import NodeAccess, host_of, tls_contexts
+from .config import NodeSettings, is_loopback, parse_settings
 from .head.generation import GenerationStats, Generator
 from .head.membership import RegistryEndpoints
 from .head.planner import RoutePlanner
 from .head.registry import Registry
 from .head.routes import NoRoute, chain_gaps
 from .head.service import HeadService
-from .mesh.auth import HEADER, Verifier, sign
+from .mesh.auth import CHALLENGE_PATH
 from .mesh.compute import ComputeWorker
 from .mesh.link import Link, LinkPool
 from .mesh.membership import Announcer, ask_assignment
@@ -71,13 +73,15 @@ class Node:
         self.started = time.time()
         self.port: int | None = None
         self.advertise = ""
-        self.verifier = Verifier(settings.secret)
+        self.access = NodeAccess(settings)
+        self.server_ssl, self.client_ssl = tls_contexts(settings)
         self.links = LinkPool(self._new_link)
         self.shard_service: ShardService | None = None
         self.head: HeadService | None = None
         self.planner: RoutePlanner | None = None
         self.registry: Registry | None = None
         self.announcer: Announcer | None = None
+        self.registry_endpoints: RegistryEndpoints | None = None
         self._runner: web.AppRunner | None = None
 
     @property
@@ -107,14 +111,20 @@ class Node:
                 raise SystemExit(problem)
         sock = socket.create_server((self.settings.host, self.settings.port))
         self.port = sock.getsockname()[1]  # the real port when 0 was asked
-        self.advertise = self.settings.advertise or f"ws://{self._public_host()}:{self.port}"
+        scheme = "wss" if self.server_ssl else "ws"
+        self.advertise = self.settings.advertise or f"{scheme}://{self._public_host()}:{self.port}"
         self.worker = ComputeWorker(self.backend, live_sessions=self._live_sessions)
         sessions = self.backend.sessions
         self.metrics = NodeMetrics(sessions=lambda: len(sessions), cache_bytes=lambda: sessions.total_bytes)
+        guard = RequestGuard([self.settings.host, self._public_host(), host_of(self.advertise)],
+                             self.settings.allowed_hosts, self.settings.cors_origins,
+                             mesh_hosts_checked=not self.settings.secret)
         app = web.Application(client_max_size=8 * 1024 * 1024,
-                              middlewares=[error_middleware(lambda: self.settings.api_key)])
+                              middlewares=[guard.middleware(), error_middleware(lambda: self.settings.api_key)])
+        app.on_response_prepare.append(add_security_headers)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get(CHALLENGE_PATH, self.access.challenge)
         app.cleanup_ctx.append(self._worker_ctx)
         app.cleanup_ctx.append(self._links_ctx)
         if self.role in ("middle", "tail"):
@@ -123,7 +133,7 @@ class Node:
             self._mount_head(app)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=10.0)
         await self._runner.setup()
-        await web.SockSite(self._runner, sock).start()
+        await web.SockSite(self._runner, sock, ssl_context=self.server_ssl).start()
         return self.port
 
     async def stop(self) -> None:
@@ -148,15 +158,18 @@ class Node:
             self.shard, self.worker, self.links, self.metrics,
             node_name=self.name, hello=self.hello, static_peer=self.settings.peer,
             max_frame_bytes=self.settings.max_frame_bytes, compress_min_bytes=self.settings.compress_min_bytes,
-            authorize=self._authorize,
+            authorize=lambda request: self.access.authorize(request, b""), secret=self.settings.secret,
+            open_routes=self.settings.insecure,
         )
         app.router.add_get("/ws/shard", service.handle)
+        app.cleanup_ctx.append(service.next_hops.idle_ctx)
         app.on_shutdown.append(lambda app: service.shutdown())
         if self.settings.join:
             app.cleanup_ctx.append(self._announcer_ctx)
 
     async def _announcer_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        self.announcer = Announcer(self.settings.join or "", self._announcement, headers=self.auth_headers)
+        self.announcer = Announcer(self.settings.join or "", self._announcement, self.settings.secret,
+                                   self.client_ssl)
         self.announcer.start()
         yield
         await self.announcer.stop()
@@ -169,16 +182,18 @@ class Node:
                                     self.registry, self.settings.peer, full=self.role == "full")
         generator = Generator(backend, self.worker, planner=self.planner, step_timeout=self.settings.step_timeout,
                               compress_min_bytes=self.settings.compress_min_bytes,
-                              on_finish=self._generation_finished)
+                              on_finish=self._generation_finished, secret=self.settings.secret)
         self.head = HeadService(backend, self.worker, generator, self.planner, self.settings.max_generations)
         OpenAIApi(self.head).add_routes(app)
-        chat = ChatSocket(self.head)
+        chat = ChatSocket(self.head, detail_allowed=self.access.detail_allowed)
         chat.add_routes(app)
         app.on_shutdown.append(lambda app: chat.shutdown())
         if not add_page_routes(app):
             log.warning("the chat page is not installed with this package; / is not served")
-        endpoints = RegistryEndpoints(self.registry, self.span, on_join=lambda record: self.links.get(record.url),
-                                      on_leave=self.links.discard, authorize=self._authorize)
+        endpoints = self.registry_endpoints = RegistryEndpoints(
+            self.registry, self.span, on_join=lambda record: self.links.get(record.url), on_leave=self.links.discard,
+            authorize=self.access.authorize, insecure=self.settings.insecure and not self.settings.secret,
+            precheck=self.access.precheck)
         endpoints.add_routes(app)
         app.cleanup_ctx.append(endpoints.expiry_ctx)
 
@@ -187,7 +202,7 @@ class Node:
         return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
 
     async def _take_assigned_layers(self) -> None:
-        start, end, total = await ask_assignment(self.settings.join or "", self.auth_headers)
+        start, end, total = await ask_assignment(self.settings.join or "", self.settings.secret, self.client_ssl)
         self.settings.layers = (start, end)
         self.role = self.settings.role = "tail" if end == total else "middle"
         log.info("the head assigned layers %d-%d: this node is a %s", start, end - 1, self.role)
@@ -202,17 +217,14 @@ class Node:
 
     def _new_link(self, url: str) -> Link:
         return Link(url, self.hello, max_frame_bytes=self.settings.max_frame_bytes, on_change=self._link_changed,
-                    headers=lambda: self.auth_headers("/ws/shard"))
-
-    def auth_headers(self, path: str) -> dict[str, str]:
-        return {HEADER: sign(self.settings.secret, path)} if self.settings.secret else {}
-
-    def _authorize(self, request: web.Request) -> str | None:
-        return self.verifier.check(request.headers.get(HEADER), request.path)
+                    secret=self.settings.secret, ssl=self.client_ssl)
 
     def _link_changed(self, link: Link) -> None:
         if self.shard_service is not None:  # our chain changed: tell the hop before us
             asyncio.get_running_loop().create_task(self.shard_service.announce())
+        hello = link.peer_hello
+        if self.registry_endpoints is not None and link.is_up and hello is not None:
+            self.registry_endpoints.check_link(link.url, hello.model, hello.layers)
 
     def hello(self) -> Hello:
         backend = self.shard
@@ -285,7 +297,12 @@ class Node:
         return info
 
     async def _health(self, request: web.Request) -> web.Response:
-        return json_response(self.health())
+        if self.access.detail_allowed(request):
+            return json_response(self.health())
+        backend = self.shard  # the public face: whether it serves, and what
+        ready = not self._chain_state()[1]
+        return json_response({"status": "ok", "ready": ready, "role": self.role, "model": backend.model_id,
+                              "layers": list(self.span)})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
@@ -309,16 +326,16 @@ async def serve(settings: NodeSettings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     port = await node.start()
-    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.secret:
-        log.warning("listening on %s without --secret: anyone who can reach this address can link to this node "
-                    "or join the mesh", settings.host)
-    where = f"http://{settings.host}:{port}"
+    if settings.insecure and not settings.secret and not is_loopback(settings.host):
+        log.warning("INSECURE: listening on %s with no mesh secret: anyone who reaches this port can link to this "
+                    "node, join the mesh and read every hidden state; use --secret-file", settings.host)
+    where = f"{'https' if node.server_ssl else 'http'}://{settings.host}:{port}"
     first, last = node.span
     line = f"meshws {node.role} ready: {node.shard.model_id} layers {first}-{last - 1} on {where}"
     if node.role in ("head", "full"):
         line += f" (chat page {where}/, OpenAI API {where}/v1)"
     else:
-        line += f" (links: ws://{settings.host}:{port}/ws/shard)"
+        line += f" (links: {node.advertise}/ws/shard)"
     print(line, flush=True)
     await stop.wait()
     log.info("%s shutting down", node.name)

@@ -64,3 +64,23 @@ def test_sizes_and_layers():
     assert parse_size("1.5GiB") == int(1.5 * 1024**3)
     assert parse_layers("0-14") == (0, 15)
     assert NodeSettings().host == "127.0.0.1"
+
+
+def test_secrets_come_from_files_and_short_ones_are_refused(tmp_path, capsys):
+    secret, key = tmp_path / "mesh.secret", tmp_path / "api.key"
+    secret.write_text("a-secret-of-sixteen-bytes\n")
+    key.write_text("the-api-key\n")
+    settings = parse_settings(["--secret-file", str(secret), "--api-key-file", str(key)], environ={})
+    assert settings.secret == "a-secret-of-sixteen-bytes" and settings.api_key == "the-api-key"
+    assert parse_settings([], environ={"MESHWS_SECRET_FILE": str(secret)}).secret == "a-secret-of-sixteen-bytes"
+    (tmp_path / "empty").write_text("\n")
+    for argv, needle in ((["--secret-file", str(tmp_path / "missing")], "missing"),
+                         (["--secret-file", str(tmp_path / "empty")], "empty"),
+                         (["--secret", "too-short"], "at least 16 bytes"),
+                         (["--host", "0.0.0.0"], "--insecure"),
+                         (["--tls-cert", "x.pem"], "--tls-key")):
+        with pytest.raises(SystemExit):
+            parse_settings(argv, environ={})
+        assert needle in capsys.readouterr().err
+    assert parse_settings(["--host", "0.0.0.0", "--insecure"], environ={}).insecure
+    assert parse_settings(["--host", "0.0.0.0"], environ={"MESHWS_INSECURE": "1"}).insecure

@@ -148,22 +148,25 @@ function setConn(state) {
 // -- the mesh panel ------------------------------------------------------------
 async function refreshMesh() {
   try {
-    const response = await fetch("/health", { cache: "no-store" });
+    // The detailed view needs the API key (or a loopback client); without it: status, role, model, layers.
+    const key = settings.apiKey.value.trim();
+    const response = await fetch("/health", { cache: "no-store", headers: key ? { Authorization: `Bearer ${key}` } : {} });
     const health = await response.json();
     $("model").textContent = health.model;
     const list = $("mesh-nodes");
     list.replaceChildren();
     // Joined nodes (with their load) when the head has a registry, else the --peer chain.
     const joined = (health.nodes || []).map((n) => `${n.node} · layers ${n.layers[0]}-${n.layers[1] - 1} · ${n.load} session(s)`);
-    const head = `${health.node} · layers ${health.layers[0]}-${health.layers[1] - 1} · ${health.sessions} session(s)`;
+    const head = `${health.node || health.role} · layers ${health.layers[0]}-${health.layers[1] - 1}` +
+      (health.sessions === undefined ? "" : ` · ${health.sessions} session(s)`);
     const lines = joined.length ? [head, ...joined]
-      : (health.chain || []).map((hop) => `${hop.node} · layers ${hop.layers[0]}-${hop.layers[1] - 1}`);
+      : health.chain ? health.chain.map((hop) => `${hop.node} · layers ${hop.layers[0]}-${hop.layers[1] - 1}`) : [head];
     for (const text of lines) {
       const item = document.createElement("li");
       item.textContent = text;
       list.appendChild(item);
     }
-    const problems = health.problems || [];
+    const problems = health.problems || (health.ready ? [] : ["the mesh cannot serve every layer yet"]);
     $("mesh-status").textContent = problems.length
       ? "Not ready: " + problems.join("; ")
       : `Ready · ${lines.length} node(s) · ${health.generations ?? 0} generating`;

@@ -20,14 +20,14 @@ import logging
 import time
 import uuid
 from contextlib import suppress
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 from aiohttp import WSMsgType, web
 
 from ..head.generation import FinishReason, GenerationStats, PipelineError
 from ..head.service import HeadService, Unavailable
-from .errors import ApiError
+from .errors import ApiError, public_text
 from .openai_routes import run_spec, usage
 from .requests import build_spec
 
@@ -37,8 +37,9 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
 class ChatSocket:
-    def __init__(self, head: HeadService) -> None:
+    def __init__(self, head: HeadService, detail_allowed: Callable[[web.Request], bool] = lambda request: False) -> None:
         self.head = head
+        self.detail_allowed = detail_allowed  # may this client see node names and addresses?
         self.sockets: set[web.WebSocketResponse] = set()
 
     def add_routes(self, app: web.Application) -> None:
@@ -48,6 +49,7 @@ class ChatSocket:
         ws = web.WebSocketResponse(heartbeat=20.0, max_msg_size=MAX_MESSAGE_BYTES)
         await ws.prepare(request)
         self.sockets.add(ws)
+        detailed = self.detail_allowed(request)
         running: asyncio.Task | None = None
         try:
             async for message in ws:
@@ -72,7 +74,7 @@ class ChatSocket:
                     running.cancel()
                     with suppress(asyncio.CancelledError):
                         await running
-                running = asyncio.create_task(self._turn(ws, data))
+                running = asyncio.create_task(self._turn(ws, data, detailed))
         finally:
             self.sockets.discard(ws)
             if running is not None and not running.done():
@@ -86,7 +88,7 @@ class ChatSocket:
         for ws in list(self.sockets):
             await ws.close(code=1001, message=b"node shutting down")
 
-    async def _turn(self, ws: web.WebSocketResponse, data: dict[str, Any]) -> None:
+    async def _turn(self, ws: web.WebSocketResponse, data: dict[str, Any], detailed: bool) -> None:
         turn_id = data.get("id") if isinstance(data.get("id"), (str, int)) else uuid.uuid4().hex[:12]
         body = {key: value for key, value in data.items() if key not in ("type", "id", "stream")}
         body.setdefault("model", self.head.model_id)
@@ -95,7 +97,7 @@ class ChatSocket:
             spec = await build_spec(body, True, self.head)
             route = self.head.admit()
         except Unavailable as exc:
-            await _send(ws, {"type": "error", "id": turn_id, "message": str(exc), "param": None})
+            await _send(ws, {"type": "error", "id": turn_id, "message": public_text(str(exc)), "param": None})
             return
         except ApiError as exc:
             await _send(ws, {"type": "error", "id": turn_id, "message": exc.message, "param": exc.param})
@@ -111,8 +113,11 @@ class ChatSocket:
             finish = stats.finish_reason or FinishReason.LENGTH
         except asyncio.CancelledError:
             finish = FinishReason.STOPPED
-        except PipelineError as exc:
-            await _send(ws, {"type": "error", "id": turn_id, "message": f"pipeline error: {exc}",
+        except Exception as exc:  # a pipeline failure, or a bug: the client hears of it either way
+            if not isinstance(exc, PipelineError):
+                log.exception("turn %s failed", turn_id)
+                exc = PipelineError("internal error; the node logged it")
+            await _send(ws, {"type": "error", "id": turn_id, "message": f"pipeline error: {public_text(str(exc))}",
                              "text": "".join(parts)})
             return
         finally:
@@ -130,8 +135,13 @@ class ChatSocket:
                 "tokens_per_second": round(stats.decode_tokens_per_second or 0.0, 2),
                 "total_ms": round((stats.finished_at - stats.started) * 1000, 1),
             },
-            "route": stats.route,
+            "route": stats.route if detailed else public_route(stats.route),
         })
+
+
+def public_route(route: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The route for people who may not see the mesh's insides: roles and layers, no names or URLs."""
+    return [{"node": str(hop.get("node", "")).split("@")[0], "layers": hop.get("layers")} for hop in route]
 
 
 async def _send(ws: web.WebSocketResponse, message: dict[str, Any]) -> None:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import hmac
+import logging
+import re
 from typing import Any, Callable
 
 import orjson
 from aiohttp import web
+
+from ..mesh.log_limit import LogLimiter
 
 
 class ApiError(Exception):
@@ -23,6 +27,24 @@ class ApiError(Exception):
 
     def response(self) -> web.Response:
         return json_response(self.body(), status=self.status, headers=self.headers)
+
+
+_ADDRESSES = [
+    (re.compile(r"\b(?:wss?|https?)://[^\s,;)'\"]+"), "<node>"),  # URLs of nodes
+    (re.compile(r"\b(head|middle|tail|full)@[^\s,;:)'\"]+(?::\d+)?"), r"\1"),  # node names carry host:port
+    (re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"), "<address>"),  # IPv4, with a port
+    (re.compile(r"\[[0-9a-fA-F:]+\](?::\d+)?"), "<address>"),  # [IPv6]:port
+    (re.compile(r"(?<![\w:])(?:[0-9a-fA-F]{0,4}:){2,7}[0-9a-fA-F]{1,4}(?:%\w+)?"), "<address>"),  # bare IPv6
+    (re.compile(r"\b[A-Za-z0-9](?:[\w-]*\.)+[A-Za-z][\w-]*:\d{1,5}\b"), "<address>"),  # host.name:port
+    (re.compile(r"\bhost [\w.-]+"), "host <address>"),  # aiohttp's "Cannot connect to host NAME"
+]
+
+
+def public_text(text: str) -> str:
+    """An error text fit for API clients: the mesh's internal addresses taken out."""
+    for pattern, replacement in _ADDRESSES:
+        text = pattern.sub(replacement, text)
+    return text
 
 
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -60,5 +82,20 @@ def error_middleware(api_key: Callable[[], str | None]) -> Any:
                 raise
             message = f"no route {request.method} {path}" if exc.status in (404, 405) else exc.reason
             return ApiError(exc.status, message, code="not_found" if exc.status == 404 else None).response()
+        except (ConnectionError, RuntimeError) as exc:
+            if isinstance(exc, ConnectionError) or "closing transport" in str(exc):
+                raise  # the client went away; nobody to answer
+            return _internal(request, exc)
+        except Exception as exc:  # a bug: the client gets a plain 500, never a traceback; one log line
+            return _internal(request, exc)
 
     return middleware
+
+
+_limited = LogLimiter(logging.getLogger("meshws.api"))
+
+
+def _internal(request: web.Request, exc: Exception) -> web.Response:
+    _limited.log(f"500 {type(exc).__name__}", logging.ERROR, "%s %s failed", request.method, request.path,
+                 exc_info=exc)
+    return ApiError(500, "internal error; the node logged it", code="internal_error", kind="server_error").response()

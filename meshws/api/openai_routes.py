@@ -20,7 +20,7 @@ from aiohttp import web
 from ..head.generation import GenerationRequest, GenerationStats, PipelineError
 from ..head.routes import Route
 from ..head.service import HeadService, Unavailable
-from .errors import ApiError, json_response, read_json
+from .errors import ApiError, json_response, public_text, read_json
 from .requests import CompletionSpec, build_spec
 
 log = logging.getLogger("meshws.api")
@@ -28,7 +28,7 @@ log = logging.getLogger("meshws.api")
 
 def unavailable(exc: Unavailable) -> ApiError:
     """503 with Retry-After: the head has no room or no route now."""
-    return ApiError(503, str(exc), code=exc.code, kind="service_unavailable",
+    return ApiError(503, public_text(str(exc)), code=exc.code, kind="service_unavailable",
                     headers={"Retry-After": str(exc.retry_after)})
 
 
@@ -96,7 +96,8 @@ class OpenAIApi:
         except PipelineError as exc:
             if parts or stats.completion_tokens:
                 log.warning("generation %s failed after %d tokens: %s", stats.sid[:12], stats.completion_tokens, exc)
-            return ApiError(502, f"pipeline error: {exc}", code="pipeline_error", kind="upstream_error").response()
+            return ApiError(502, f"pipeline error: {public_text(str(exc))}", code="pipeline_error",
+                            kind="upstream_error").response()
         text = "".join(parts)
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(stats), "logprobs": None}
         if chat:
@@ -156,12 +157,17 @@ class OpenAIApi:
             if spec.include_usage:
                 await response.write(chunk(None, {"usage": usage(stats)}))
         except PipelineError as exc:
-            error = {"error": {"message": f"pipeline error: {exc}", "type": "upstream_error", "param": None,
+            error = {"error": {"message": f"pipeline error: {public_text(str(exc))}", "type": "upstream_error", "param": None,
                                "code": "pipeline_error"}}
             await response.write(b"data: " + orjson.dumps(error) + b"\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("client went away mid-stream; generation %s stopped", stats.sid[:12])
             raise
+        except Exception:  # a bug: the stream says so and ends; the node logs it
+            log.exception("generation %s failed", stats.sid[:12])
+            error = {"error": {"message": "internal error; the node logged it", "type": "server_error",
+                               "param": None, "code": "internal_error"}}
+            await response.write(b"data: " + orjson.dumps(error) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

@@ -4,6 +4,7 @@ completions and `/ws/chat`. Every refusal is an `ApiError` naming the field in `
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,8 @@ from ..model.sampling import SamplingParams
 from .errors import ApiError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_MESSAGES = 1024
+CHARS_PER_TOKEN_CAP = 16  # a prompt longer than context x this many characters cannot fit: refused unread
 DEFAULT_MAX_TOKENS = 1024
 MAX_STOP_STRINGS = 16
 
@@ -45,14 +48,16 @@ def _number(body: dict[str, Any], name: str, low: float, high: float, default: f
     return float(value)
 
 
-def _integer(body: dict[str, Any], name: str, low: int, default: int | None) -> int | None:
+def _integer(body: dict[str, Any], name: str, low: int, default: int | None,
+             high: int = 2**62) -> int | None:
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
         raise ApiError(400, f"'{name}' must be an integer", param=name, code="invalid_type")
-    if value < low:
-        raise ApiError(400, f"'{name}' must be >= {low}, got {value}", param=name, code="invalid_value")
+    if not low <= value <= high:
+        raise ApiError(400, f"'{name}' must be between {low} and {high}, got {value}", param=name,
+                       code="invalid_value")
     return value
 
 
@@ -155,11 +160,18 @@ async def build_spec(body: dict[str, Any], chat: bool, head: HeadService) -> Com
     builder = head.prompts
     prompt_ids: list[int] | None = None
     if chat:
-        prompt = builder.chat_prompt(parse_messages(body))
+        messages = parse_messages(body)
+        _check_size(sum(len(m["content"]) for m in messages), len(messages), head.context_length)
+        try:
+            prompt = await asyncio.to_thread(builder.chat_prompt, messages)
+        except Exception as exc:  # a model's Jinja template may raise on messages it does not expect
+            raise ApiError(400, f"the model's chat template cannot render these messages: {str(exc)[:200]}",
+                           param="messages", code="invalid_value") from None
         if not builder.has_template:
             stop += builder.DEFAULT_STOP
     else:
         prompt, prompt_ids = _completion_prompt(body)
+        _check_size(len(prompt) + len(prompt_ids or ()), 1, head.context_length)
     if prompt_ids is None:
         prompt_ids = await head.tokenize(prompt)
     context = head.context_length
@@ -211,3 +223,12 @@ def _completion_prompt(body: dict[str, Any]) -> tuple[str, list[int] | None]:
         return "", list(prompt)
     raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
                    param="prompt", code="invalid_type")
+
+
+def _check_size(characters: int, messages: int, context: int) -> None:
+    """Refuse prompts that cannot fit before spending time on templates and tokenizing."""
+    if messages > MAX_MESSAGES:
+        raise ApiError(400, f"at most {MAX_MESSAGES} messages per request", param="messages", code="invalid_value")
+    if characters > context * CHARS_PER_TOKEN_CAP:
+        raise ApiError(400, f"the prompt has {characters} characters; the context window is {context} tokens",
+                       param="messages", code="context_length_exceeded")

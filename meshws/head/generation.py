@@ -22,6 +22,7 @@ from enum import Enum
 from typing import Any, AsyncIterator, Callable
 
 from ..mesh.aio import run_uncancelled
+from ..mesh.auth import sign_route
 from ..mesh.compute import ComputeWorker
 from ..mesh.link import Link, LinkDown
 from ..mesh.wire import CacheMiss, Close, Error, Open, RouteHop, SessionReply, Token, encode_forward
@@ -99,8 +100,10 @@ class GenerationStats:
 class HopChannel:
     """The head's end of one session channel on the link to its first hop."""
 
-    def __init__(self, link: Link, sid: str, step_timeout: float, compress_min_bytes: int) -> None:
+    def __init__(self, link: Link, sid: str, step_timeout: float, compress_min_bytes: int,
+                 secret: str | None = None) -> None:
         self.link = link
+        self.secret = secret  # signs the route, so the hops dial only what this head chose
         self.sid = sid
         self.step_timeout = step_timeout
         self.compress_min_bytes = compress_min_bytes
@@ -108,7 +111,8 @@ class HopChannel:
         link.subscribe(sid, self._replies.put_nowait)
 
     async def open(self, sampling: SamplingParams, prompt_tokens: int, route: tuple[RouteHop, ...]) -> None:
-        message = Open(self.sid, sampling, prompt_tokens, route)
+        mac = sign_route(self.secret, self.sid, [hop.to_wire() for hop in route]) if self.secret and route else None
+        message = Open(self.sid, sampling, prompt_tokens, route, mac)
         if not self.link.is_up:
             await self.link.wait_up(LINK_WAIT)
         try:
@@ -162,6 +166,7 @@ class Generator:
         step_timeout: float,
         compress_min_bytes: int,
         on_finish: Callable[[GenerationStats, str], None] | None = None,
+        secret: str | None = None,
     ) -> None:
         self.backend = backend
         self.worker = worker
@@ -169,6 +174,7 @@ class Generator:
         self.step_timeout = step_timeout
         self.compress_min_bytes = compress_min_bytes
         self.on_finish = on_finish
+        self.secret = secret
         self.eos_ids = set(backend.eos_token_ids())
         self.active: dict[str, GenerationStats] = {}
 
@@ -326,7 +332,7 @@ class _Path:
         stats.route = self.route.view
         if self.route.link is not None:
             self.channel = HopChannel(self.route.link, self.sid, self.generator.step_timeout,
-                                      self.generator.compress_min_bytes)
+                                      self.generator.compress_min_bytes, self.generator.secret)
             await self.channel.open(sampling, prompt_tokens, self.route.hops)
 
     async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None) -> TailTokenResult:

@@ -8,14 +8,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from typing import Any, AsyncIterator, Callable
 
+import orjson
 from aiohttp import web
 
+from ..mesh.log_limit import LogLimiter
 from .registry import Registry
 from .routes import NodeRecord, NoRoute
 
 log = logging.getLogger("meshws.membership")
+
+
+MAX_NODES = 256  # joined nodes a head keeps at once
+MAX_BODY_BYTES = 64 * 1024  # a join is a few hundred bytes
+MAX_LOAD = 1_000_000  # load and capacity above this are clamped
+Authorize = Callable[[web.Request, bytes], "str | None"]  # None, or why the request may not do this
 
 
 class RegistryEndpoints:
@@ -23,12 +32,16 @@ class RegistryEndpoints:
 
     def __init__(self, registry: Registry, head_span: tuple[int, int],
                  on_join: Callable[[NodeRecord], None], on_leave: Callable[[str], None],
-                 authorize: Callable[[web.Request], str | None] = lambda request: None) -> None:
+                 authorize: Authorize, insecure: bool = False,
+                 precheck: Callable[[web.Request], "str | None"] = lambda request: None) -> None:
         self.registry = registry
         self.head_span = head_span
         self.on_join = on_join
         self.on_leave = on_leave
         self.authorize = authorize
+        self.precheck = precheck  # what can be refused before the body is read
+        self.log_limit = LogLimiter(log)
+        self.insecure = insecure  # no secret, beyond loopback: every join is said out loud
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/mesh/join", self.join)
@@ -43,30 +56,50 @@ class RegistryEndpoints:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    async def join(self, request: web.Request) -> web.Response:
-        refusal = self.authorize(request)
+    async def _checked_body(self, request: web.Request) -> tuple[Any, web.Response | None]:
+        """The request's JSON if it may come in, else the refusal to answer with."""
+        refusal = self.precheck(request)
+        if not refusal and (request.content_length or 0) > MAX_BODY_BYTES:
+            return None, web.json_response({"error": f"a /mesh body is at most {MAX_BODY_BYTES} bytes"}, status=413)
+        body = b"" if refusal else await request.content.read(MAX_BODY_BYTES + 1)
+        if len(body) > MAX_BODY_BYTES:
+            return None, web.json_response({"error": f"a /mesh body is at most {MAX_BODY_BYTES} bytes"}, status=413)
+        refusal = refusal or self.authorize(request, body)
         if refusal:
-            log.warning("refused a join from %s: %s", request.remote, refusal)
-            return web.json_response({"error": refusal}, status=401)
+            self.log_limit.log("refused", logging.WARNING, "refused %s from %s: %s", request.path, request.remote,
+                               refusal)
+            return None, web.json_response({"error": refusal}, status=401)
         try:
-            data = await request.json()
+            return orjson.loads(body), None
+        except orjson.JSONDecodeError as exc:
+            return None, web.json_response({"error": f"the body is not JSON: {exc}"}, status=400)
+
+    async def join(self, request: web.Request) -> web.Response:
+        data, refusal = await self._checked_body(request)
+        if refusal is not None:
+            return refusal
+        try:
             record = _record(data)
             known = record.url in {r.url for r in self.registry.nodes()}
+            if not known and len(self.registry.nodes()) >= MAX_NODES:
+                return web.json_response({"error": f"the registry is full ({MAX_NODES} nodes)"}, status=503)
             self.registry.announce(record)
         except (ValueError, TypeError, KeyError) as exc:
             return web.json_response({"error": f"bad join: {exc}"}, status=400)
+        if self.insecure:
+            log.warning("INSECURE: %s joined with no mesh secret; anyone who reaches this port can do the same",
+                        record.url)
         if not known:
             log.info("node %s joined: %s layers %d-%d", record.node, record.url, record.layers[0], record.layers[1] - 1)
             self.on_join(record)
         return web.json_response({"ok": True, "ttl": self.registry.ttl})
 
     async def leave(self, request: web.Request) -> web.Response:
-        refusal = self.authorize(request)
-        if refusal:
-            return web.json_response({"error": refusal}, status=401)
-        try:
-            url = str((await request.json())["url"])
-        except (ValueError, TypeError, KeyError):
+        data, refusal = await self._checked_body(request)
+        if refusal is not None:
+            return refusal
+        url = data.get("url") if isinstance(data, dict) else None
+        if not isinstance(url, str):
             return web.json_response({"error": "bad leave: send {\"url\": ...}"}, status=400)
         if self.registry.leave(url):
             log.info("node at %s left", url)
@@ -74,8 +107,10 @@ class RegistryEndpoints:
         return web.json_response({"ok": True})
 
     async def assign(self, request: web.Request) -> web.Response:
-        refusal = self.authorize(request)
+        refusal = self.authorize(request, b"")
         if refusal:
+            self.log_limit.log("refused", logging.WARNING, "refused %s from %s: %s", request.path, request.remote,
+                               refusal)
             return web.json_response({"error": refusal}, status=401)
         try:
             start, end = self.registry.assign(self.head_span)
@@ -83,6 +118,17 @@ class RegistryEndpoints:
             return web.json_response({"error": str(exc)}, status=409)
         return web.json_response({"layers": [start, end], "model": self.registry.model,
                                   "total_layers": self.registry.total_layers})
+
+    def check_link(self, url: str, model: str, layers: tuple[int, int]) -> bool:
+        """A joined node's link said who it is: drop its record unless that is what it claimed."""
+        record = next((r for r in self.registry.nodes() if r.url == url), None)
+        if record is None or (record.layers == layers and model == self.registry.model):
+            return True
+        log.warning("node at %s claimed layers %s but its link says %s of %s; dropped", url, list(record.layers),
+                    list(layers), model)
+        self.registry.leave(url)
+        self.on_leave(url)
+        return False
 
     async def _expire_forever(self) -> None:
         while True:
@@ -93,15 +139,33 @@ class RegistryEndpoints:
 
 
 def _record(data: Any) -> NodeRecord:
+    """A join's body, checked field by field; ValueError names the field."""
     if not isinstance(data, dict):
         raise ValueError("the body must be a JSON object")
-    url, node, model, layers = data["url"], data.get("node") or data["url"], data["model"], data["layers"]
-    if not isinstance(url, str) or not url.startswith(("ws://", "wss://")):
-        raise ValueError("url must be a ws:// address")
-    if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(n, int) for n in layers)):
+    url, model, layers = data.get("url"), data.get("model"), data.get("layers")
+    if not isinstance(url, str) or not url.startswith(("ws://", "wss://")) or len(url) > 512:
+        raise ValueError("url must be a ws:// or wss:// address")
+    if not isinstance(model, str) or len(model) > 512:
+        raise ValueError("model must be a string")
+    if not (isinstance(layers, list) and len(layers) == 2 and all(_is_int(n) for n in layers)):
         raise ValueError("layers must be [start, end]")
-    capacity, load = int(data.get("capacity", 0)), int(data.get("load", 0))
-    return NodeRecord(url=url.rstrip("/"), node=str(node), model=str(model), layers=(layers[0], layers[1]),
-                      role=str(data.get("role", "tail")), capacity=capacity, load=load)
+    node = data.get("node", url)
+    role = data.get("role", "tail")
+    if not isinstance(node, str) or len(node) > 512:
+        raise ValueError("node must be a string")
+    if role not in ("middle", "tail"):
+        raise ValueError("role must be middle or tail")
+    return NodeRecord(url=url.rstrip("/"), node=node, model=model, layers=(layers[0], layers[1]), role=role,
+                      capacity=_count(data, "capacity"), load=_count(data, "load"))
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count(data: dict[str, Any], name: str) -> int:
+    """A non-negative, finite count (load, capacity), clamped to MAX_LOAD."""
+    value = data.get(name, 0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0")
+    return min(int(value), MAX_LOAD)

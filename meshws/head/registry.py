@@ -16,6 +16,8 @@ from typing import Callable, Iterable
 
 from .routes import NodeRecord, NoRoute
 
+MAX_RESERVED_PER_SPAN = 8  # --layers auto grants remembered per span (more askers share the last answer)
+
 
 class Registry:
     def __init__(self, model: str, total_layers: int, ttl: float = 6.0,
@@ -43,8 +45,10 @@ class Registry:
         return self._nodes.pop(url, None) is not None
 
     def nodes(self) -> list[NodeRecord]:
-        self.expire()
-        return sorted(self._nodes.values(), key=lambda r: (r.layers, r.url))
+        """The nodes heard from within the TTL (`expire` removes the others and says which)."""
+        now = self._clock()
+        live = [r for r in self._nodes.values() if r.static or now - r.last_seen <= self.ttl]
+        return sorted(live, key=lambda r: (r.layers, r.url))
 
     def expire(self) -> list[NodeRecord]:
         now = self._clock()
@@ -73,7 +77,9 @@ class Registry:
             span = min(spans, key=lambda s: (min(counts[s[0]:s[1]]), s))
         else:
             raise NoRoute("the head serves every layer; there is nothing to take")
-        self._reserved.setdefault(span, []).append(self._clock() + reserve_seconds)
+        grants = self._reserved.setdefault(span, [])
+        if len(grants) < MAX_RESERVED_PER_SPAN:
+            grants.append(self._clock() + reserve_seconds)
         return span
 
     def _reserved_spans(self) -> Iterable[tuple[int, int]]:

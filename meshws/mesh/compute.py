@@ -95,8 +95,13 @@ class ComputeWorker:
                 else:
                     batch, job = [], self._others.popleft()
             other_turn = bool(batch)
+            batch = [waiting for waiting in batch if not waiting.future.done()]  # callers gone: no work for them
+            if job is not None and job.future.done():
+                continue
             if job is not None:
                 self._run_one(job, job.run)  # type: ignore[arg-type]
+            elif not batch:
+                continue
             elif len(batch) == 1:
                 step = batch[0].step
                 self._run_one(batch[0], lambda: decode_alone(self.backend, step))  # type: ignore[arg-type]

@@ -12,10 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl as ssl_module
+import time
 from typing import Any, Callable
 
 import aiohttp
 
+from .auth import signed_headers
+from .log_limit import LogLimiter
 from .wire import CacheMiss, ControlMessage, Error, FrameError, Hello, SessionReply, Token, decode_control, encode_control
 
 log = logging.getLogger("meshws.link")
@@ -36,15 +40,18 @@ class Link:
         max_frame_bytes: int,
         heartbeat: float = 5.0,
         on_change: Callable[["Link"], None] | None = None,
-        headers: Callable[[], dict[str, str]] | None = None,
+        secret: str | None = None,
+        ssl: ssl_module.SSLContext | bool = True,
     ) -> None:
         self.url = url.rstrip("/")
         self.state = "new"  # new | connecting | up | down | refused | closed
         self.peer_hello: Hello | None = None
         self.last_error: str | None = None
         self.connects = 0
+        self.last_used = time.monotonic()  # when a session last subscribed or left (idle links are closed)
         self._local_hello = local_hello
-        self._headers = headers
+        self._secret = secret
+        self._ssl = ssl  # verifies wss:// peers (the system's CAs, or --tls-ca)
         self._max_frame_bytes = max_frame_bytes
         self._heartbeat = heartbeat
         self._on_change = on_change
@@ -54,6 +61,7 @@ class Link:
         self._task: asyncio.Task | None = None
         self._up = asyncio.Event()
         self._send_lock = asyncio.Lock()
+        self._log_limit = LogLimiter(log)
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -104,11 +112,17 @@ class Link:
 
     # -- sessions -----------------------------------------------------------
 
+    @property
+    def sessions(self) -> int:
+        return len(self._subscribers)
+
     def subscribe(self, sid: str, callback: Subscriber) -> None:
         self._subscribers[sid] = callback
+        self.last_used = time.monotonic()
 
     def unsubscribe(self, sid: str) -> None:
         self._subscribers.pop(sid, None)
+        self.last_used = time.monotonic()
 
     async def send_control(self, message: ControlMessage) -> None:
         await self._send(encode_control(message))
@@ -142,6 +156,10 @@ class Link:
                 await self._read_until_closed()
             except asyncio.CancelledError:
                 raise
+            except aiohttp.ClientConnectorCertificateError as exc:
+                self.state = "refused"
+                self.last_error = f"the peer's certificate does not verify: {exc.certificate_error}"
+                log.error("link to %s refused: %s (is --tls-ca the mesh's CA?)", self.url, self.last_error)
             except Exception as exc:  # every way a dial can fail ends in a retry
                 self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             finally:
@@ -160,13 +178,14 @@ class Link:
 
     async def _connect_once(self) -> None:
         assert self._client is not None
-        headers = self._headers() if self._headers else {}
+        headers = await signed_headers(self._client, self.url, self._secret, "GET", "/ws/shard", ssl=self._ssl)
         ws = await self._client.ws_connect(
             f"{self.url}/ws/shard",
             heartbeat=self._heartbeat,
             max_msg_size=self._max_frame_bytes + 65536,
             timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=5.0),
             headers=headers,
+            ssl=self._ssl,
         )
         try:
             await ws.send_str(encode_control(self._local_hello()))
@@ -217,7 +236,8 @@ class Link:
         try:
             message = decode_control(text)
         except FrameError as exc:
-            log.warning("link to %s: bad frame from peer ignored: %s", self.url, exc)
+            self._log_limit.log("bad frame", logging.WARNING, "link to %s: bad frame from peer ignored: %s",
+                                self.url, exc)
             return
         if isinstance(message, Hello):
             self.peer_hello = message
@@ -258,6 +278,18 @@ class LinkPool:
 
     def all(self) -> list[Link]:
         return list(self._links.values())
+
+    def __contains__(self, url: str) -> bool:
+        return url.rstrip("/") in self._links
+
+    def close_idle(self, idle_seconds: float, keep: set[str]) -> list[str]:
+        """Close links no session has used for `idle_seconds` (except those in `keep`); their URLs."""
+        now = time.monotonic()
+        idle = [url for url, link in self._links.items()
+                if url not in keep and link.sessions == 0 and now - link.last_used > idle_seconds]
+        for url in idle:
+            self.discard(url)
+        return idle
 
     def discard(self, url: str) -> None:
         """Forget a next hop (it left the mesh): close its link in the background."""

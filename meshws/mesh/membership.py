@@ -15,20 +15,37 @@ import logging
 from typing import Any, Callable
 
 import aiohttp
+import orjson
+
+from .auth import signed_headers
 
 log = logging.getLogger("meshws.membership")
 
 HEARTBEAT = 2.0  # seconds between a joined node's announcements
 
 
+async def post_signed(client: aiohttp.ClientSession, head: str, path: str, data: dict[str, Any],
+                      secret: str | None, ssl: Any) -> Any:
+    """POST JSON to a head's /mesh endpoint, signed for that head, that body and that path; the answer."""
+    body = orjson.dumps(data)
+    headers = await signed_headers(client, head, secret, "POST", path, body, ssl=ssl)
+    headers["Content-Type"] = "application/json"
+    async with client.post(f"{head}{path}", data=body, headers=headers, ssl=ssl) as response:
+        answer = await response.json(content_type=None)
+        if response.status != 200:
+            raise RuntimeError(answer.get("error") if isinstance(answer, dict) else f"HTTP {response.status}")
+        return answer
+
+
 class Announcer:
     """A joined node's side: announce, repeat as a heartbeat, leave on stop."""
 
-    def __init__(self, head: str, record: Callable[[], dict[str, Any]],
-                 headers: Callable[[str], dict[str, str]] = lambda path: {}) -> None:
+    def __init__(self, head: str, record: Callable[[], dict[str, Any]], secret: str | None = None,
+                 ssl: Any = True) -> None:
         self.head = head.rstrip("/")
         self.record = record
-        self.headers = headers
+        self.secret = secret
+        self.ssl = ssl  # verifies an https:// head (the system's CAs, or --tls-ca)
         self.joined = False
         self._task: asyncio.Task | None = None
 
@@ -42,9 +59,9 @@ class Announcer:
                 await self._task
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as client:
-                await client.post(f"{self.head}/mesh/leave", json={"url": self.record()["url"]},
-                                  headers=self.headers("/mesh/leave"))
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                await post_signed(client, self.head, "/mesh/leave", {"url": self.record()["url"]}, self.secret,
+                                  self.ssl)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError, ValueError):
             pass  # the head drops us when the heartbeats stop
 
     async def _announce_forever(self) -> None:
@@ -52,11 +69,7 @@ class Announcer:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as client:
             while True:
                 try:
-                    async with client.post(f"{self.head}/mesh/join", json=self.record(),
-                                           headers=self.headers("/mesh/join")) as response:
-                        body = await response.json(content_type=None)
-                        if response.status != 200:
-                            raise RuntimeError(body.get("error") if isinstance(body, dict) else response.status)
+                    await post_signed(client, self.head, "/mesh/join", self.record(), self.secret, self.ssl)
                     if not self.joined:
                         log.info("joined the mesh at %s", self.head)
                     self.joined, failures = True, 0
@@ -68,13 +81,15 @@ class Announcer:
                 await asyncio.sleep(HEARTBEAT)
 
 
-async def ask_assignment(head: str, headers: Callable[[str], dict[str, str]]) -> tuple[int, int, int]:
+async def ask_assignment(head: str, secret: str | None, ssl: Any = True) -> tuple[int, int, int]:
     """`--layers auto`: the span the head wants this node to serve (retries until the head answers)."""
     delay = 0.5
+    head = head.rstrip("/")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
         while True:
             try:
-                async with client.get(f"{head.rstrip('/')}/mesh/assign", headers=headers("/mesh/assign")) as response:
+                headers = await signed_headers(client, head, secret, "GET", "/mesh/assign", ssl=ssl)
+                async with client.get(f"{head}/mesh/assign", headers=headers, ssl=ssl) as response:
                     body = await response.json(content_type=None)
                     if response.status == 200:
                         return body["layers"][0], body["layers"][1], body["total_layers"]

@@ -24,6 +24,8 @@ from .aio import run_uncancelled
 from .compute import ComputeWorker
 from .inbound import DecodeLogThrottle, InboundSession
 from .link import Link, LinkDown, LinkPool
+from .log_limit import LogLimiter
+from .next_hops import NextHops
 from .metrics import NodeMetrics
 from .wire import (
     CacheMiss,
@@ -63,6 +65,8 @@ class ShardService:
         max_frame_bytes: int,
         compress_min_bytes: int,
         authorize: Callable[[web.Request], str | None] = lambda request: None,
+        secret: str | None = None,
+        open_routes: bool = False,
     ) -> None:
         self.backend = backend
         self.worker = worker
@@ -74,7 +78,9 @@ class ShardService:
         self.max_frame_bytes = max_frame_bytes
         self.compress_min_bytes = compress_min_bytes
         self.authorize = authorize
+        self.next_hops = NextHops(backend.is_tail, backend.end, links, static_peer, secret, open_routes)
         self.decode_log = DecodeLogThrottle()
+        self.log_limit = LogLimiter(log)
         self.inbound: set[web.WebSocketResponse] = set()
         self.sessions: dict[str, InboundSession] = {}  # every live session on this node
         self.pending_tasks: set[asyncio.Task] = set()  # frame handlers and relays still running
@@ -87,7 +93,7 @@ class ShardService:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         refusal = self.authorize(request)
         if refusal:
-            log.warning("refused /ws/shard from %s: %s", request.remote, refusal)
+            self.log_limit.log("refused", logging.WARNING, "refused /ws/shard from %s: %s", request.remote, refusal)
             raise web.HTTPUnauthorized(text=refusal)
         # Frames up to twice the limit are read and refused with an error frame; larger ones end the link.
         ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=2 * self.max_frame_bytes + 65536)
@@ -131,7 +137,7 @@ class ShardService:
                 raise FrameError(f"this node serves model {mine.model!r}, not {hello.model!r}")
         except (FrameError, asyncio.TimeoutError) as exc:
             reason = str(exc) or f"no hello within {HELLO_WAIT:.0f} s"
-            log.warning("refused link from %s: %s", request.remote, reason)
+            self.log_limit.log("refused link", logging.WARNING, "refused link from %s: %s", request.remote, reason)
             await self._send(ws, Error(f"link refused: {reason}"))
             await ws.close(code=1008, message=reason[:120].encode())
             return None
@@ -165,7 +171,7 @@ class ShardService:
     async def _open(self, ws: web.WebSocketResponse, owned: set[str], message: Open) -> None:
         sid = message.sid
         try:
-            next_url, route = self._next_hop(message.route)
+            next_url, route = self.next_hops.choose(message)
         except ValueError as exc:
             await self._error(ws, sid, None, f"bad open: {exc}", "bad_frame")
             return
@@ -180,7 +186,7 @@ class ShardService:
         owned.add(sid)
         if next_hop is not None:
             next_hop.subscribe(sid, self._relay_to(ws))
-            onward = Open(sid, message.sampling, message.prompt_tokens, route)
+            onward = self.next_hops.onward(message, route)
             # The link may still be dialing: forward in the background; steps wait for it.
             session.forwarding = asyncio.ensure_future(self._forward_open(next_hop, onward))
 
@@ -193,21 +199,6 @@ class ShardService:
             return None
         except LinkDown as exc:
             return f"{self.node_name}: next hop unreachable: {exc}"
-
-    def _next_hop(self, route: tuple[RouteHop, ...]) -> tuple[str | None, tuple[RouteHop, ...]]:
-        """The URL of the next hop and the hops after it; an empty route means: use --peer."""
-        if self.backend.is_tail:
-            if route:
-                raise ValueError("the tail is the last hop; the route must be empty here")
-            return None, ()
-        if route:
-            layers = route[0].layers
-            if layers is not None and layers[0] != self.backend.end:
-                raise ValueError(f"the next hop starts at layer {layers[0]}, this node ends at {self.backend.end}")
-            return route[0].url, route[1:]
-        if self.static_peer is None:
-            raise ValueError(f"no route given and this node has no --peer for layers from {self.backend.end}")
-        return self.static_peer, ()
 
     def _relay_to(self, ws: web.WebSocketResponse) -> Callable[[SessionReply], None]:
         """Replies from the next hop go back to the hop before us; a lost link says where it was."""
@@ -271,7 +262,7 @@ class ShardService:
             await self._error(ws, sid, frame.step, f"{self.node_name}: {exc}", "bad_step")
             return
         except Exception as exc:  # the node stays up whatever the model raises
-            log.exception("step of session %s failed", sid[:12])
+            self.log_limit.log(type(exc).__name__, logging.ERROR, "step of session %s failed", sid[:12], exc_info=exc)
             await self._error(ws, sid, frame.step, f"{self.node_name}: {type(exc).__name__}: {exc}", "compute")
             return
         finally:
@@ -361,3 +352,4 @@ class ShardService:
             await ws.close(code=1001, message=b"node shutting down")
         for task in list(self.pending_tasks):
             task.cancel()
+

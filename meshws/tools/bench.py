@@ -80,7 +80,7 @@ def measure_cached_vs_stateless(folder: Path, dtype: str, contexts: list[int], r
 # -- measurements through real processes -----------------------------------------
 
 
-async def stream_once(url: str, model: str, prompt_ids: list[int], tokens: int) -> dict[str, float]:
+async def stream_once(url: str, model: str, prompt_ids: list[int], tokens: int, ssl: Any = True) -> dict[str, float]:
     import aiohttp
 
     body = {"model": model, "prompt": prompt_ids, "max_tokens": tokens, "temperature": 0, "stream": True,
@@ -89,7 +89,7 @@ async def stream_once(url: str, model: str, prompt_ids: list[int], tokens: int) 
     first = last = None
     completion = 0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as client:
-        async with client.post(f"{url}/v1/completions", json=body) as response:
+        async with client.post(f"{url}/v1/completions", json=body, ssl=ssl) as response:
             if response.status != 200:
                 raise RuntimeError(f"{response.status}: {await response.text()}")
             async for line in response.content:
@@ -108,9 +108,10 @@ async def stream_once(url: str, model: str, prompt_ids: list[int], tokens: int) 
             "tokens": completion, "wall_s": last - started}
 
 
-async def sessions_run(url: str, model: str, prompt_ids: list[int], tokens: int, count: int) -> dict[str, float]:
+async def sessions_run(url: str, model: str, prompt_ids: list[int], tokens: int, count: int,
+                       ssl: Any = True) -> dict[str, float]:
     started = time.perf_counter()
-    runs = await asyncio.gather(*(stream_once(url, model, prompt_ids, tokens) for _ in range(count)))
+    runs = await asyncio.gather(*(stream_once(url, model, prompt_ids, tokens, ssl) for _ in range(count)))
     wall = time.perf_counter() - started
     ttfts = sorted(run["ttft_s"] for run in runs)
     return {
@@ -239,6 +240,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     parser.add_argument("--repeats", type=int, default=4, help="steps timed per context length")
     parser.add_argument("--short", action="store_true", help="a quick run (CI): few tokens and repeats")
     parser.add_argument("--out", default="bench-results/bench.json", help="where to write the JSON")
+    parser.add_argument("--tls", action="store_true", help="also measure a head + tail over wss:// (needs trustme)")
     args = parser.parse_args(argv)
     if args.short:
         args.tokens, args.repeats = min(args.tokens, 4), 1
@@ -268,6 +270,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
         result: dict[str, Any] = {"generate": measure_generate(resolved.folder, dtype, prompt_ids, args.tokens)}
         result.update(measure_processes(args, dtype, prompt_ids, resolved.model_id))
         result["stateless"] = measure_cached_vs_stateless(resolved.folder, dtype, args.contexts, args.repeats)
+        if args.tls:
+            from .bench_tls import measure_tls
+
+            result["tls"] = measure_tls(args, dtype, prompt_ids, resolved.model_id)
+            print(f"{dtype} one session over TLS: {result['tls']}", flush=True)
         add_ratios(result)
         result["targets"] = targets(result)
         report["results"][dtype] = result

@@ -6,20 +6,23 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 
-READY = re.compile(r"meshws (\w+) ready: .* on http://127\.0\.0\.1:(\d+)")
+READY = re.compile(r"meshws (\w+) ready: .* on https?://[^ ]+:(\d+)")
 
 
 class NodeProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None, name: str = "node", port: int = 0,
-                 echo: bool = False) -> None:
+                 echo: bool = False, ca: str | None = None) -> None:
         self.args = ["--host", "127.0.0.1", "--port", str(port), *args]
         self.name = name
+        self.tls = "--tls-cert" in args  # the node serves https:// and wss://
+        self.ssl_context = ssl.create_default_context(cafile=ca) if ca else None  # to verify it
         self.echo = echo  # print the node's output as it comes, prefixed with its name
         self.lines: list[str] = []
         self.port: int | None = None
@@ -52,14 +55,14 @@ class NodeProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}"
+        return f"{'wss' if self.tls else 'ws'}://127.0.0.1:{self.port}"
 
     def health(self) -> dict:
-        with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+        with urllib.request.urlopen(f"{self.url}/health", timeout=5, context=self.ssl_context) as response:
             return json.loads(response.read())
 
     def wait_ready(self, timeout: float = 60.0) -> dict:
@@ -112,7 +115,7 @@ class Mesh:
 
     def __init__(self, specs: list[tuple[str, str]], common: tuple[str, ...] = (),
                  extra: dict[str, tuple[str, ...]] | None = None, ports: list[int] | None = None,
-                 echo: bool = False, timeout: float = 120.0) -> None:
+                 echo: bool = False, timeout: float = 120.0, ca: str | None = None) -> None:
         self.nodes: list[NodeProcess] = []
         ports = ports or [free_port() for _ in specs]
         if "--threads" not in common:
@@ -122,8 +125,10 @@ class Mesh:
             for index, (role, layers) in enumerate(specs):
                 args = ["--role", role, "--layers", layers, *common, *(extra or {}).get(role, ())]
                 if index + 1 < len(specs):
-                    args += ["--peer", f"ws://127.0.0.1:{ports[index + 1]}"]
-                self.nodes.append(NodeProcess(*args, name=f"{role} {layers}", port=ports[index], echo=echo))
+                    scheme = "wss" if "--tls-cert" in args else "ws"
+                    args += ["--peer", f"{scheme}://127.0.0.1:{ports[index + 1]}"]
+                self.nodes.append(NodeProcess(*args, name=f"{role} {layers}", port=ports[index], echo=echo,
+                                              ca=ca))
             for node in self.nodes:
                 node.wait_started(timeout)
             self.head.wait_ready(timeout)

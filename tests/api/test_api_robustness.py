@@ -53,9 +53,14 @@ async def test_fuzzed_api_requests_get_answers_never_server_errors():
                     if response.status != 200:
                         error = orjson.loads(text)["error"]
                         assert set(error) == {"message", "type", "param", "code"}
-            async with client.post(url + "/v1/chat/completions", data=b"\xff\xfe{{{") as response:
+            json_type = {"Content-Type": "application/json"}
+            async with client.post(url + "/v1/chat/completions", data=b"\xff\xfe{{{", headers=json_type) as response:
                 assert response.status == 400
-            async with client.post(url + "/v1/chat/completions", data=b"x" * (9 * 1024 * 1024)) as response:
+            async with client.post(url + "/v1/chat/completions", data=b"{}",
+                                   headers={"Content-Type": "text/plain"}) as response:  # a no-cors fetch
+                assert response.status == 415
+            async with client.post(url + "/v1/chat/completions", data=b"x" * (9 * 1024 * 1024),
+                                   headers=json_type) as response:
                 assert response.status == 413
                 assert "error" in await response.json()
             good = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}

@@ -1,9 +1,11 @@
 """The chat page in real headless Chromium against a real head + tail on the embedded model."""
 
+import re
 import time
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import expect
 
 from helpers import ROOT
 from meshws.tools.launch import Mesh, NodeProcess
@@ -90,7 +92,7 @@ def test_message_streams_an_answer_with_timing_and_route(page, mesh):
     meta = answer.locator(".meta").text_content()
     assert "tok/s" in meta and "first token" in meta
     assert "[0-14]" in meta and "[15-29]" in meta  # the route: which node served which layers
-    page.wait_for_function("document.querySelectorAll('#mesh-nodes li').length === 2")
+    expect(page.locator("#mesh-nodes li")).to_have_count(2)
     assert "layers 15-29" in page.locator("#mesh-nodes").text_content()
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / "desktop.png"), full_page=True)
@@ -125,7 +127,7 @@ def test_second_turn_sends_the_conversation_and_new_chat_clears_it(page):
 
 def test_stop_button_stops_the_answer_and_releases_the_session(page, mesh):
     answer = ask(page, "Write a very long story about a dragon who learns to fly.", max_tokens=500)
-    page.wait_for_function("document.querySelector('.msg.assistant .text').textContent.length > 20")
+    expect(page.locator(".msg.assistant .text").first).to_have_text(re.compile(r"[\s\S]{21,}"), timeout=90_000)
     assert mesh.tail.health()["sessions"] == 1
     page.click("#stop")
     wait_answer(answer)
@@ -165,18 +167,17 @@ def test_phone_sized_window(browser, mesh):
 
 def test_killing_the_tail_shows_an_error_and_the_page_recovers(page, mesh):
     ask(page, "Write a very long story about a castle.", max_tokens=400)
-    page.wait_for_function("document.querySelector('.msg.assistant .text').textContent.length > 10")
+    expect(page.locator(".msg.assistant .text").first).to_have_text(re.compile(r"[\s\S]{11,}"), timeout=90_000)
     tail_port = mesh.tail.port
     mesh.tail.kill()
     page.wait_for_selector(".msg.error", timeout=30_000)
     assert "pipeline error" in page.locator(".msg.error").last.text_content()
-    page.wait_for_function("document.querySelector('#mesh-status').textContent.startsWith('Not ready')",
-                           timeout=10_000)
+    expect(page.locator("#mesh-status")).to_have_text(re.compile("^Not ready"), timeout=10_000)
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / "tail-killed.png"), full_page=True)
     # A message while the tail is down gets a clear error too.
     ask(page, "Are you there?", max_tokens=4)
-    page.wait_for_function("document.querySelectorAll('.msg.error').length >= 2", timeout=10_000)
+    expect(page.locator(".msg.error").nth(1)).to_be_attached(timeout=10_000)
     assert "no route" in page.locator(".msg.error").last.text_content()
     # A new tail on the same port: the head re-dials, and the same page chats again without a reload.
     tail = NodeProcess("--role", "tail", "--layers", "15-29", "--dtype", "float32", "--wire-dtype", "float32",

@@ -4,7 +4,7 @@ Control frames (`control`) are websocket text frames holding one JSON object:
 
   Hello     {type: "hello", version, model, layers: [start, end], role, node,
              total_layers, chain: [{node, layers}]}                 both ways, first
-  Open      {type: "open", sid, sampling?, prompt_tokens?, route?: [{url, layers?}]}
+  Open      {type: "open", sid, sampling?, prompt_tokens?, route?: [{url, layers?}], route_mac?}
                                                                      head -> tail
   Token     {type: "token", sid, step, token_id, text?}             tail -> head
   CacheMiss {type: "cache_miss", sid, step, reason}                 any shard -> head

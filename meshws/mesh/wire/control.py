@@ -102,6 +102,7 @@ class Open:
     sampling: SamplingParams = DEFAULT_SAMPLING
     prompt_tokens: int | None = None  # where generated tokens start (for the OpenAI-style penalties)
     route: tuple[RouteHop, ...] = ()  # hops after the receiver; empty: the receiver's --peer
+    route_mac: str | None = None  # the route signed with the mesh secret (a middle dials only signed hops)
 
     def to_wire(self) -> dict[str, Any]:
         message: dict[str, Any] = {"type": self.type, "sid": self.sid, "sampling": self.sampling.to_wire()}
@@ -109,6 +110,8 @@ class Open:
             message["prompt_tokens"] = self.prompt_tokens
         if self.route:
             message["route"] = [hop.to_wire() for hop in self.route]
+        if self.route_mac is not None:
+            message["route_mac"] = self.route_mac
         return message
 
     @classmethod
@@ -118,9 +121,10 @@ class Open:
             sampling = SamplingParams.from_wire(data.get("sampling"))
             prompt_tokens = int_field(data, "prompt_tokens", 0) if data.get("prompt_tokens") is not None else None
             route = tuple(RouteHop.parse(hop) for hop in list_field(data, "route"))
+            route_mac = name_field(data, "route_mac") if data.get("route_mac") is not None else None
         except ValueError as exc:  # FrameError included
             raise FrameError(f"bad open: {exc}", sid) from None
-        return cls(sid, sampling, prompt_tokens, route)
+        return cls(sid, sampling, prompt_tokens, route, route_mac)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,86 @@
+"""Who may do what on a node: the mesh secret's checks, loopback-only without one, the detailed view, TLS.
+
+* `/mesh/*` and `/ws/shard` need a valid mesh-secret header (`mesh.auth`); a node
+  without a secret answers them from loopback only, unless it runs `--insecure`.
+* The detailed `/health` (links, nodes, URLs, loads, errors) and node names in
+  `/ws/chat` routes are for loopback clients, holders of the API key and of the
+  mesh secret; everyone else sees status, readiness, role, model and layers.
+* TLS: the context a node serves HTTPS/WSS with, and the one it verifies peers with
+  (verification always on: the system's CAs, or `--tls-ca`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ssl
+
+from aiohttp import web
+
+from .config import NodeSettings, is_loopback
+from .api.guards import host_name
+from .mesh.auth import HEADER, Verifier, listener_proof
+
+
+class NodeAccess:
+    def __init__(self, settings: NodeSettings) -> None:
+        self.settings = settings
+        self.verifier = Verifier(settings.secret)
+
+    def authorize(self, request: web.Request, body: bytes) -> str | None:
+        """May this request use /mesh or /ws/shard? None, or why not."""
+        if self.settings.secret:
+            return self.verifier.check(request.headers.get(HEADER), request.method, request.path, body)
+        if self.settings.insecure or direct_loopback(request):
+            return None
+        return "this node has no mesh secret: it answers mesh requests from loopback clients only (not via proxies)"
+
+    def precheck(self, request: web.Request) -> str | None:
+        """`authorize` as far as it can go before the body is read."""
+        if self.settings.secret:
+            return self.verifier.precheck(request.headers.get(HEADER))
+        return self.authorize(request, b"")
+
+    def detail_allowed(self, request: web.Request) -> bool:
+        """May this client see the mesh's insides (URLs, links, loads, errors)?"""
+        if direct_loopback(request):
+            return True
+        key = self.settings.api_key
+        given = request.headers.get("Authorization", "")
+        if key and given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode()):
+            return True
+        return bool(self.settings.secret) and HEADER in request.headers and self.authorize(request, b"") is None
+
+    async def challenge(self, request: web.Request) -> web.Response:
+        """GET /mesh/challenge?proof_for=X: a nonce for one signed request to this node, and its proof of the secret."""
+        nonce = self.verifier.challenge()
+        answer = {"nonce": nonce}
+        asked = request.query.get("proof_for", "")
+        if self.settings.secret and 0 < len(asked) <= 64 and asked.isalnum():
+            answer["proof"] = listener_proof(self.settings.secret, asked, nonce)
+        return web.json_response(answer)
+
+
+PROXY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Forwarded-Host", "X-Real-IP")
+
+
+def direct_loopback(request: web.Request) -> bool:
+    """A client on this machine talking to the node itself: not through a proxy, not a rebound domain."""
+    if not is_loopback(request.remote or "") or any(name in request.headers for name in PROXY_HEADERS):
+        return False
+    host = host_name(request.host or "")
+    return host == "localhost" or is_loopback(host)
+
+
+def tls_contexts(settings: NodeSettings) -> tuple[ssl.SSLContext | None, ssl.SSLContext]:
+    """The context this node serves HTTPS/WSS with (None: plain), and the one it verifies peers with."""
+    server = None
+    if settings.tls_cert:
+        server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server.load_cert_chain(settings.tls_cert, settings.tls_key)
+    client = ssl.create_default_context(cafile=settings.tls_ca)  # verification on, always
+    return server, client
+
+
+def host_of(url: str) -> str:
+    """ws://host:port -> host."""
+    return url.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")

@@ -1,0 +1,99 @@
+"""Which next hop a shard forwards a session to, and the links it keeps for routes.
+
+A session's `open` names the hops after this node; an empty route means the node's
+own `--peer`. A node dials only hops a head chose: the route must carry the head's
+MAC with the mesh secret (`mesh.auth.sign_route`), and the route it passes on is
+signed again. Without a secret a node follows routes to loopback nodes only (unless
+it runs `--insecure`). Links opened for routes are capped, and closed once no
+session has used them for a while.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+from typing import AsyncIterator
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from .auth import route_is_signed, sign_route
+from .link import LinkPool
+from .wire import Open, RouteHop
+
+log = logging.getLogger("meshws.next_hops")
+
+MAX_ROUTE_LINKS = 32  # next hops a middle keeps links to at once
+IDLE_LINK_SECONDS = 60.0  # a link to a next hop no session used for this long is closed
+
+
+class NextHops:
+    def __init__(self, is_tail: bool, end: int, links: LinkPool, static_peer: str | None, secret: str | None,
+                 open_routes: bool) -> None:
+        self.is_tail = is_tail
+        self.end = end  # this node's last layer + 1: where the next hop must start
+        self.links = links
+        self.static_peer = static_peer
+        self.secret = secret
+        self.open_routes = open_routes  # --insecure without a secret: unsigned routes are dialed too
+
+    def onward(self, message: Open, route: tuple[RouteHop, ...]) -> Open:
+        """The `open` to send to the next hop: the rest of the route, signed again."""
+        mac = sign_route(self.secret, message.sid, [hop.to_wire() for hop in route]) if self.secret and route else None
+        return Open(message.sid, message.sampling, message.prompt_tokens, route, mac)
+
+    def choose(self, message: Open) -> tuple[str | None, tuple[RouteHop, ...]]:
+        """The URL of the next hop and the hops after it; an empty route means: use --peer."""
+        route = message.route
+        if self.is_tail:
+            if route:
+                raise ValueError("the tail is the last hop; the route must be empty here")
+            return None, ()
+        if route:
+            self._check(message)
+            layers = route[0].layers
+            if layers is not None and layers[0] != self.end:
+                raise ValueError(f"the next hop starts at layer {layers[0]}, this node ends at {self.end}")
+            return route[0].url, route[1:]
+        if self.static_peer is None:
+            raise ValueError(f"no route given and this node has no --peer for layers from {self.end}")
+        return self.static_peer, ()
+
+    def _check(self, message: Open) -> None:
+        """Dial only hops a head chose: a route signed with the mesh secret, within the cap of route links."""
+        hops = [hop.to_wire() for hop in message.route]
+        if self.secret:
+            if not route_is_signed(self.secret, message.sid, hops, message.route_mac):
+                raise ValueError("the route is not signed with the mesh secret; only a head's routes are followed")
+        elif not (self.open_routes or all(is_loopback_url(hop.url) for hop in message.route)):
+            raise ValueError("without a mesh secret this node follows routes to loopback nodes only")
+        url = message.route[0].url.rstrip("/")
+        if url not in self.links and len(self.links.all()) >= MAX_ROUTE_LINKS:
+            raise ValueError(f"this node already keeps {MAX_ROUTE_LINKS} links to next hops")
+
+    async def idle_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        """Close links opened for routes once no session has used them for a while (a cleanup context)."""
+        async def reap() -> None:
+            while True:
+                await asyncio.sleep(IDLE_LINK_SECONDS / 4)
+                for url in self.links.close_idle(IDLE_LINK_SECONDS, keep={self.static_peer or ""}):
+                    log.info("closed the idle link to %s", url)
+
+        task = asyncio.create_task(reap())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def is_loopback_url(url: str) -> bool:
+    """ws://127.0.0.1:8701 yes; ws://127.0.0.1@evil.example or ws://127.evil.example no."""
+    try:
+        parts = urlsplit(url)
+        if parts.username is not None or parts.password is not None:
+            return False
+        return parts.hostname == "localhost" or ipaddress.ip_address(parts.hostname or "").is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,95 @@
+"""Joining a head: records are checked and clamped, the registry is bounded, and a link must confirm its record."""
+
+import json
+
+import aiohttp
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fakes import CachedHeadBackend, LoopTailBackend, fake_mesh
+from meshws.head import membership
+from meshws.head.membership import RegistryEndpoints, _record
+from meshws.head.registry import Registry
+
+GOOD = {"url": "ws://127.0.0.1:9", "node": "tail@x", "model": "fake-model", "layers": [6, 12], "load": 2}
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"load": -1e15}, "load"),
+    ({"load": float("inf")}, "load"),
+    ({"capacity": -1}, "capacity"),
+    ({"load": "lots"}, "load"),
+    ({"layers": [6, "12"]}, "layers"),
+    ({"url": "http://127.0.0.1:9"}, "url"),
+    ({"role": "head"}, "role"),
+    ({"model": 5}, "model"),
+])
+def test_bad_join_records_are_refused_with_the_field(change, needle):
+    with pytest.raises(ValueError, match=needle):
+        _record({**GOOD, **change})
+
+
+def test_huge_loads_are_clamped():
+    assert _record({**GOOD, "load": 1e300}).load == membership.MAX_LOAD
+
+
+async def test_joins_over_http_are_checked_bounded_and_never_500(monkeypatch):
+    monkeypatch.setattr(membership, "MAX_NODES", 3)
+    async with fake_mesh(CachedHeadBackend(), LoopTailBackend()) as mesh:
+        url = f"http://127.0.0.1:{mesh.head_port}/mesh/join"
+        json_type = {"Content-Type": "application/json"}
+        async with aiohttp.ClientSession() as client:
+            for body, status in [(b'{"load": Infinity}', 400), (orjson.dumps({**GOOD, "layers": [6, 40]}), 400),
+                                 (orjson.dumps({**GOOD, "load": -1}), 400), (b"[]", 400)]:
+                async with client.post(url, data=body, headers=json_type) as response:
+                    assert response.status == status, body
+            for port in range(3):
+                async with client.post(url, json={**GOOD, "url": f"ws://127.0.0.1:{port + 1}"}) as response:
+                    assert response.status == 200
+            async with client.post(url, json={**GOOD, "url": "ws://127.0.0.1:99"}) as response:
+                assert response.status == 503 and "full" in (await response.json())["error"]
+        assert len(mesh.head.registry.nodes()) == 3
+
+
+def test_a_link_that_contradicts_its_record_drops_it():
+    registry = Registry("fake-model", 12)
+    left = []
+    endpoints = RegistryEndpoints(registry, (0, 6), on_join=lambda record: None, on_leave=left.append,
+                                  authorize=lambda request, body: None)
+    registry.announce(_record(GOOD))
+    assert endpoints.check_link("ws://127.0.0.1:9", "fake-model", (6, 12))
+    assert not endpoints.check_link("ws://127.0.0.1:9", "fake-model", (9, 12))  # it claimed 6-11
+    assert registry.nodes() == [] and left == ["ws://127.0.0.1:9"]
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+async def test_fuzzed_join_bodies_get_4xx_and_the_head_keeps_serving():
+    bodies = []
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(st.fixed_dictionaries({}, optional={key: json_values for key in
+                                               ("url", "node", "model", "layers", "role", "load", "capacity")}))
+    def collect(body):
+        bodies.append(body)
+
+    collect()
+    async with fake_mesh(CachedHeadBackend(), LoopTailBackend()) as mesh:
+        url = f"http://127.0.0.1:{mesh.head_port}"
+        async with aiohttp.ClientSession() as client:
+            for body in bodies:
+                data = json.dumps(body).encode()  # NaN, Infinity and huge integers included
+                async with client.post(f"{url}/mesh/join", data=data,
+                                       headers={"Content-Type": "application/json"}) as response:
+                    assert response.status in (200, 400, 503), (body, await response.text())
+            async with client.post(f"{url}/v1/chat/completions",
+                                   json={"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 2}) as response:
+                assert response.status == 200

@@ -1,0 +1,74 @@
+"""Routes come only from a head: a middle dials a hop only when the route carries the mesh secret's MAC."""
+
+import asyncio
+
+import aiohttp
+
+from fakes import FakeBackend
+from meshws.config import NodeSettings
+from meshws.mesh.auth import sign_route, signed_headers
+from meshws.mesh.next_hops import is_loopback_url
+from meshws.mesh.wire import Hello, Open, RouteHop, encode_control
+from meshws.node import Node
+
+SECRET = "right-secret-of-16+"
+
+
+class _Middle(FakeBackend):
+    start, end = 6, 9
+
+
+async def _open_and_answer(ws, message: Open):
+    await ws.send_str(encode_control(message))
+    try:
+        return await asyncio.wait_for(ws.receive_json(), 1.0)
+    except asyncio.TimeoutError:
+        return None  # accepted: the open travels on, nothing comes back
+
+
+async def test_a_middle_dials_only_signed_routes():
+    middle = Node(NodeSettings(role="middle", port=0, layers=(6, 9), secret=SECRET), backend=_Middle())
+    port = await middle.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as client:
+            headers = await signed_headers(client, url, SECRET, "GET", "/ws/shard")
+            async with client.ws_connect(f"ws://127.0.0.1:{port}/ws/shard", headers=headers) as ws:
+                await ws.send_str(encode_control(Hello("fake-model", (0, 6), "head", "test-head", 12)))
+                assert (await ws.receive_json())["type"] == "hello"
+                target = (RouteHop("ws://127.0.0.1:1", (9, 12)),)
+                unsigned = await _open_and_answer(ws, Open("s1", route=target))
+                forged = await _open_and_answer(ws, Open("s2", route=target, route_mac=sign_route(
+                    "another-secret-16+", "s2", [hop.to_wire() for hop in target])))
+                replayed = await _open_and_answer(ws, Open("s3", route=target, route_mac=sign_route(
+                    SECRET, "s2", [hop.to_wire() for hop in target])))  # a MAC made for another session
+                for reply in (unsigned, forged, replayed):
+                    assert reply["type"] == "error" and "not signed" in reply["message"], reply
+                assert middle.links.all() == []  # it dialed nothing
+                signed = await _open_and_answer(ws, Open("s4", route=target, route_mac=sign_route(
+                    SECRET, "s4", [hop.to_wire() for hop in target])))
+                assert signed is None
+                assert [link.url for link in middle.links.all()] == ["ws://127.0.0.1:1"]
+    finally:
+        await middle.stop()
+
+
+async def test_without_a_secret_routes_may_name_loopback_nodes_only():
+    middle = Node(NodeSettings(role="middle", port=0, layers=(6, 9)), backend=_Middle())
+    port = await middle.start()
+    try:
+        async with aiohttp.ClientSession() as client:
+            async with client.ws_connect(f"ws://127.0.0.1:{port}/ws/shard") as ws:
+                await ws.send_str(encode_control(Hello("fake-model", (0, 6), "head", "test-head", 12)))
+                assert (await ws.receive_json())["type"] == "hello"
+                reply = await _open_and_answer(ws, Open("s1", route=(RouteHop("ws://192.0.2.7:80", (9, 12)),)))
+                assert reply["type"] == "error" and "loopback" in reply["message"]
+                assert middle.links.all() == []
+    finally:
+        await middle.stop()
+
+
+def test_loopback_urls_are_parsed_not_guessed():
+    assert is_loopback_url("ws://127.0.0.1:8701") and is_loopback_url("wss://[::1]:9") and is_loopback_url("ws://localhost:1")
+    for url in ("ws://127.0.0.1@evil.example:80", "ws://127.evil.example:80", "ws://10.0.0.2:8701", "ws://[::1"):
+        assert not is_loopback_url(url), url
