@@ -50,13 +50,12 @@ def measure_generate(folder: Path, dtype: str, prompt_ids: list[int], tokens: in
     return {"decode_tok_s": round(decode, 2), "ttft_s": round(ttft, 4)}
 
 
-def measure_cached_vs_stateless(folder: Path, dtype: str, contexts: list[int], repeats: int) -> dict[str, Any]:
+def measure_cached_vs_stateless(resolved: Any, dtype: str, contexts: list[int], repeats: int) -> dict[str, Any]:
     import torch
 
-    from ..model.source import ResolvedModel
     from ..model.shard import ModelShard, ShardSettings
 
-    shard = ModelShard(ResolvedModel("bench", folder), 0, None, ShardSettings(dtype=dtype))
+    shard = ModelShard(resolved, 0, None, ShardSettings(dtype=dtype))
     results: dict[str, Any] = {}
     for context in contexts:
         ids = [int(i) for i in torch.randint(100, 40000, (context,), generator=torch.Generator().manual_seed(0))]
@@ -246,9 +245,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from ..model.source import resolve_model
+    from ..model.source import model_cache, resolve_model
 
-    resolved = resolve_model(args.model, os.environ.get("MESHWS_CACHE_DIR"))
+    resolved = resolve_model(args.model, os.environ.get("MESHWS_CACHE_DIR"), tokenizer=True)
+    cache = model_cache(resolved)
+    whole = cache.ensure_whole() if cache is not None else resolved.folder  # for plain generate()
     args.layers = AutoConfig.from_pretrained(str(resolved.folder)).num_hidden_layers
     tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder))
     if tokenizer.chat_template:
@@ -265,9 +266,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     }
     for dtype in args.dtype:
         print(f"measuring {dtype} ...", flush=True)
-        result: dict[str, Any] = {"generate": measure_generate(resolved.folder, dtype, prompt_ids, args.tokens)}
+        result: dict[str, Any] = {"generate": measure_generate(whole, dtype, prompt_ids, args.tokens)}
         result.update(measure_processes(args, dtype, prompt_ids, resolved.model_id))
-        result["stateless"] = measure_cached_vs_stateless(resolved.folder, dtype, args.contexts, args.repeats)
+        result["stateless"] = measure_cached_vs_stateless(resolved, dtype, args.contexts, args.repeats)
         add_ratios(result)
         result["targets"] = targets(result)
         report["results"][dtype] = result
