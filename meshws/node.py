@@ -38,6 +38,7 @@ from .mesh.metrics import NodeMetrics
 from .mesh.shard_service import ShardService
 from .mesh.wire import ChainHop, Hello
 from .model.backend import ShardBackend
+from .model.memory import process_memory
 
 log = logging.getLogger("meshws.node")
 
@@ -110,7 +111,8 @@ class Node:
         self.advertise = self.settings.advertise or f"ws://{self._public_host()}:{self.port}"
         self.worker = ComputeWorker(self.backend, live_sessions=self._live_sessions)
         sessions = self.backend.sessions
-        self.metrics = NodeMetrics(sessions=lambda: len(sessions), cache_bytes=lambda: sessions.total_bytes)
+        self.metrics = NodeMetrics(sessions=lambda: len(sessions), cache_bytes=lambda: sessions.total_bytes,
+                                   weight_bytes=self.backend.weight_bytes)
         app = web.Application(client_max_size=8 * 1024 * 1024,
                               middlewares=[error_middleware(lambda: self.settings.api_key)])
         app.router.add_get("/health", self._health)
@@ -265,6 +267,8 @@ class Node:
             "total_layers": backend.total_layers,
             "sessions": len(backend.sessions),
             "cache_bytes": backend.sessions.total_bytes,
+            "weight_bytes": backend.weight_bytes,  # what this node's layers cost, and the process in all
+            **process_memory(),  # resident_bytes, peak_resident_bytes
             "supports_kv_cache": backend.supports_kv_cache,
             "links": [link.describe() for link in self.links.all()],
             "chain": chain,
