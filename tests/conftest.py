@@ -17,11 +17,11 @@ def embedded_model():
 
 
 @pytest.fixture(scope="module")
-def fresh_model(tmp_path_factory):
-    """The embedded model with an empty cache of its own: each shard converts only what its span lacks."""
-    from meshws.model.source import locate_model
+def fresh_model(embedded_model, tmp_path_factory):
+    """The embedded model in a cache of its own with only its config and tokenizer: shards convert their spans."""
+    from helpers import cache_of_its_own
 
-    return locate_model(None, tmp_path_factory.mktemp("model-cache"))
+    return cache_of_its_own(embedded_model, tmp_path_factory.mktemp("model-cache"))
 
 
 @pytest.fixture(scope="session")

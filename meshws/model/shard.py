@@ -108,9 +108,10 @@ class ModelShard:
         self.supports_batching = self.rows.fits  # else decode_batch runs the steps one by one
         self._eos_ids = eos_ids(resolved.folder, config, self.tokenizer)
         memory = process_memory()
-        log.info("layers %d-%d of %s (%s): %.1f MB of weights; resident %.1f MB, peak %.1f MB; ready in %.1f s",
-                 start, end - 1, self.model_id, self.settings.dtype, self.weight_bytes / 1e6,
-                 memory["resident_bytes"] / 1e6, memory["peak_resident_bytes"] / 1e6, time.monotonic() - started)
+        log.info("layers %d-%d of %s (%s): %.0f MiB of weights (mapped: resident once read); process resident "
+                 "%.0f MiB, peak %.0f MiB; ready in %.1f s", start, end - 1, self.model_id, self.settings.dtype,
+                 self.weight_bytes / 2**20, memory["resident_bytes"] / 2**20, memory["peak_resident_bytes"] / 2**20,
+                 time.monotonic() - started)
 
     # -- facts --------------------------------------------------------------
 

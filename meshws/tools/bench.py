@@ -7,7 +7,9 @@ For each dtype it measures, on the embedded model:
     per session, aggregate tokens/s, time to first token (p50, p95);
   * bytes per decode and per prefill frame (from the tail's metrics);
   * a cached decode step vs a stateless one (the whole context re-run) at several
-    context lengths, in-process.
+    context lengths, in-process;
+  * memory: peak and steady resident memory of a node holding all, half or a third of
+    the layers, each a fresh process with a fresh cache (`memory_bench`; off with --short).
 It prints a table and writes JSON. Timing on shared machines is noisy: compare the
 ratios, and rerun before believing a small difference.
 """
@@ -24,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from .memory_bench import measure_memory, print_memory, write_report
 
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
 MODEL_ENV = {"HF_HUB_OFFLINE": "1"}
@@ -236,7 +240,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per session")
     parser.add_argument("--contexts", nargs="+", type=int, default=[64, 256, 1024])
     parser.add_argument("--repeats", type=int, default=4, help="steps timed per context length")
-    parser.add_argument("--short", action="store_true", help="a quick run (CI): few tokens and repeats")
+    parser.add_argument("--short", action="store_true", help="a quick run (CI): few tokens and repeats, no memory")
+    parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure memory per span in fresh processes (default: on unless --short)")
     parser.add_argument("--out", default="bench-results/bench.json", help="where to write the JSON")
     args = parser.parse_args(argv)
     if args.short:
@@ -273,10 +279,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
         result["targets"] = targets(result)
         report["results"][dtype] = result
     print_table(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"\nwrote {out}")
+    if args.memory if args.memory is not None else not args.short:
+        print("measuring memory per span (fresh processes and caches) ...", flush=True)
+        report["memory"] = measure_memory(args.model, args.layers)
+        print_memory(report["memory"])
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Golden check on a second architecture: Gemma-3-270M (sliding-window and global layers).
 
-The shards start from an empty cache of their own, so each converts only its span.
+The shards start from a cache of their own holding only the config and tokenizer, so each
+converts only its span.
 """
 
 import pytest
@@ -22,9 +23,10 @@ def gemma_gguf():
 
 @pytest.fixture(scope="module")
 def gemma(gemma_gguf, tmp_path_factory):
-    from meshws.model.source import locate_model
+    from helpers import cache_of_its_own
+    from meshws.model.source import resolve_model
 
-    return locate_model(gemma_gguf, tmp_path_factory.mktemp("gemma-cache"))
+    return cache_of_its_own(resolve_model(gemma_gguf, tokenizer=True), tmp_path_factory.mktemp("gemma-cache"))
 
 
 @pytest.fixture(scope="module")

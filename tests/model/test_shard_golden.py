@@ -1,7 +1,8 @@
 """Golden tests on real models: split shards produce exactly the tokens of the whole model.
 
-The shards start from an empty cache of their own (`fresh_model`), so each converts
-only its span; the reference is the whole model loaded by transformers.
+The shards start from a cache of their own holding only the config and tokenizer
+(`fresh_model`), so each converts only its span; the reference is the whole model
+loaded by transformers.
 """
 
 import pytest
