@@ -169,8 +169,9 @@ class ModelCache:
                 return False
             if problem != "missing":
                 log.warning("model cache %s: part %s is unusable (%s); rebuilding it", self.folder, key, problem)
+            for stale in self.folder.glob(f".staging-*-{key.replace('/', '_')}"):  # left by a crash; ours now
+                shutil.rmtree(stale, ignore_errors=True)
             staging = self.folder / f".staging-{os.getpid()}-{key.replace('/', '_')}"
-            shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir()
             try:
                 build(staging)
