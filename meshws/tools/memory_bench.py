@@ -48,15 +48,15 @@ def probe(model: str, span: tuple[int, int] | None, cache_dir: str, dtype: str) 
     started = time.monotonic()
     shard = ModelShard(model, span[0], span[1], ShardSettings(dtype=dtype), cache_dir=cache_dir)
     start_s = time.monotonic() - started
-    at_start = process_memory()
+    at_start = shard.memory()
     ids = list(range(1, PROBE_TOKENS + 1))
     if shard.is_head:
         shard.encode_prompt(ids)
     else:
         hidden = torch.randn(1, PROBE_TOKENS, shard.hidden_size, generator=torch.Generator().manual_seed(0))
         shard.forward_bytes(hidden.numpy().tobytes(), list(hidden.shape), dtype="float32")
-    after = process_memory()
-    return {"layers": list(span), "weight_bytes": shard.weight_bytes, "start_s": round(start_s, 2),
+    after = shard.memory()
+    return {"layers": list(span), "weight_bytes": after["weight_bytes"], "start_s": round(start_s, 2),
             "resident_at_start_bytes": at_start["resident_bytes"],
             "peak_bytes": after["peak_resident_bytes"], "steady_bytes": after["resident_bytes"]}
 
