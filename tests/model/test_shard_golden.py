@@ -1,4 +1,9 @@
-"""Golden tests on real models: split shards produce exactly the tokens of the whole model."""
+"""Golden tests on real models: split shards produce exactly the tokens of the whole model.
+
+The shards start from a cache of their own holding only the config and tokenizer
+(`fresh_model`), so each converts only its span; the reference is the whole model
+loaded by transformers.
+"""
 
 import pytest
 import torch
@@ -56,13 +61,13 @@ def _run_stateless(shards: list[ModelShard], ids: list[int], steps: int) -> list
 
 
 @pytest.fixture(scope="module")
-def two_shards(embedded_model):
-    return [ModelShard(embedded_model, 0, 15), ModelShard(embedded_model, 15, 30)]
+def two_shards(fresh_model):
+    return [ModelShard(fresh_model, 0, 15), ModelShard(fresh_model, 15, 30)]
 
 
 @pytest.fixture(scope="module")
-def three_shards(embedded_model):
-    return [ModelShard(embedded_model, 0, 10), ModelShard(embedded_model, 10, 20), ModelShard(embedded_model, 20, 30)]
+def three_shards(fresh_model):
+    return [ModelShard(fresh_model, 0, 10), ModelShard(fresh_model, 10, 20), ModelShard(fresh_model, 20, 30)]
 
 
 @pytest.mark.parametrize("prompt", CHAT_PROMPTS)
@@ -87,8 +92,8 @@ def test_cached_distributed_generation_matches_stateless_golden(two_shards):
     assert _run_chain(two_shards, ids, steps, session="golden-session") == _run_stateless(two_shards, ids, steps)
 
 
-def test_full_shard_matches_generate_and_ties_embeddings(embedded_model, reference_model):
-    full = ModelShard(embedded_model, 0, 30)
+def test_full_shard_matches_generate_and_ties_embeddings(fresh_model, reference_model):
+    full = ModelShard(fresh_model, 0, 30)
     assert full.model.lm_head.weight.data_ptr() == full.model.model.embed_tokens.weight.data_ptr()
     ids = _chat_ids(full, CHAT_PROMPTS[0])
     tokens = [full.encode_prompt(ids, session_id="f").token_id]
@@ -97,23 +102,24 @@ def test_full_shard_matches_generate_and_ties_embeddings(embedded_model, referen
     assert tokens == _generate_ids(reference_model, ids, 16)
 
 
-def test_bfloat16_split_matches_bfloat16_generate(embedded_model):
+def test_bfloat16_split_matches_bfloat16_generate(fresh_model, reference_model):
     from transformers import AutoModelForCausalLM
 
     from meshws.model.shard import ShardSettings
 
     settings = ShardSettings(dtype="bfloat16")
-    shards = [ModelShard(embedded_model, 0, 15, settings), ModelShard(embedded_model, 15, 30, settings)]
-    reference = AutoModelForCausalLM.from_pretrained(str(embedded_model.folder), dtype=torch.bfloat16)
+    shards = [ModelShard(fresh_model, 0, 15, settings), ModelShard(fresh_model, 15, 30, settings)]
+    assert {path.name for path in (fresh_model.folder / "bfloat16").iterdir()} >= {"model.layers.0.safetensors"}
+    reference = AutoModelForCausalLM.from_pretrained(reference_model.name_or_path, dtype=torch.bfloat16)
     ids = _chat_ids(shards[0], CHAT_PROMPTS[1])
     assert _run_chain(shards, ids, 24, session="bf16") == _generate_ids(reference, ids, 24)
 
 
-def test_shards_hold_only_their_own_weights(embedded_model):
-    head = ModelShard(embedded_model, 0, 15)
-    middle = ModelShard(embedded_model, 15, 20)
-    tail = ModelShard(embedded_model, 15, 30)
-    full = ModelShard(embedded_model, 0, 30)
+def test_shards_hold_only_their_own_weights(fresh_model):
+    head = ModelShard(fresh_model, 0, 15)
+    middle = ModelShard(fresh_model, 15, 20)
+    tail = ModelShard(fresh_model, 15, 30)
+    full = ModelShard(fresh_model, 0, 30)
     embedding = full.model.model.embed_tokens.weight.numel()
     decoder_total = full.parameter_count() - embedding - full.model.model.norm.weight.numel()
     per_layer = decoder_total / 30
@@ -125,11 +131,14 @@ def test_shards_hold_only_their_own_weights(embedded_model):
     assert middle.model.lm_head is None and middle.model.model.embed_tokens is None
     assert head.parameter_count() == pytest.approx(embedding + 15 * per_layer)
     assert head.tokenizer is not None and middle.tokenizer is None and tail.tokenizer is None
+    # The bytes a node reports: its own weights (a tied matrix once), in the compute dtype.
+    assert tail.weight_bytes == 4 * tail.parameter_count() and full.weight_bytes == 4 * full.parameter_count()
+    assert 0.45 < tail.weight_bytes / full.weight_bytes < 0.65
 
 
-def test_bad_layer_range_and_bad_bytes_are_refused(two_shards, embedded_model):
+def test_bad_layer_range_and_bad_bytes_are_refused(two_shards, fresh_model):
     with pytest.raises(ValueError, match="not within"):
-        ModelShard(embedded_model, 10, 31)
+        ModelShard(fresh_model, 10, 31)
     tail = two_shards[1]
     with pytest.raises(ValueError, match="needs"):
         tail.forward_bytes(b"\x00" * 10, [1, 1, 576])

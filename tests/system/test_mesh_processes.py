@@ -45,11 +45,15 @@ async def test_health_and_metrics_describe_the_node(mesh):
     assert tail["role"] == "tail" and tail["layers"] == [15, 30] and tail["ready"]
     assert head["links"][0]["state"] == "up" and head["links"][0]["layers"] == [15, 30]
     assert [hop["layers"] for hop in head["chain"]] == [[0, 15], [15, 30]]
+    for node in (head, tail):  # 15 layers and the embedding matrix (the tail's LM head) each, in float32
+        assert 300e6 < node["weight_bytes"] < 340e6, node["weight_bytes"]
+        assert node["peak_resident_bytes"] >= node["resident_bytes"] > 0
     async with aiohttp.ClientSession() as client:
         async with client.get(f"{mesh.tail.url}/metrics") as response:
             text = await response.text()
     for name in ("meshws_sessions ", "meshws_cache_bytes ", "meshws_steps_total{mode=\"decode\"}",
-                 "meshws_step_seconds_bucket", 'meshws_frame_bytes_total{direction="in",type="fwd_decode"}'):
+                 "meshws_step_seconds_bucket", 'meshws_frame_bytes_total{direction="in",type="fwd_decode"}',
+                 "meshws_weight_bytes ", "meshws_peak_resident_bytes ", "process_resident_memory_bytes "):
         assert name in text, name
 
 
