@@ -30,5 +30,6 @@ def test_the_detailed_view_needs_a_direct_loopback_client_or_the_api_key():
     assert access.detail_allowed(_request("127.0.0.1", path="/health"))
     assert not access.detail_allowed(_request("10.0.0.9", path="/health"))
     assert not access.detail_allowed(_request("127.0.0.1", {"X-Real-IP": "203.0.113.9"}, path="/health"))
+    assert not access.detail_allowed(_request("127.0.0.1", {"Host": "rebind.attacker.test:8700"}, path="/health"))
     assert access.detail_allowed(_request("10.0.0.9", {"Authorization": "Bearer the-api-key"}, path="/health"))
     assert not access.detail_allowed(_request("10.0.0.9", {"Authorization": "Bearer guess"}, path="/health"))

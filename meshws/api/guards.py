@@ -41,7 +41,9 @@ def _is_mesh_path(path: str) -> bool:
 
 
 def _is_browser_path(path: str) -> bool:
-    return path == "/" or path.startswith(("/static/", "/v1/")) or path in ("/ws/chat", "/health", "/metrics")
+    # /health and /metrics are not here: load balancers probe them under names of their own, and a
+    # foreign Host only ever gets the public view of /health (`access.direct_loopback`).
+    return path == "/" or path.startswith(("/static/", "/v1/")) or path == "/ws/chat"
 
 
 def host_name(host: str) -> str:
