@@ -16,8 +16,9 @@ import ssl
 
 from aiohttp import web
 
-from .config import NodeSettings, is_loopback
+from .config import NodeSettings
 from .api.guards import host_name
+from .mesh.addresses import is_loopback
 from .mesh.auth import HEADER, Verifier, listener_proof
 
 
@@ -67,8 +68,7 @@ def direct_loopback(request: web.Request) -> bool:
     """A client on this machine talking to the node itself: not through a proxy, not a rebound domain."""
     if not is_loopback(request.remote or "") or any(name in request.headers for name in PROXY_HEADERS):
         return False
-    host = host_name(request.host or "")
-    return host == "localhost" or is_loopback(host)
+    return is_loopback(host_name(request.host or ""))
 
 
 def tls_contexts(settings: NodeSettings) -> tuple[ssl.SSLContext | None, ssl.SSLContext]:
@@ -80,7 +80,3 @@ def tls_contexts(settings: NodeSettings) -> tuple[ssl.SSLContext | None, ssl.SSL
     client = ssl.create_default_context(cafile=settings.tls_ca)  # verification on, always
     return server, client
 
-
-def host_of(url: str) -> str:
-    """ws://host:port -> host."""
-    return url.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")

@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
+from .mesh.addresses import is_loopback
+
 ROLES = ("head", "middle", "tail", "full")
 MIN_SECRET_BYTES = 16
 
@@ -247,8 +249,7 @@ def read_secret_files(settings: NodeSettings) -> str | None:
     return None
 
 
-def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+
 
 
 def check_settings(settings: NodeSettings) -> str | None:

@@ -24,14 +24,15 @@ from .api.errors import error_middleware, json_response
 from .api.guards import RequestGuard, add_security_headers
 from .api.openai_routes import OpenAIApi
 from .api.page import add_page_routes
-from .access import NodeAccess, host_of, tls_contexts
-from .config import NodeSettings, is_loopback, parse_settings
+from .access import NodeAccess, tls_contexts
+from .config import NodeSettings, parse_settings
 from .head.generation import GenerationStats, Generator
 from .head.membership import RegistryEndpoints
 from .head.planner import RoutePlanner
 from .head.registry import Registry
 from .head.routes import NoRoute, chain_gaps
 from .head.service import HeadService
+from .mesh.addresses import host_of, is_loopback
 from .mesh.auth import CHALLENGE_PATH
 from .mesh.compute import ComputeWorker
 from .mesh.link import Link, LinkPool

@@ -22,6 +22,8 @@ def test_without_a_secret_only_direct_loopback_clients_may_use_the_mesh_endpoint
     assert "loopback" in access.authorize(_request("127.0.0.1", {"X-Forwarded-For": "203.0.113.9"}), b"")
     assert "loopback" in access.authorize(_request("127.0.0.1", {"Forwarded": "for=203.0.113.9"}), b"")
     assert "loopback" in access.authorize(_request("127.0.0.1", {"Host": "rebind.attacker.test"}), b"")
+    assert "loopback" in access.authorize(_request("127.0.0.1", {"Host": "127.attacker.test:8700"}), b"")  # a name
+    assert access.authorize(_request("127.0.0.1", {"Host": "[::1]:8700"}), b"") is None
     assert NodeAccess(NodeSettings(insecure=True)).authorize(_request("10.0.0.9"), b"") is None
 
 

@@ -78,6 +78,7 @@ def test_secrets_come_from_files_and_short_ones_are_refused(tmp_path, capsys):
                          (["--secret-file", str(tmp_path / "empty")], "empty"),
                          (["--secret", "too-short"], "at least 16 bytes"),
                          (["--host", "0.0.0.0"], "--insecure"),
+                         (["--host", "127.attacker.test"], "--insecure"),  # a name is not loopback
                          (["--tls-cert", "x.pem"], "--tls-key")):
         with pytest.raises(SystemExit):
             parse_settings(argv, environ={})

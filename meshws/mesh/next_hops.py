@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 from typing import AsyncIterator
-from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from .addresses import is_loopback_url
 from .auth import route_is_signed, sign_route
 from .link import LinkPool
 from .wire import Open, RouteHop
@@ -87,13 +86,3 @@ class NextHops:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-
-def is_loopback_url(url: str) -> bool:
-    """ws://127.0.0.1:8701 yes; ws://127.0.0.1@evil.example or ws://127.evil.example no."""
-    try:
-        parts = urlsplit(url)
-        if parts.username is not None or parts.password is not None:
-            return False
-        return parts.hostname == "localhost" or ipaddress.ip_address(parts.hostname or "").is_loopback
-    except ValueError:
-        return False

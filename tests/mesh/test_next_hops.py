@@ -7,7 +7,7 @@ import aiohttp
 from fakes import FakeBackend
 from meshws.config import NodeSettings
 from meshws.mesh.auth import sign_route, signed_headers
-from meshws.mesh.next_hops import is_loopback_url
+from meshws.mesh.addresses import is_loopback_url
 from meshws.mesh.wire import Hello, Open, RouteHop, encode_control
 from meshws.node import Node
 
