@@ -196,6 +196,15 @@ async def fake_mesh(head_backend, tail_backend, **head_settings):
         await tail.stop()
 
 
+async def eventually(check, timeout: float = 10.0) -> None:
+    """Wait until `check()` is true: for effects that follow a response, like a shard's release."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not true within {timeout} s")
+        await asyncio.sleep(0.02)
+
+
 async def wait_ready(port: int, timeout: float = 10.0) -> dict:
     deadline = asyncio.get_running_loop().time() + timeout
     async with aiohttp.ClientSession() as client:

@@ -12,6 +12,7 @@ from fakes import (
     CachedHeadBackend,
     CachedTailBackend,
     LegacyTailBackend,
+    eventually,
     fake_mesh,
 )
 from meshws.mesh.inbound import DecodeLogThrottle
@@ -35,6 +36,8 @@ async def test_session_is_stable_and_decode_payloads_are_single_token():
     tail_backend = CachedTailBackend([(" a", 1), (" b", 2), (" c", 3)])
     async with fake_mesh(head_backend, tail_backend) as mesh:
         status, body = await _chat_once(mesh.head_port, max_tokens=3)
+        # The release follows the response over the link; it must come while the mesh runs.
+        await eventually(lambda: tail_backend.released and head_backend.released)
     assert status == 200
     assert _content(body) == " a b c"
     assert len(tail_backend.calls) == 3
