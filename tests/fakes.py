@@ -11,7 +11,16 @@ from typing import Sequence
 import aiohttp
 
 from meshws.config import NodeSettings
-from meshws.model.backend import DecodeStep, StepResult, TailTokenResult, TensorPayload, decode_alone
+from meshws.model.backend import (
+    DecodeStep,
+    PrefillRun,
+    PrefillStep,
+    StepResult,
+    TailTokenResult,
+    TensorPayload,
+    decode_alone,
+    prefill_at_once,
+)
 from meshws.model.cache_store import KVCacheMiss, SessionCacheStore
 from meshws.model.sampling import SamplingParams
 from meshws.node import Node
@@ -35,6 +44,7 @@ class FakeBackend:
     is_head = is_tail = False
     context_length = 2048
     vocab_size = 100
+    hidden_size = 8
     supports_kv_cache = True
     supports_batching = False
     weight_bytes = 0
@@ -66,6 +76,9 @@ class FakeBackend:
                       sampling: SamplingParams | None = None, history: Sequence[int] = (),
                       generated_from: int | None = None) -> StepResult:
         raise NotImplementedError("this fake receives no hidden states")
+
+    def prefill(self, step: PrefillStep, chunk_tokens: int) -> PrefillRun:
+        return prefill_at_once(self, step)
 
     def decode_batch(self, steps: Sequence[DecodeStep]) -> list[StepResult | Exception]:
         results: list[StepResult | Exception] = []

@@ -5,8 +5,13 @@ sessions stay responsive while a step runs. Decode steps are batched: when the
 worker turns to decode work it takes every decode step waiting at that moment
 (different sessions, different past lengths) and runs them as one `decode_batch`.
 Nothing waits for a batch to fill: a lone session's step runs as soon as the worker
-is free, on the single-session path. Other work (prefills, releases) alternates with
-decode batches, so neither starves the other.
+is free, on the single-session path. Other work alternates with decode batches, so
+neither starves the other; a long prefill is such work one chunk at a time
+(`prefill`: after each chunk it goes to the back of the queue), so it delays other
+sessions' decode steps by one chunk at most. Releases (`release`, `urgent`) jump
+every queue: they wait for the chunk or batch running, never for queued work.
+A job whose caller has gone (its future cancelled) is skipped, chunks included.
+A batch that raises is retried row by row, so only the failing row gets the error.
 """
 
 from __future__ import annotations
@@ -17,13 +22,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Generator, TypeVar
 
-from ..model.backend import DecodeStep, ShardBackend, StepResult, decode_alone
+from ..model.backend import DecodeStep, PrefillStep, ShardBackend, StepResult, decode_alone
 
 T = TypeVar("T")
 MAX_BATCH = 64
 LINGER = 0.003  # seconds a partial batch may wait for steps of other live sessions (never for a lone one)
+PREFILL_CHUNK = 256  # tokens of a prefill run between two turns of other work
 
 
 @dataclass
@@ -32,19 +38,23 @@ class _Job:
     step: DecodeStep | None  # or a decode step
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    chunks: Generator[None, None, Any] | None = None  # or a chunked prefill, resumed once per turn
 
 
 class ComputeWorker:
     def __init__(self, backend: ShardBackend, max_batch: int = MAX_BATCH,
-                 live_sessions: Callable[[], int] = lambda: 1) -> None:
+                 live_sessions: Callable[[], int] = lambda: 1, prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.backend = backend
         self.max_batch = max_batch
+        self.prefill_chunk = max(1, prefill_chunk)
         # How many sessions could send a decode step soon. The steps of one round arrive
         # microseconds apart; lingering a few ms for them when several sessions are live
         # turns a 1 + 15 split into one batch of 16. A lone session never waits.
         self.live_sessions = live_sessions
         self.batches = 0  # decode batches of two or more steps run so far
         self.batched_steps = 0
+        self.chunks = 0  # prefill chunks run so far
+        self._urgent: deque[_Job] = deque()
         self._decodes: deque[_Job] = deque()
         self._others: deque[_Job] = deque()
         self._ready = threading.Condition()
@@ -60,6 +70,25 @@ class ComputeWorker:
         """A decode step, batched with other sessions' steps waiting at the same time."""
         return await self._submit(_Job(None, step, *self._future()))
 
+    async def prefill(self, step: PrefillStep) -> StepResult:
+        """A prefill (or a multi-token step), run in chunks of `prefill_chunk` tokens between other work."""
+        return await self._submit(_Job(None, None, *self._future(),
+                                       chunks=self.backend.prefill(step, self.prefill_chunk)))
+
+    async def urgent(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run `fn` on the worker before any queued work (after the chunk or batch now running)."""
+        return await self._submit(_Job(functools.partial(fn, *args, **kwargs), None, *self._future()), urgent=True)
+
+    async def release(self, session_id: str) -> bool:
+        """Drop a session's caches, ahead of queued work: a release never waits behind prefills."""
+        return await self.urgent(self.backend.release_session, session_id)
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting (not the one running)."""
+        with self._ready:
+            return len(self._urgent) + len(self._decodes) + len(self._others)
+
     def shutdown(self) -> None:
         with self._ready:
             self._closed = True
@@ -72,11 +101,14 @@ class ComputeWorker:
         loop = asyncio.get_running_loop()
         return loop.create_future(), loop
 
-    async def _submit(self, job: _Job) -> Any:
+    async def _submit(self, job: _Job, urgent: bool = False) -> Any:
         with self._ready:
             if self._closed:
+                if job.chunks is not None:
+                    job.chunks.close()
                 raise RuntimeError("the compute worker is shut down")
-            (self._decodes if job.step is not None else self._others).append(job)
+            queue = self._urgent if urgent else self._decodes if job.step is not None else self._others
+            queue.append(job)
             self._ready.notify()
         return await job.future
 
@@ -84,21 +116,27 @@ class ComputeWorker:
         other_turn = False
         while True:
             with self._ready:
-                while not (self._decodes or self._others or self._closed):
+                while not (self._urgent or self._decodes or self._others or self._closed):
                     self._ready.wait()
-                if self._closed and not (self._decodes or self._others):
+                if self._closed and not (self._urgent or self._decodes or self._others):
                     return
-                if self._decodes and not (other_turn and self._others):
+                if self._urgent:
+                    batch, job = [], self._urgent.popleft()
+                elif self._decodes and not (other_turn and self._others):
                     self._linger()
                     batch = [self._decodes.popleft() for _ in range(min(self.max_batch, len(self._decodes)))]
-                    job = None
+                    job, other_turn = None, True
                 else:
                     batch, job = [], self._others.popleft()
-            other_turn = bool(batch)
+                    other_turn = False
             batch = [waiting for waiting in batch if not waiting.future.done()]  # callers gone: no work for them
             if job is not None and job.future.done():
+                if job.chunks is not None:
+                    job.chunks.close()
                 continue
-            if job is not None:
+            if job is not None and job.chunks is not None:
+                self._run_chunk(job)
+            elif job is not None:
                 self._run_one(job, job.run)  # type: ignore[arg-type]
             elif not batch:
                 continue
@@ -129,11 +167,32 @@ class ComputeWorker:
         else:
             self._deliver(job, result)
 
+    def _run_chunk(self, job: _Job) -> None:
+        """One chunk of a prefill; then back to the end of the queue, or its result delivered."""
+        assert job.chunks is not None
+        try:
+            next(job.chunks)
+        except StopIteration as done:
+            self._deliver(job, done.value)
+            return
+        except BaseException as exc:
+            self._deliver(job, exc)
+            return
+        finally:
+            self.chunks += 1
+        with self._ready:
+            self._others.append(job)
+
     def _run_batch(self, batch: list[_Job]) -> None:
         try:
             results: list[Any] = self.backend.decode_batch([job.step for job in batch])  # type: ignore[misc]
-        except BaseException as exc:
-            results = [exc] * len(batch)
+        except Exception:  # one row may have broken the batch: each row alone, so only that row fails
+            results = []
+            for job in batch:
+                try:
+                    results.append(decode_alone(self.backend, job.step))  # type: ignore[arg-type]
+                except BaseException as exc:
+                    results.append(exc)
         self.batches += 1
         self.batched_steps += len(batch)
         for job, result in zip(batch, results):

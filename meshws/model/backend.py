@@ -6,13 +6,17 @@ flags one that drifts). Capabilities are attributes of the protocol, never probe
 `supports_kv_cache` (the cached path works on this hardware) and `supports_batching`
 (`decode_batch` runs rows as one forward rather than one by one).
 
+A long prefill runs in chunks: `prefill` is a generator that runs one chunk per
+resumption and returns the step's result, so the compute worker can serve other
+sessions' decode steps (and releases) between the chunks.
+
 This module imports no torch, so the transport can name the types without loading it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generator, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     from .cache_store import SessionCacheStore
@@ -58,6 +62,32 @@ class DecodeStep:
     generated_from: int | None = None  # where generated tokens start in `history`
 
 
+@dataclass(frozen=True)
+class PrefillStep:
+    """Several positions of one session at once: a (re-)prefill, or a chunk appended at `past_len`."""
+
+    session_id: str | None  # None: stateless, nothing is cached
+    token_ids: Sequence[int] | None = None  # on the head: the tokens to embed
+    body: bytes | None = None  # on later shards: the hidden states received
+    shape: Sequence[int] = ()
+    dtype: str = "bfloat16"
+    mode: str = "prefill"  # "prefill": the cache starts at 0; "decode": append at past_len
+    past_len: int = 0
+    sampling: SamplingParams | None = None  # on a tail
+    history: Sequence[int] = ()
+    generated_from: int | None = None
+
+    @property
+    def length(self) -> int:
+        """How many positions the step carries."""
+        if self.token_ids is not None:
+            return len(self.token_ids)
+        return int(self.shape[1]) if len(self.shape) > 1 else 0
+
+
+PrefillRun = Generator[None, None, StepResult]  # yields between chunks, returns the step's result
+
+
 @runtime_checkable
 class ShardBackend(Protocol):
     """A layer range `[start, end)` of one model, with a KV cache per session."""
@@ -72,6 +102,7 @@ class ShardBackend(Protocol):
     vocab_size: int
     supports_kv_cache: bool
     supports_batching: bool
+    hidden_size: int  # width of the hidden states between shards
     weight_bytes: int  # bytes of the weights this shard holds (its layers, not the model)
     sessions: SessionCacheStore
     tokenizer: Any  # the head's tokenizer (chat template); None elsewhere
@@ -115,6 +146,8 @@ class ShardBackend(Protocol):
         generated_from: int | None = None,
     ) -> StepResult: ...
 
+    def prefill(self, step: PrefillStep, chunk_tokens: int) -> PrefillRun: ...
+
     def decode_batch(self, steps: Sequence[DecodeStep]) -> list[StepResult | Exception]: ...
 
     def release_session(self, session_id: str) -> bool: ...
@@ -128,3 +161,26 @@ def decode_alone(backend: ShardBackend, step: DecodeStep) -> StepResult:
     return backend.forward_bytes(step.body or b"", step.shape, dtype=step.dtype, session_id=step.session_id,
                                  cache_mode="decode", past_len=step.past_len, sampling=step.sampling,
                                  history=step.history, generated_from=step.generated_from)
+
+
+def prefill_at_once(backend: ShardBackend, step: PrefillStep) -> PrefillRun:
+    """A prefill as one step, for a backend that does not chunk (a generator like `ShardBackend.prefill`)."""
+    if step.token_ids is not None:
+        if step.mode != "prefill":
+            raise ValueError("token ids are prefilled from position 0 only")
+        return backend.encode_prompt(list(step.token_ids), step.session_id, sampling=step.sampling,
+                                     generated_from=step.generated_from)
+    return backend.forward_bytes(step.body or b"", step.shape, dtype=step.dtype, session_id=step.session_id,
+                                 cache_mode=step.mode if step.session_id else None, past_len=step.past_len,
+                                 sampling=step.sampling, history=step.history, generated_from=step.generated_from)
+    yield  # a generator that never pauses
+
+
+def run_prefill(backend: ShardBackend, step: PrefillStep, chunk_tokens: int) -> StepResult:
+    """Every chunk of a prefill at once (where nothing else needs to run in between)."""
+    run = backend.prefill(step, chunk_tokens)
+    while True:
+        try:
+            next(run)
+        except StopIteration as done:
+            return done.value

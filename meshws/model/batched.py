@@ -5,14 +5,44 @@ projections, MLPs and norms read the weights once. Only attention differs per ro
 `RowCaches.update` appends each row's new key and value to that session's cache and
 hands back per-row lists, and the attention function registered under
 `ROWS_ATTENTION` runs HF's own sdpa code row by row.
+
+`decode_rows` is a shard's `decode_batch`: each row's failure stays its own. A
+batched forward that raises is undone (each row's cache cropped back) and its rows
+run one by one, so only a row at fault gets the error; batching is switched off only
+when the batched path itself cannot run on this hardware.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+import logging
+from typing import Any, Protocol, Sequence
 
 import torch
+
+from .backend import DecodeStep, ShardBackend, StepResult, decode_alone
+from .cache_store import CacheEntry, KVCacheMiss
+from .sampling import SamplingParams
+from .session_layers import cannot_run_here
+from .tensors import cache_nbytes
+
+log = logging.getLogger("meshws.shard")
+
+
+class RowShard(ShardBackend, Protocol):
+    """What `decode_rows` needs of a shard (`ModelShard`): the backend, its row runner and its last step."""
+
+    rows: "RowRunner"
+
+    def embed(self, ids: Sequence[int]) -> torch.Tensor: ...
+
+    def tensor_from_bytes(self, body: bytes | memoryview, shape: Sequence[int], dtype: str) -> torch.Tensor: ...
+
+    def finish(self, hidden: torch.Tensor, past_len: int, sampling: SamplingParams | None,
+               history: Sequence[int], generated_from: int | None) -> StepResult: ...
+
+
+Row = tuple[int, CacheEntry, torch.Tensor, int]  # (index in the steps, cache entry, hidden state, past length)
 
 ROWS_ATTENTION = "meshws_rows"
 
@@ -90,3 +120,81 @@ class RowRunner:
         finally:
             config._attn_implementation = previous
         return base.norm(hidden)
+
+
+def decode_rows(shard: RowShard, steps: Sequence[DecodeStep]) -> list[StepResult | Exception]:
+    """Several sessions' one-token decode steps as one forward through `shard`'s layers.
+
+    Each session keeps its own cache and past length. A step that cannot run
+    (cache miss, bad bytes, a token id outside the vocabulary) gets its own exception
+    and the others go on.
+    """
+    results: list[StepResult | Exception | None] = [None] * len(steps)
+    rows: list[Row] = []
+    with torch.inference_mode():
+        for index, step in enumerate(steps):
+            try:
+                rows.append((index, *_prepare(shard, step)))
+            except (KVCacheMiss, ValueError) as exc:
+                results[index] = exc
+        if len(rows) == 1 or (rows and not shard.supports_batching):
+            for index, *_ in rows:
+                results[index] = _alone(shard, steps[index])
+            return results  # type: ignore[return-value]
+        if not rows:
+            return results  # type: ignore[return-value]
+        hidden = torch.cat([row[2] for row in rows])
+        row_positions = torch.tensor([[row[3]] for row in rows], dtype=torch.long)
+        try:
+            hidden = shard.rows.run(hidden, row_positions, [row[1].cache for row in rows])
+        except Exception as exc:  # one row may be at fault: each row alone, so only it fails
+            _rows_alone(shard, steps, rows, results, exc)
+            return results  # type: ignore[return-value]
+        for position, (index, entry, _, past) in enumerate(rows):
+            step = steps[index]
+            entry.seq_len = past + 1
+            try:
+                shard.sessions.resize(step.session_id, cache_nbytes(entry.cache))
+                results[index] = shard.finish(hidden[position : position + 1], past, step.sampling,
+                                               step.history, step.generated_from)
+            except Exception as exc:
+                results[index] = exc
+    return results  # type: ignore[return-value]
+
+
+def _rows_alone(shard: RowShard, steps: Sequence[DecodeStep], rows: list[Row],
+                results: list[StepResult | Exception | None], exc: Exception) -> None:
+    """After a failed batch: each row's cache back to its past length, then each row on its own."""
+    for index, entry, _, past in rows:
+        try:
+            entry.cache.crop(past)  # layers the batch reached hold one position too many
+        except Exception:
+            shard.sessions.drop(steps[index].session_id)
+        results[index] = _alone(shard, steps[index])
+    if cannot_run_here(exc) and not any(isinstance(results[index], Exception) for index, *_ in rows):
+        log.warning("batched decode cannot run here (%s); decode steps run one by one from now on", exc)
+        shard.supports_batching = False
+    else:
+        log.warning("a batch of %d decode steps failed (%s); its rows ran one by one", len(rows), exc)
+
+
+def _alone(shard: RowShard, step: DecodeStep) -> StepResult | Exception:
+    try:
+        return decode_alone(shard, step)
+    except Exception as exc:
+        return exc
+
+
+def _prepare(shard: RowShard, step: DecodeStep) -> tuple[CacheEntry, torch.Tensor, int]:
+    """The session's cache entry, the step's input hidden state and its past length."""
+    if not shard.supports_kv_cache:
+        raise KVCacheMiss("caching is off on this shard; re-prefill")
+    if step.token_id is not None:
+        hidden = shard.embed([step.token_id])
+        entry = shard.sessions.lookup(step.session_id)
+    else:
+        hidden = shard.tensor_from_bytes(step.body or b"", step.shape, step.dtype)
+        if hidden.shape[1] != 1:
+            raise ValueError("a batched decode step carries exactly one token")
+        entry = shard.sessions.lookup(step.session_id, expected_seq_len=step.past_len, effective_start=shard.start)
+    return entry, hidden, entry.seq_len

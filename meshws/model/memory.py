@@ -1,4 +1,7 @@
-"""What this process holds in memory: resident and peak resident bytes, and a tensor set's bytes.
+"""What this process holds in memory, what the machine has free, and a tensor set's bytes.
+
+`default_cache_budget` sizes the KV cache byte budget a shard gets when none is set:
+half of the memory available now (the smaller of the machine's and the cgroup's).
 
 Resident memory counts weight pages mapped from the cache files once they are read
 (they are shared with other processes mapping the same files), so it is measured after
@@ -15,6 +18,10 @@ from typing import Iterable
 import torch
 
 STATUS = "/proc/self/status"
+MEMINFO = "/proc/meminfo"
+CGROUP = "/sys/fs/cgroup"  # cgroup v2: memory.max and memory.current
+CACHE_SHARE = 0.5  # of the memory available at start, for KV caches when no budget is given
+MIN_CACHE_BUDGET = 64 * 2**20
 
 
 def process_memory() -> dict[str, int]:
@@ -26,6 +33,33 @@ def process_memory() -> dict[str, int]:
     except (OSError, KeyError, ValueError):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return {"resident_bytes": 0, "peak_resident_bytes": peak if sys.platform == "darwin" else peak * 1024}
+
+
+def available_memory(meminfo: str = MEMINFO, cgroup: str = CGROUP) -> int | None:
+    """Bytes this process could still allocate: MemAvailable, capped by the cgroup's room; None if unknown."""
+    found: list[int] = []
+    try:
+        with open(meminfo) as handle:
+            fields = dict(line.split(":", 1) for line in handle if ":" in line)
+        found.append(_kilobytes(fields["MemAvailable"]))
+    except (OSError, KeyError, ValueError):
+        pass
+    try:
+        with open(f"{cgroup}/memory.max") as limit, open(f"{cgroup}/memory.current") as used:
+            text = limit.read().strip()
+            if text != "max":
+                found.append(max(0, int(text) - int(used.read().strip())))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def default_cache_budget(available: int | None = None) -> int | None:
+    """The KV cache byte budget when none is set: a share of the memory free now; None if unknown."""
+    available = available_memory() if available is None else available
+    if available is None:
+        return None
+    return max(MIN_CACHE_BUDGET, int(available * CACHE_SHARE))
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -2,15 +2,19 @@
 
 The cached path is the normal one: a prefill starts the session's cache, a decode
 step (or a chunk) extends it at `past_len`. The seed's fallback is kept here, apart
-from it: if the cached path itself fails (a kernel that cannot run on this hardware,
-the seed's Triton-on-CPU case), caching is turned off for this shard, a prefill is
-retried stateless, and a decode step — which cannot be redone without its cache —
-answers a cache miss so the head re-prefills.
+from it: if the cached path itself cannot run here (a kernel missing on this
+hardware, the seed's Triton-on-CPU case: `cannot_run_here`), caching is turned off
+for this shard, a prefill is retried stateless, and a decode step — which cannot be
+redone without its cache — answers a cache miss so the head re-prefills. A prefill
+turns caching off only if the same input then runs stateless. Any other failure (a
+MemoryError, a bad input) fails that session's step alone: its cache, perhaps half
+updated, is dropped, and the shard goes on caching for everyone else.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Callable
 
 import torch
@@ -19,6 +23,20 @@ from .cache_store import KVCacheMiss, SessionCacheStore
 from .tensors import cache_nbytes
 
 log = logging.getLogger("meshws.shard")
+
+# Words of errors from a kernel or backend that does not exist on this hardware (not of memory or input errors).
+_UNSUPPORTED = re.compile(r"triton|kernel|not implemented|not supported|unsupported|compiler|cuda|no backend", re.I)
+_MEMORY = re.compile(r"out of memory|can't allocate|cannot allocate|failed to allocate", re.I)
+
+
+def cannot_run_here(exc: BaseException) -> bool:
+    """Is `exc` the class of failure the stateless fallback is for: code that cannot run on this hardware?"""
+    if isinstance(exc, MemoryError) or _MEMORY.search(str(exc)):
+        return False
+    if isinstance(exc, NotImplementedError):
+        return True
+    return type(exc) is RuntimeError and bool(_UNSUPPORTED.search(str(exc)))
+
 
 RunLayers = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]  # (hidden, positions, cache or None)
 
@@ -48,8 +66,7 @@ class SessionLayers:
         try:
             output = self._run(hidden, positions, cache)
         except Exception as exc:
-            self._disable(exc)
-            return self._stateless_instead(hidden, positions, mode, exc)
+            return self._after_failure(exc, hidden, positions, session_id, mode)
         seq_len = past_len + hidden.shape[1]
         if entry is None:
             self.sessions.store(session_id, cache, seq_len, self.start, nbytes=cache_nbytes(cache))
@@ -60,6 +77,19 @@ class SessionLayers:
 
     # -- the fallback ------------------------------------------------------------
 
+    def _after_failure(self, exc: Exception, hidden: torch.Tensor, positions: torch.Tensor, session_id: str,
+                       mode: str) -> torch.Tensor:
+        """The cached path failed: the seed's fallback if it cannot run here, else this session's step fails."""
+        self.sessions.drop(session_id)  # a failed step may have half-updated the cache
+        if not cannot_run_here(exc):
+            raise exc
+        if mode == "decode":
+            self._disable(exc)
+            return self._stateless_instead(hidden, positions, mode, exc)
+        output = self._run(hidden, positions, None)  # raises (caching stays on) if the input is at fault
+        self._disable(exc)
+        return output
+
     def _stateless_instead(self, hidden: torch.Tensor, positions: torch.Tensor, mode: str,
                            cause: Exception | None = None) -> torch.Tensor:
         if mode == "decode":
@@ -67,7 +97,7 @@ class SessionLayers:
             raise KVCacheMiss(f"{detail}caching is off on this shard; re-prefill")
         return self._run(hidden, positions, None)
 
-    def _disable(self, exc: Exception) -> None:
+    def _disable(self, exc: BaseException) -> None:
         if self.supports_kv_cache:
             log.warning("%s: the cached path failed (%s); serving stateless from now on", self.label, exc)
         self.supports_kv_cache = False

@@ -18,15 +18,15 @@ from typing import Any, Sequence
 
 import torch
 
-from .backend import DecodeStep, StepResult, TailTokenResult, TensorPayload, decode_alone
-from .batched import RowRunner
-from .cache_store import CacheEntry, KVCacheMiss, SessionCacheStore
-from .memory import process_memory, tensor_bytes
+from .backend import DecodeStep, PrefillRun, PrefillStep, StepResult, TailTokenResult, TensorPayload
+from .batched import RowRunner, decode_rows
+from .cache_store import KVCacheMiss, SessionCacheStore
+from .memory import default_cache_budget, process_memory, tensor_bytes
 from .sampling import DEFAULT as GREEDY
 from .sampling import SamplingParams, sample_token
 from .session_layers import SessionLayers
 from .source import ResolvedModel, locate_model, model_cache
-from .tensors import TORCH_DTYPES, cache_nbytes, payload_from_tensor, positions, tensor_from_bytes
+from .tensors import TORCH_DTYPES, payload_from_tensor, positions, tensor_from_bytes
 from .weights import eos_ids, load_shard_model, shard_config
 
 log = logging.getLogger("meshws.shard")
@@ -53,7 +53,7 @@ class ShardSettings:
     wire_dtype: str = "bfloat16"  # dtype of hidden states sent to the next hop
     max_sessions: int = 64  # KV caches held at once (LRU beyond)
     cache_ttl: float = 600.0  # seconds an idle session's cache is kept
-    max_cache_bytes: int | None = None  # byte budget for all KV caches (LRU beyond)
+    max_cache_bytes: int | None = None  # byte budget for all KV caches (LRU beyond); None: sized from free memory
     threads: int | None = None  # torch intra-op threads; None = torch's default
 
 
@@ -97,10 +97,16 @@ class ModelShard:
         self.model = load_shard_model(resolved, layers_config, self.layout, self.settings.dtype)
         self.weight_bytes = tensor_bytes(self.model.parameters())  # what this shard holds, not the model
         self.tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder)) if self.layout.is_head else None
+        budget = self.settings.max_cache_bytes
+        if budget is None:
+            budget = default_cache_budget()
+            if budget is not None:
+                log.info("KV cache budget %.0f MiB (half the memory free now; --max-cache-bytes sets it)",
+                         budget / 2**20)
         self.sessions = SessionCacheStore(
             max_sessions=self.settings.max_sessions,
             ttl_seconds=self.settings.cache_ttl,
-            max_bytes=self.settings.max_cache_bytes,
+            max_bytes=budget,
         )
         self.layers = SessionLayers(self._run_layers, lambda: DynamicCache(config=layers_config), self.sessions,
                                     start, label=f"model {self.model_id}")
@@ -187,7 +193,7 @@ class ModelShard:
         with torch.inference_mode():
             hidden = self.layers.run(hidden, positions(past, hidden.shape[1]), session_id,
                                      cache_mode if session_id else None, past)
-            return self._finish(hidden, past, sampling, history, generated_from)
+            return self.finish(hidden, past, sampling, history, generated_from)
 
     def release_session(self, session_id: str) -> bool:
         return self.sessions.drop(session_id)
@@ -197,80 +203,79 @@ class ModelShard:
                    generated_from: int | None = None) -> StepResult:
         """Embed `ids` at `past_len` and run them through (a prefill, a decode step or a chunk)."""
         with torch.inference_mode():
-            hidden = self.model.model.embed_tokens(torch.tensor([ids], dtype=torch.long))
+            hidden = self.embed(ids)
             hidden = self.layers.run(hidden, positions(past_len, len(ids)), session_id, mode, past_len)
-            return self._finish(hidden, past_len, sampling, history, generated_from)
+            return self.finish(hidden, past_len, sampling, history, generated_from)
 
     # -- continuous batching ------------------------------------------------
 
     def decode_batch(self, steps: Sequence[DecodeStep]) -> list[StepResult | Exception]:
-        """Several sessions' one-token decode steps as one forward through the layers.
+        """Several sessions' one-token decode steps as one forward through the layers (`batched.decode_rows`)."""
+        return decode_rows(self, steps)
 
-        Each session keeps its own cache and past length. A step that cannot run
-        (cache miss, bad bytes) gets its own exception and the others go on.
+    # -- chunked prefill ----------------------------------------------------
+
+    def prefill(self, step: PrefillStep, chunk_tokens: int) -> PrefillRun:
+        """A prefill (or a multi-token step) in chunks of `chunk_tokens`, pausing (yield) between chunks.
+
+        Each chunk after the first extends the session's cache like a decode step, so
+        the result is the one-shot prefill's. Stateless steps run whole.
         """
-        results: list[StepResult | Exception | None] = [None] * len(steps)
-        rows: list[tuple[int, CacheEntry, torch.Tensor, int]] = []  # (index, entry, hidden, past_len)
-        with torch.inference_mode():
-            for index, step in enumerate(steps):
-                try:
-                    rows.append((index, *self._prepare_decode(step)))
-                except (KVCacheMiss, ValueError) as exc:
-                    results[index] = exc
-            if len(rows) == 1 or (rows and not self.supports_batching):
-                for index, *_ in rows:
-                    results[index] = self._decode_alone(steps[index])
-                return results  # type: ignore[return-value]
-            if not rows:
-                return results  # type: ignore[return-value]
-            hidden = torch.cat([row[2] for row in rows])
-            row_positions = torch.tensor([[row[3]] for row in rows], dtype=torch.long)
-            try:
-                hidden = self.rows.run(hidden, row_positions, [row[1].cache for row in rows])
-            except Exception as exc:  # never fail every session for one batched call; say why once
-                log.warning("batched decode failed (%s); running these steps one by one from now on", exc)
-                self.supports_batching = False
-                for index, *_ in rows:
-                    self.sessions.drop(steps[index].session_id)
-                    results[index] = KVCacheMiss(f"batched step failed: {exc}")
-                return results  # type: ignore[return-value]
-            for position, (index, entry, _, past) in enumerate(rows):
-                step = steps[index]
-                entry.seq_len = past + 1
-                try:
-                    self.sessions.resize(step.session_id, cache_nbytes(entry.cache))
-                    results[index] = self._finish(hidden[position : position + 1], past, step.sampling,
-                                                  step.history, step.generated_from)
-                except Exception as exc:
-                    results[index] = exc
-        return results  # type: ignore[return-value]
-
-    def _decode_alone(self, step: DecodeStep) -> StepResult | Exception:
-        try:
-            return decode_alone(self, step)
-        except Exception as exc:
-            return exc
-
-    def _prepare_decode(self, step: DecodeStep) -> tuple[CacheEntry, torch.Tensor, int]:
-        """The session's cache entry, the step's input hidden state and its past length."""
-        if not self.supports_kv_cache:
-            raise KVCacheMiss("caching is off on this shard; re-prefill")
-        if step.token_id is not None:
-            entry = self.sessions.lookup(step.session_id)
-            hidden = self.model.model.embed_tokens(torch.tensor([[int(step.token_id)]], dtype=torch.long))
+        count = step.length
+        start = step.past_len if step.mode == "decode" else 0
+        if step.mode not in ("prefill", "decode"):
+            raise ValueError(f"unknown cache mode {step.mode!r}")
+        if not step.session_id or count <= chunk_tokens or not self.supports_kv_cache:
+            return self._prefill_whole(step)
+        if step.token_ids is not None:
+            self._check_ids(step.token_ids)
+            whole = None
         else:
-            hidden = self.tensor_from_bytes(step.body or b"", step.shape, step.dtype)
-            if hidden.shape[1] != 1:
-                raise ValueError("a batched decode step carries exactly one token")
-            entry = self.sessions.lookup(step.session_id, expected_seq_len=step.past_len, effective_start=self.start)
-        return entry, hidden, entry.seq_len
+            whole = self.tensor_from_bytes(step.body or b"", step.shape, step.dtype)
+        outputs: list[torch.Tensor] = []
+        for offset in range(0, count, chunk_tokens):
+            if offset and not self.supports_kv_cache:  # the cache path failed on this hardware meanwhile
+                return self._prefill_whole(step)
+            end = min(count, offset + chunk_tokens)
+            mode = "prefill" if step.mode == "prefill" and offset == 0 else "decode"
+            with torch.inference_mode():
+                piece = self.embed(step.token_ids[offset:end]) if whole is None else whole[:, offset:end]
+                out = self.layers.run(piece, positions(start + offset, end - offset), step.session_id, mode,
+                                      start + offset)
+                outputs.append(out if not self.is_tail else out[:, -1:])
+                if end == count:
+                    hidden = torch.cat(outputs, dim=1) if not self.is_tail else out
+                    past = start if not self.is_tail else start + count - hidden.shape[1]
+                    history = step.history or (list(step.token_ids) if step.token_ids is not None else ())
+                    return self.finish(hidden, past, step.sampling, history, step.generated_from)
+            yield
+        raise AssertionError("unreachable: the last chunk returns")
+
+    def _prefill_whole(self, step: PrefillStep) -> StepResult:
+        if step.token_ids is not None:
+            start = step.past_len if step.mode == "decode" else 0
+            return self.run_tokens([int(t) for t in step.token_ids], step.session_id, step.mode, start,
+                                   step.sampling, step.history or list(step.token_ids), step.generated_from)
+        return self.forward_bytes(step.body or b"", step.shape, dtype=step.dtype, session_id=step.session_id,
+                                  cache_mode=step.mode, past_len=step.past_len, sampling=step.sampling,
+                                  history=step.history, generated_from=step.generated_from)
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        for token in ids:
+            if not 0 <= int(token) < self.vocab_size:
+                raise ValueError(f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
+
+    def embed(self, ids: Sequence[int]) -> torch.Tensor:
+        """Embeddings `[1, len(ids), hidden]`; ValueError for an id outside the vocabulary."""
+        self._check_ids(ids)
+        return self.model.model.embed_tokens(torch.tensor([[int(t) for t in ids]], dtype=torch.long))
 
     # -- bytes <-> tensors and the last step ---------------------------------
 
     def tensor_from_bytes(self, body: bytes | memoryview, shape: Sequence[int], dtype: str) -> torch.Tensor:
         return tensor_from_bytes(body, shape, dtype, self.hidden_size, self.compute_dtype)
 
-    def _finish(self, hidden: torch.Tensor, past_len: int, sampling: SamplingParams | None,
+    def finish(self, hidden: torch.Tensor, past_len: int, sampling: SamplingParams | None,
                 history: Sequence[int], generated_from: int | None) -> StepResult:
         if not self.is_tail:
             return payload_from_tensor(hidden, past_len, self.settings.wire_dtype)
