@@ -47,6 +47,10 @@ class NodeSettings:
     max_generations: int = 32  # generations a head runs at once; beyond, 503 with Retry-After
     cache_dir: str | None = None  # where converted models are cached
     log_level: str = "INFO"
+    # Shard limits (issue 13): per inbound link, and how a long prefill shares the compute worker.
+    max_link_sessions: int = 256  # sessions one inbound link may carry at once; beyond, an error frame
+    max_link_frames: int = 64  # tensor frames of one link in flight at once (backpressure, then an error frame)
+    prefill_chunk: int = 256  # tokens of a prefill run between other sessions' decode steps
 
 
 _HELP = {
@@ -83,6 +87,10 @@ _HELP = {
     "max_generations": "on a head: generations run at once; more get 503 with Retry-After",
     "cache_dir": "folder for converted models (default ~/.cache/meshws/models)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "max_link_sessions": "on a middle or tail: sessions one inbound link may carry at once; more get an error frame",
+    "max_link_frames": "on a middle or tail: tensor frames of one inbound link in flight at once; beyond, reading "
+                       "the link waits a moment, then the frame gets an error frame",
+    "prefill_chunk": "tokens of a long prefill computed at a time, with other sessions' decode steps in between",
 }
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
@@ -175,6 +183,9 @@ _TYPES = {
     "max_generations": int,
     "cache_dir": str,
     "log_level": str,
+    "max_link_sessions": int,
+    "max_link_frames": int,
+    "prefill_chunk": int,
 }
 
 _CHOICES = {
@@ -276,6 +287,9 @@ def check_settings(settings: NodeSettings) -> str | None:
                 "or accept that with --insecure")
     if bool(settings.tls_cert) != bool(settings.tls_key):
         return "--tls-cert and --tls-key go together"
+    for name in ("max_link_sessions", "max_link_frames", "prefill_chunk"):
+        if getattr(settings, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1"
     return None
 
 

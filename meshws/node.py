@@ -35,6 +35,7 @@ from .head.service import HeadService
 from .mesh.addresses import host_of, is_loopback
 from .mesh.auth import CHALLENGE_PATH
 from .mesh.compute import ComputeWorker
+from .mesh.inbound import ShardLimits
 from .mesh.link import Link, LinkPool
 from .mesh.membership import Announcer, ask_assignment
 from .mesh.metrics import NodeMetrics
@@ -115,7 +116,8 @@ class Node:
         self.port = sock.getsockname()[1]  # the real port when 0 was asked
         scheme = "wss" if self.server_ssl else "ws"
         self.advertise = self.settings.advertise or f"{scheme}://{self._public_host()}:{self.port}"
-        self.worker = ComputeWorker(self.backend, live_sessions=self._live_sessions)
+        self.worker = ComputeWorker(self.backend, live_sessions=self._live_sessions,
+                                    prefill_chunk=self.settings.prefill_chunk)
         sessions = self.backend.sessions
         self.metrics = NodeMetrics(sessions=lambda: len(sessions), cache_bytes=lambda: sessions.total_bytes,
                                    weight_bytes=self.backend.weight_bytes)
@@ -162,7 +164,8 @@ class Node:
             node_name=self.name, hello=self.hello, static_peer=self.settings.peer,
             max_frame_bytes=self.settings.max_frame_bytes, compress_min_bytes=self.settings.compress_min_bytes,
             authorize=lambda request: self.access.authorize(request, b""), secret=self.settings.secret,
-            open_routes=self.settings.insecure,
+            open_routes=self.settings.insecure, limits=ShardLimits(
+                self.settings.max_link_sessions, self.settings.max_link_frames, self.settings.step_timeout),
         )
         app.router.add_get("/ws/shard", service.handle)
         app.cleanup_ctx.append(service.next_hops.idle_ctx)

@@ -1,4 +1,4 @@
-"""What a shard keeps of each session that came over an inbound link, and its log throttle."""
+"""What a shard keeps of each inbound link and each session on it, its limits, and its log throttle."""
 
 from __future__ import annotations
 
@@ -6,11 +6,43 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from aiohttp import web
+
 from ..model.sampling import SamplingParams
 from .link import Link
 from .wire import RouteHop
 
 DECODE_LOG_INTERVAL = 5.0  # seconds between one session's decode summary lines
+LINK_SESSIONS = 256  # sessions one inbound link may carry at once
+LINK_FRAMES = 64  # tensor frames of one inbound link being inflated, computed or sent on at once
+STEP_TIMEOUT = 120.0  # seconds the head waits for a step; a middle waits less, by the hops behind it
+
+
+@dataclass(frozen=True)
+class ShardLimits:
+    """Per-link caps of a shard, and how long a middle waits for its next hop's answer."""
+
+    link_sessions: int = LINK_SESSIONS
+    link_frames: int = LINK_FRAMES
+    step_timeout: float = STEP_TIMEOUT
+
+    def hop_timeout(self, hops_behind: int) -> float:
+        """How long a middle with `hops_behind` hops after it waits for an answer: less than the hop before.
+
+        The head waits `step_timeout`; each hop nearer the tail waits a smaller share, so
+        the hop nearest to one that hangs speaks first and names it.
+        """
+        return self.step_timeout * hops_behind / (hops_behind + 1)
+
+
+class InboundLink:
+    """One websocket from the hop before: its sessions and its in-flight tensor frames."""
+
+    def __init__(self, ws: web.WebSocketResponse, peer: str, limits: ShardLimits) -> None:
+        self.ws = ws
+        self.peer = peer
+        self.owned: set[str] = set()  # sessions opened over this link
+        self.frame_slots = asyncio.Semaphore(limits.link_frames)
 
 
 @dataclass
@@ -20,8 +52,12 @@ class InboundSession:
     prompt_tokens: int | None  # where generated tokens start (for the OpenAI-style penalties)
     next_hop: Link | None
     route: tuple[RouteHop, ...]  # hops after the next one
+    link: InboundLink | None = None  # the link it came over
     history: list[int] | None = None  # token ids so far, kept only when sampling needs them
     forwarding: asyncio.Future | None = None  # `open` on its way to the next hop: None = sent, else why not
+    after: asyncio.Future | None = None  # the release of an earlier session of this id: steps wait for it
+    step_task: asyncio.Task | None = None  # the step running now
+    waiting: tuple[int, asyncio.TimerHandle] | None = None  # (step, timer) while the next hop owes an answer
     busy: bool = False
     prefills: int = 0
     decodes: int = 0

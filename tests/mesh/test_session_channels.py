@@ -110,19 +110,25 @@ async def test_large_prefill_activation_survives_zstd_compressed_hop():
         def encode_prompt(self, prompt, session_id=None, *, sampling=None, generated_from=None):
             self.prefills.append(session_id)
             if session_id:
-                self._seq[session_id] = 2048
-            return TensorPayload(body=b"\x00" * (1 * 2048 * 32 * 2), shape=[1, 2048, 32])  # 128 KiB
+                self._seq[session_id] = 2000
+            return TensorPayload(body=b"\x00" * (1 * 2000 * 32 * 2), shape=[1, 2000, 32])  # 125 KiB (and one decode step still fits the context)
+
+        def encode_next_token(self, token_id, session_id, *, sampling=None, history=(), generated_from=None):
+            past = self._seq[session_id]
+            self._seq[session_id] = past + 1
+            return TensorPayload(body=b"\x00" * 64, shape=[1, 1, 32], past_len=past)
 
     head_backend = _BigHeadBackend()
     tail_backend = CachedTailBackend([(" a", 1), (" b", 2)])
+    tail_backend.hidden_size = 32  # the width the shard checks in the header
     async with fake_mesh(head_backend, tail_backend) as mesh:
         status, body = await _chat_once(mesh.head_port, max_tokens=2)
         sent = _metric(mesh.tail)
     assert status == 200
     assert _content(body) == " a b"
     assert tail_backend.calls[0]["mode"] == "prefill"
-    assert tail_backend.calls[0]["shape"] == [1, 2048, 32]
-    assert tail_backend.calls[0]["bytes"] == 2048 * 32 * 2
+    assert tail_backend.calls[0]["shape"] == [1, 2000, 32]
+    assert tail_backend.calls[0]["bytes"] == 2000 * 32 * 2
     assert sent < 20_000, "the 128 KiB prefill should have crossed compressed"
 
 

@@ -38,13 +38,16 @@ from .tensors import (
     DEFAULT_MAX_FRAME_BYTES,
     MAX_HEADER_BYTES,
     ForwardFrame,
+    ForwardHeader,
     decode_forward,
     encode_forward,
+    inflate_forward,
+    read_forward_header,
 )
 
 __all__ = [
     "PROTOCOL_VERSION", "CacheMiss", "ChainHop", "Close", "ControlMessage", "Error", "Hello", "Open", "RouteHop",
     "SessionReply", "Token", "decode_control", "encode_control", "MAX_SID_LENGTH", "FrameError",
-    "DEFAULT_COMPRESS_MIN_BYTES", "DEFAULT_MAX_FRAME_BYTES", "MAX_HEADER_BYTES", "ForwardFrame", "decode_forward",
-    "encode_forward",
+    "DEFAULT_COMPRESS_MIN_BYTES", "DEFAULT_MAX_FRAME_BYTES", "MAX_HEADER_BYTES", "ForwardFrame", "ForwardHeader", "decode_forward",
+    "encode_forward", "inflate_forward", "read_forward_header",
 ]

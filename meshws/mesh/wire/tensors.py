@@ -3,7 +3,9 @@
 A 4-byte big-endian header length, a JSON header `{type: "fwd", sid, step, mode,
 past_len, shape, dtype, enc, ids?}`, then the raw little-endian tensor bytes, zstd
 compressed when `enc` says so. The header is checked and the body's size derived from
-the shape before anything is inflated.
+the shape before anything is inflated: `read_forward_header` reads only the header
+(a receiver checks it against its session and its model first), `inflate_forward`
+then inflates and checks the body (off the event loop when it is large).
 """
 
 from __future__ import annotations
@@ -55,7 +57,49 @@ def encode_forward(sid: str, step: int, mode: str, past_len: int, shape: list[in
     return b"".join((_HEADER_LENGTH.pack(len(head)), head, body))
 
 
+@dataclass(frozen=True)
+class ForwardHeader:
+    """A tensor frame's checked header, before its body is inflated."""
+
+    sid: str
+    step: int
+    mode: str
+    past_len: int
+    shape: tuple[int, ...]
+    dtype: str
+    enc: str | None
+    ids: tuple[int, ...] | None
+    body_offset: int  # where the body starts in the frame
+    body_bytes: int  # the body's size once inflated (from shape x dtype)
+    wire_bytes: int
+
+    @property
+    def positions(self) -> int:
+        """Token positions the frame carries (its second-to-last dimension)."""
+        return self.shape[-2] if len(self.shape) >= 2 else 1
+
+
 def decode_forward(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> ForwardFrame:
+    return inflate_forward(read_forward_header(data, max_frame_bytes), data)
+
+
+def inflate_forward(header: ForwardHeader, data: bytes) -> ForwardFrame:
+    """The frame with its body inflated and checked against the header's shape x dtype."""
+    body = data[header.body_offset :]
+    try:
+        if header.enc == "zstd":
+            body = _decompress(body, header.body_bytes)
+        if len(body) != header.body_bytes:
+            raise FrameError(f"body has {len(body)} bytes but shape {list(header.shape)} x {header.dtype} needs "
+                             f"{header.body_bytes}")
+    except FrameError as exc:
+        raise FrameError(str(exc), header.sid) from None
+    return ForwardFrame(header.sid, header.step, header.mode, header.past_len, header.shape, header.dtype,
+                        bytes(body), header.ids, header.wire_bytes)
+
+
+def read_forward_header(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> ForwardHeader:
+    """The frame's header, checked; the body is not looked at yet."""
     if len(data) > max_frame_bytes:
         raise FrameError(f"frame of {len(data)} bytes exceeds the limit of {max_frame_bytes}")
     if len(data) < _HEADER_LENGTH.size:
@@ -73,12 +117,12 @@ def decode_forward(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) 
         raise FrameError(f"binary frame of unknown type {header.get('type')!r}")
     sid = sid_field(header)
     try:
-        return _checked(header, data[_HEADER_LENGTH.size + header_len :], sid, len(data), max_frame_bytes)
+        return _checked(header, _HEADER_LENGTH.size + header_len, sid, len(data), max_frame_bytes)
     except FrameError as exc:
         raise FrameError(str(exc), sid) from None
 
 
-def _checked(header: dict[str, Any], body: bytes, sid: str, size: int, max_frame_bytes: int) -> ForwardFrame:
+def _checked(header: dict[str, Any], offset: int, sid: str, size: int, max_frame_bytes: int) -> ForwardHeader:
     step = int_field(header, "step", 0)
     mode = header.get("mode")
     if mode not in MODES:
@@ -99,14 +143,10 @@ def _checked(header: dict[str, Any], body: bytes, sid: str, size: int, max_frame
     if expected > max_frame_bytes:
         raise FrameError(f"shape {shape} x {dtype} is {expected} bytes, above the limit of {max_frame_bytes}")
     enc = header.get("enc")
-    if enc == "zstd":
-        body = _decompress(body, expected)
-    elif enc is not None:
+    if enc not in (None, "zstd"):
         raise FrameError(f"unknown encoding {enc!r}")
-    if len(body) != expected:
-        raise FrameError(f"body has {len(body)} bytes but shape {shape} x {dtype} needs {expected}")
-    return ForwardFrame(sid, step, mode, past_len, tuple(shape), dtype, bytes(body),
-                        tuple(ids) if ids is not None else None, size)
+    return ForwardHeader(sid, step, mode, past_len, tuple(shape), dtype, enc, tuple(ids) if ids is not None else None,
+                         offset, expected, size)
 
 
 def _decompress(body: bytes, expected: int) -> bytes:

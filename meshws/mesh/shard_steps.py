@@ -1,0 +1,242 @@
+"""The tensor frames (`fwd`) of a shard's inbound links: checked, run on the compute worker, sent on.
+
+A frame's header is checked on the read loop before anything else happens to it: the
+session must be open on this link and idle, the shape must be `[1, n, hidden]`,
+`past_len + n` must fit the model's context and token ids its vocabulary. Only then
+does the frame take one of the link's in-flight slots (when all are taken, the read
+loop waits a moment — backpressure — and then refuses the frame), and its body is
+inflated (off the event loop when large) and run as a task. A step for a session that
+closes meanwhile is cancelled: the worker skips what is left of it.
+
+On a middle, the answer to a forwarded step comes back over the next hop's link; if it
+does not come within the hop's timeout, the hop before hears `Error(lost=True, url=
+<next hop>)`, so the head avoids the hop that hung.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable, Coroutine
+
+from ..model.backend import DecodeStep, PrefillStep, ShardBackend, StepResult, TailTokenResult
+from ..model.cache_store import CacheBudgetExceeded, KVCacheMiss
+from .compute import ComputeWorker
+from .inbound import DecodeLogThrottle, InboundLink, InboundSession, ShardLimits
+from .link import LinkDown
+from .log_limit import LogLimiter
+from .metrics import NodeMetrics
+from .wire import (
+    CacheMiss,
+    ControlMessage,
+    Error,
+    ForwardFrame,
+    ForwardHeader,
+    FrameError,
+    Token,
+    encode_forward,
+    inflate_forward,
+    read_forward_header,
+)
+
+log = logging.getLogger("meshws.shard_service")
+
+SLOT_WAIT = 1.0  # seconds the read loop waits for a free in-flight slot before refusing a frame
+OFF_LOOP_BYTES = 1 << 20  # bodies at least this large are inflated and copied off the event loop
+
+Send = Callable[[InboundLink, ControlMessage], Coroutine[Any, Any, None]]
+Refuse = Callable[[InboundLink, str | None, int | None, str, str], Coroutine[Any, Any, None]]
+
+
+class ShardSteps:
+    def __init__(self, backend: ShardBackend, worker: ComputeWorker, metrics: NodeMetrics,
+                 sessions: dict[str, InboundSession], limits: ShardLimits, *, node_name: str, max_frame_bytes: int,
+                 compress_min_bytes: int, send: Send, refuse: Refuse,
+                 spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task]) -> None:
+        self.backend = backend
+        self.worker = worker
+        self.metrics = metrics
+        self.sessions = sessions
+        self.limits = limits
+        self.node_name = node_name
+        self.max_frame_bytes = max_frame_bytes
+        self.compress_min_bytes = compress_min_bytes
+        self._send = send
+        self._refuse = refuse
+        self._spawn = spawn
+        self.decode_log = DecodeLogThrottle()
+        self.log_limit = LogLimiter(log)
+
+    # -- on the read loop -----------------------------------------------------
+
+    async def accept(self, link: InboundLink, data: bytes) -> None:
+        """Check a frame's header and start its step; never waits for compute."""
+        try:
+            header = read_forward_header(data, self.max_frame_bytes)
+        except FrameError as exc:
+            self.metrics.frame("in", "fwd_bad", len(data))
+            await self._refuse(link, exc.sid if exc.sid in link.owned else None, None, f"bad frame: {exc}",
+                               "bad_frame")
+            return
+        self.metrics.frame("in", f"fwd_{header.mode}", header.wire_bytes)
+        sid = header.sid
+        session = self.sessions.get(sid) if sid in link.owned else None
+        if session is None:
+            await self._refuse(link, sid, header.step, f"unknown session {sid}: send open first", "unknown_session")
+            return
+        if session.busy:
+            await self._refuse(link, sid, header.step, "a step of this session is already running", "bad_frame")
+            return
+        problem = self.header_problem(header)
+        if problem:
+            await self._refuse(link, sid, header.step, f"{self.node_name}: {problem}", "bad_step")
+            return
+        session.busy = True
+        try:
+            await asyncio.wait_for(link.frame_slots.acquire(), SLOT_WAIT)
+        except asyncio.TimeoutError:
+            session.busy = False
+            await self._refuse(link, sid, header.step, f"{self.node_name}: this link already has "
+                               f"{self.limits.link_frames} frames in flight; try again", "link_busy")
+            return
+        session.step_task = self._spawn(self._step(link, session, header, data))
+
+    def header_problem(self, header: ForwardHeader) -> str | None:
+        """What makes a frame's header unfit for this shard (before its body is touched), or None."""
+        hidden = self.backend.hidden_size
+        if len(header.shape) != 3 or header.shape[0] != 1 or header.shape[2] != hidden:
+            return f"hidden states must have shape [1, tokens, {hidden}], got {list(header.shape)}"
+        start = header.past_len if header.mode == "decode" else 0
+        context = self.backend.context_length
+        if start + header.positions > context:
+            return f"past_len {start} + {header.positions} positions exceed the context of {context} tokens"
+        if header.ids is not None:
+            vocab = self.backend.vocab_size
+            if len(header.ids) > context:
+                return f"{len(header.ids)} token ids exceed the context of {context} tokens"
+            if any(token >= vocab for token in header.ids):
+                return f"a token id is outside the vocabulary [0, {vocab})"
+        return None
+
+    # -- the step, as a task ---------------------------------------------------
+
+    async def _step(self, link: InboundLink, session: InboundSession, header: ForwardHeader, data: bytes) -> None:
+        sid, started = session.sid, time.perf_counter()
+        try:
+            if session.after is not None:
+                await asyncio.wait({session.after})  # an earlier session of this id is released first
+            try:
+                if header.body_bytes >= OFF_LOOP_BYTES or len(data) >= OFF_LOOP_BYTES:
+                    frame = await asyncio.to_thread(inflate_forward, header, data)
+                else:
+                    frame = inflate_forward(header, data)
+            except FrameError as exc:
+                await self._refuse(link, sid, header.step, f"bad frame: {exc}", "bad_frame")
+                return
+            del data
+            result = await self._compute(session, frame)
+        except KVCacheMiss as exc:
+            session.cache_misses += 1
+            self.metrics.cache_misses.inc()
+            await self._send(link, CacheMiss(sid, header.step, str(exc)))
+            return
+        except (ValueError, CacheBudgetExceeded) as exc:
+            await self._refuse(link, sid, header.step, f"{self.node_name}: {exc}", "bad_step")
+            return
+        except Exception as exc:  # the node stays up whatever the model raises
+            self.log_limit.log(type(exc).__name__, logging.ERROR, "step of session %s failed", sid[:12], exc_info=exc)
+            await self._refuse(link, sid, header.step, f"{self.node_name}: {type(exc).__name__}: {exc}", "compute")
+            return
+        finally:
+            session.busy = False
+            session.step_task = None
+            link.frame_slots.release()
+        self._count_step(session, frame, time.perf_counter() - started)
+        if self.sessions.get(sid) is not session:  # closed while the step ran: drop what it stored
+            await self.worker.release(sid)
+            return
+        await self._deliver(link, session, frame, result)
+
+    async def _compute(self, session: InboundSession, frame: ForwardFrame) -> StepResult:
+        if frame.ids is not None and frame.mode == "prefill":
+            session.history = list(frame.ids)
+        history = session.history or ()
+        if frame.mode == "decode" and frame.shape[-2:-1] == (1,):
+            step = DecodeStep(session.sid, body=frame.body, shape=frame.shape, dtype=frame.dtype,
+                              past_len=frame.past_len, sampling=session.sampling, history=history,
+                              generated_from=session.prompt_tokens)
+            return await self.worker.decode(step)
+        return await self.worker.prefill(PrefillStep(
+            session.sid, body=frame.body, shape=frame.shape, dtype=frame.dtype, mode=frame.mode,
+            past_len=frame.past_len, sampling=session.sampling, history=history,
+            generated_from=session.prompt_tokens,
+        ))
+
+    def _count_step(self, session: InboundSession, frame: ForwardFrame, elapsed: float) -> None:
+        session.compute_seconds += elapsed
+        self.metrics.steps.labels(frame.mode).inc()
+        self.metrics.step_seconds.labels(frame.mode).observe(elapsed)
+        if frame.mode == "prefill":
+            session.prefills += 1
+            return
+        session.decodes += 1
+        count = self.decode_log.note(session.sid, time.monotonic())
+        if count is not None:
+            log.debug("session %s: %d decode steps, past_len %d", session.sid[:12], count, frame.past_len)
+
+    async def _deliver(self, link: InboundLink, session: InboundSession, frame: ForwardFrame,
+                       result: StepResult) -> None:
+        sid, step = session.sid, frame.step
+        if isinstance(result, TailTokenResult):
+            if session.history is not None and result.token_id is not None:
+                session.history.append(result.token_id)
+            text = result.text if result.text or result.token_id is None else None  # a legacy tail: text only
+            await self._send(link, Token(sid, step, result.token_id, text))
+            return
+        next_hop = session.next_hop
+        if next_hop is None:
+            await self._refuse(link, sid, step, f"{self.node_name}: no next hop for the hidden states", "link")
+            return
+        problem = await session.forwarding if session.forwarding is not None else None
+        if problem:
+            await self._lost(link, sid, step, problem, next_hop.url)
+            return
+        data = encode_forward(sid, step, frame.mode, result.past_len, result.shape, result.dtype, result.body,
+                              ids=list(frame.ids) if frame.ids is not None else None,
+                              compress_min_bytes=self.compress_min_bytes)
+        try:
+            self._expect_answer(link, session, step)
+            await next_hop.send_forward(data)
+            self.metrics.frame("out", f"fwd_{frame.mode}", len(data))
+        except LinkDown as exc:
+            self.answered(session)
+            await self._lost(link, sid, step, f"{self.node_name}: next hop unreachable: {exc}", next_hop.url)
+
+    # -- waiting for the next hop ------------------------------------------------
+
+    def _expect_answer(self, link: InboundLink, session: InboundSession, step: int) -> None:
+        """Start the clock on the next hop's answer to `step`."""
+        self.answered(session)
+        timeout = self.limits.hop_timeout(len(session.route) + 1)
+        loop = asyncio.get_running_loop()
+        session.waiting = (step, loop.call_later(timeout, self._hung, link, session, step, timeout))
+
+    def answered(self, session: InboundSession, step: int | None = None) -> None:
+        """The next hop answered (`step`, or whatever it was waiting for), or the session ended: stop the clock."""
+        if session.waiting is not None and (step is None or session.waiting[0] == step):
+            session.waiting[1].cancel()
+            session.waiting = None
+
+    def _hung(self, link: InboundLink, session: InboundSession, step: int, timeout: float) -> None:
+        session.waiting = None
+        if self.sessions.get(session.sid) is not session or session.next_hop is None:
+            return
+        url = session.next_hop.url
+        message = f"{self.node_name}: no answer from the next hop {url} within {timeout:.0f} s"
+        self._spawn(self._lost(link, session.sid, step, message, url))
+
+    async def _lost(self, link: InboundLink, sid: str, step: int | None, message: str, url: str) -> None:
+        """The next hop is gone or hung: the head re-routes around `url` (that hop, not this node)."""
+        self.metrics.errors.labels("link").inc()
+        await self._send(link, Error(message, sid, step, lost=True, url=url))
