@@ -58,3 +58,121 @@ async def test_an_exception_in_a_job_reaches_its_caller_and_the_worker_goes_on()
         assert await worker.call(lambda: 42) == 42
     finally:
         worker.shutdown()
+
+
+class _ChunkedTail(FakeBackend):
+    """A tail whose prefill takes `chunks` slow chunks and whose decode steps are quick; it records the order."""
+
+    is_tail = True
+
+    def __init__(self, chunk_seconds=0.05):
+        super().__init__()
+        self.chunk_seconds = chunk_seconds
+        self.events = []
+
+    def prefill(self, step, chunk_tokens):
+        chunks = -(-step.length // chunk_tokens)
+        for index in range(chunks):
+            time.sleep(self.chunk_seconds)
+            self.events.append(("chunk", step.session_id, index))
+            if index + 1 < chunks:
+                yield
+        return TailTokenResult("", 7)
+
+    def forward_bytes(self, body, shape, *, dtype="bfloat16", session_id=None, cache_mode=None, past_len=None,
+                      sampling=None, history=(), generated_from=None):
+        self.events.append(("decode", session_id))
+        return TailTokenResult("", 1)
+
+    def release_session(self, session_id):
+        self.events.append(("release", session_id))
+        return super().release_session(session_id)
+
+
+def _prefill(sid, tokens):
+    from meshws.model.backend import PrefillStep
+
+    return PrefillStep(sid, body=b"", shape=(1, tokens, 8))
+
+
+async def test_a_long_prefill_runs_in_chunks_with_decode_steps_and_releases_in_between():
+    backend = _ChunkedTail()
+    worker = ComputeWorker(backend, prefill_chunk=16)
+    try:
+        long = asyncio.ensure_future(worker.prefill(_prefill("long", 16 * 10)))  # 10 chunks
+        await asyncio.sleep(0.02)
+        for _ in range(3):
+            assert (await worker.decode(DecodeStep("short", body=b"", shape=(1, 1, 8)))).token_id == 1
+        assert await worker.release("gone") is True
+        assert not long.done()
+        assert (await long).token_id == 7
+    finally:
+        worker.shutdown()
+    chunks = [i for i, event in enumerate(backend.events) if event[0] == "chunk"]
+    others = [i for i, event in enumerate(backend.events) if event[0] != "chunk"]
+    assert len(chunks) == 10 and worker.chunks == 10
+    assert max(others) < chunks[-1], "decode steps and the release ran while the prefill was still going"
+    # Each of them waited for one chunk at most: never two chunks in a row while they queued.
+    assert all(others[k + 1] - others[k] <= 2 for k in range(len(others) - 1)), backend.events
+
+
+async def test_a_release_jumps_ahead_of_queued_prefills():
+    backend = _ChunkedTail(chunk_seconds=0.1)
+    worker = ComputeWorker(backend, prefill_chunk=16)
+    try:
+        queued = [asyncio.ensure_future(worker.prefill(_prefill(f"p{i}", 16))) for i in range(4)]
+        await asyncio.sleep(0.03)  # p0 runs; p1..p3 wait
+        started = time.monotonic()
+        await worker.release("s")
+        assert time.monotonic() - started < 0.25  # one running chunk, not three queued prefills
+        await asyncio.gather(*queued)
+    finally:
+        worker.shutdown()
+    assert backend.events.index(("release", "s")) == 1
+
+
+async def test_a_prefill_whose_caller_left_stops_after_its_current_chunk():
+    backend = _ChunkedTail(chunk_seconds=0.05)
+    worker = ComputeWorker(backend, prefill_chunk=16)
+    try:
+        long = asyncio.ensure_future(worker.prefill(_prefill("left", 16 * 20)))
+        await asyncio.sleep(0.12)
+        long.cancel()
+        await asyncio.sleep(0.3)
+        assert await worker.call(lambda: 1) == 1
+    finally:
+        worker.shutdown()
+    ran = [event for event in backend.events if event[0] == "chunk"]
+    assert 1 <= len(ran) <= 5, ran
+
+
+class _PoisonedBatch(FakeBackend):
+    """A tail whose batched decode raises if any row carries the poisoned session (a fake model's bug)."""
+
+    is_tail = True
+
+    def forward_bytes(self, body, shape, *, dtype="bfloat16", session_id=None, cache_mode=None, past_len=None,
+                      sampling=None, history=(), generated_from=None):
+        if session_id == "poison":
+            raise ValueError("token id 123456 is outside the vocabulary")
+        return TailTokenResult("", int(session_id[1:]))
+
+    def decode_batch(self, steps):
+        if any(step.session_id == "poison" for step in steps):
+            raise RuntimeError("the whole batch failed")
+        return [TailTokenResult("", int(step.session_id[1:])) for step in steps]
+
+
+async def test_a_batch_that_raises_fails_only_the_row_at_fault():
+    worker = ComputeWorker(_PoisonedBatch())
+    try:
+        blocker = asyncio.ensure_future(worker.call(time.sleep, 0.1))
+        await asyncio.sleep(0.03)
+        steps = [DecodeStep(sid, body=b"", shape=(1, 1, 8)) for sid in ("s1", "poison", "s2", "s3")]
+        results = await asyncio.gather(*(worker.decode(step) for step in steps), return_exceptions=True)
+        await blocker
+    finally:
+        worker.shutdown()
+    assert [r.token_id for r in (results[0], results[2], results[3])] == [1, 2, 3]
+    assert isinstance(results[1], ValueError) and "vocabulary" in str(results[1])
+    assert worker.batches == 1

@@ -1,0 +1,217 @@
+"""A shard's inbound links under pressure, with fake models: caps, early header checks, re-opens, lost hops.
+
+The shards are real Nodes on loopback; the test speaks `/ws/shard` itself as the hop
+before, so each edge case is sent exactly.
+"""
+
+import asyncio
+import struct
+import time
+from contextlib import asynccontextmanager
+
+import aiohttp
+import orjson
+import zstandard
+
+from fakes import CachedTailBackend, FakeBackend, eventually
+from meshws.config import NodeSettings
+from meshws.mesh.wire import Hello, encode_control
+from meshws.model.backend import TensorPayload
+from meshws.node import Node
+
+
+def _fwd(sid, step, past_len=0, positions=2, mode="prefill", body=None, enc=None, width=8):
+    header = {"type": "fwd", "sid": sid, "step": step, "mode": mode, "past_len": past_len,
+              "shape": [1, positions, width], "dtype": "bfloat16", "enc": enc}
+    head = orjson.dumps(header)
+    return struct.pack(">I", len(head)) + head + (bytes(positions * width * 2) if body is None else body)
+
+
+@asynccontextmanager
+async def _shard(backend, role="tail", layers=(6, 12), **settings):
+    node = Node(NodeSettings(role=role, port=0, layers=layers, **settings), backend=backend)
+    port = await node.start()
+    try:
+        yield node, port
+    finally:
+        await node.stop()
+
+
+@asynccontextmanager
+async def _link(port):
+    async with aiohttp.ClientSession() as client:
+        async with client.ws_connect(f"ws://127.0.0.1:{port}/ws/shard") as ws:
+            await ws.send_str(encode_control(Hello("fake-model", (0, 6), "head", "tester", 12)))
+            assert (await ws.receive_json(timeout=5))["type"] == "hello"
+            yield ws
+
+
+async def _open(ws, sid, **extra):
+    await ws.send_str(orjson.dumps({"type": "open", "sid": sid, **extra}).decode())
+
+
+def encode_control_close(sid):
+    return orjson.dumps({"type": "close", "sid": sid}).decode()
+
+
+async def _reply(ws, sid):
+    while True:
+        reply = await ws.receive_json(timeout=10)
+        if reply.get("sid") == sid:
+            return reply
+
+
+class _CountingTail(CachedTailBackend):
+    def __init__(self):
+        super().__init__([])
+
+    def answer(self, past_len):
+        return self.__class__.token(past_len)
+
+    @staticmethod
+    def token(past_len):
+        from meshws.model.backend import TailTokenResult
+
+        return TailTokenResult("", 1 + (past_len or 0))
+
+
+async def test_too_many_sessions_on_one_link_get_an_error_and_the_node_serves_on():
+    tail = _CountingTail()
+    async with _shard(tail, max_link_sessions=2) as (node, port):
+        async with _link(port) as ws:
+            for sid in ("a", "b", "c"):
+                await _open(ws, sid)
+            refused = await _reply(ws, "c")
+            assert refused["type"] == "error" and "2 sessions" in refused["message"]
+            await ws.send_bytes(_fwd("c", 1))
+            assert "unknown session" in (await _reply(ws, "c"))["message"]
+            await ws.send_bytes(_fwd("a", 1))
+            assert (await _reply(ws, "a"))["type"] == "token"
+            await ws.send_str(encode_control_close("a"))
+            await _open(ws, "c")  # a closed session frees its place
+            await ws.send_bytes(_fwd("c", 2))
+            assert (await _reply(ws, "c"))["type"] == "token"
+
+
+async def test_a_header_beyond_the_context_or_of_the_wrong_width_is_refused_before_its_body_is_inflated():
+    tail = _CountingTail()
+    async with _shard(tail) as (node, port):
+        async with _link(port) as ws:
+            await _open(ws, "s")
+            # The body is not zstd at all: inflating it would say so. The header check speaks first.
+            await ws.send_bytes(_fwd("s", 1, mode="decode", past_len=2040, positions=9, body=b"junk", enc="zstd"))
+            refused = await _reply(ws, "s")
+            assert refused["type"] == "error" and "exceed the context of 2048" in refused["message"], refused
+            await ws.send_bytes(_fwd("s", 2, positions=3, width=16, body=b"junk", enc="zstd"))
+            assert "shape [1, tokens, 8]" in (await _reply(ws, "s"))["message"]
+            ids_header = {"type": "fwd", "sid": "s", "step": 3, "mode": "prefill", "past_len": 0,
+                          "shape": [1, 2, 8], "dtype": "bfloat16", "enc": None, "ids": [1, 100]}
+            head = orjson.dumps(ids_header)
+            await ws.send_bytes(struct.pack(">I", len(head)) + head + bytes(32))
+            assert "vocabulary" in (await _reply(ws, "s"))["message"]
+            await ws.send_bytes(_fwd("s", 4, positions=2))
+            assert (await _reply(ws, "s"))["type"] == "token"  # the link and the session go on
+            assert tail.calls and all(call["shape"] == [1, 2, 8] for call in tail.calls)
+            # A well-formed zstd body still works.
+            body = zstandard.ZstdCompressor().compress(bytes(2 * 8 * 2))
+            await ws.send_bytes(_fwd("s", 5, positions=2, body=body, enc="zstd"))
+            assert (await _reply(ws, "s"))["type"] == "token"
+
+
+class _SlowPrefillTail(FakeBackend):
+    """A tail whose prefill takes many slow chunks; it notes when each session is released."""
+
+    is_tail = True
+
+    def __init__(self, chunk_seconds):
+        super().__init__()
+        self.chunk_seconds = chunk_seconds
+        self.released_at = {}
+
+    def prefill(self, step, chunk_tokens):
+        for _ in range(-(-step.length // chunk_tokens) - 1):
+            time.sleep(self.chunk_seconds)
+            yield
+        time.sleep(self.chunk_seconds)
+        return _CountingTail.token(step.length)
+
+    def forward_bytes(self, body, shape, *, dtype="bfloat16", session_id=None, cache_mode=None, past_len=None,
+                      sampling=None, history=(), generated_from=None):
+        return _CountingTail.token(past_len)
+
+    def release_session(self, session_id):
+        self.released_at[session_id] = time.monotonic()
+        return super().release_session(session_id)
+
+
+async def test_a_close_during_a_long_prefill_is_released_within_a_chunk_and_the_link_stays():
+    tail = _SlowPrefillTail(chunk_seconds=0.1)
+    async with _shard(tail, prefill_chunk=16) as (node, port):
+        async with _link(port) as ws:
+            await _open(ws, "long")
+            await _open(ws, "short")
+            await ws.send_bytes(_fwd("long", 1, positions=16 * 30))  # 30 chunks: 3 s
+            await asyncio.sleep(0.35)
+            closed_at = time.monotonic()
+            await ws.send_str(encode_control_close("short"))
+            await eventually(lambda: "short" in tail.released_at, timeout=5)
+            assert tail.released_at["short"] - closed_at < 0.35  # one chunk, not the rest of the prefill
+            answer = await _reply(ws, "long")
+            assert answer["type"] == "token" and not ws.closed
+
+
+async def test_reopening_a_session_on_another_link_replaces_it_there():
+    tail = _CountingTail()
+    async with _shard(tail) as (node, port):
+        async with _link(port) as first, _link(port) as second:
+            await _open(first, "moved")
+            await first.send_bytes(_fwd("moved", 1))
+            assert (await _reply(first, "moved"))["type"] == "token"
+            await _open(second, "moved")  # the head re-routed through a new link to this node
+            await second.send_bytes(_fwd("moved", 2))
+            assert (await _reply(second, "moved"))["type"] == "token"
+            await first.send_str(encode_control_close("moved"))  # the old link no longer owns it
+            await first.send_bytes(_fwd("moved", 3))
+            assert "unknown session" in (await _reply(first, "moved"))["message"]
+            await second.send_bytes(_fwd("moved", 4, mode="decode", past_len=2, positions=1))
+            assert (await _reply(second, "moved"))["type"] == "token"
+            assert tail.released.count("moved") == 1  # released once, when it moved
+
+
+class _Middle(FakeBackend):
+    start, end = 6, 9
+
+    def prefill(self, step, chunk_tokens):
+        return TensorPayload(body=bytes(step.length * 16), shape=[1, step.length, 8], past_len=0)
+        yield
+
+
+async def test_a_middle_whose_next_hop_is_unreachable_says_lost_with_that_hops_url():
+    dead = "ws://127.0.0.1:9"  # nothing listens on the discard port
+    async with _shard(_Middle(), role="middle", layers=(6, 9), peer=dead) as (node, port):
+        async with _link(port) as ws:
+            await _open(ws, "m")
+            await ws.send_bytes(_fwd("m", 1))
+            reply = await asyncio.wait_for(_reply(ws, "m"), 20)
+    assert reply["type"] == "error" and reply.get("lost") is True, reply
+    assert reply["url"] == dead and "unreachable" in reply["message"]
+
+
+async def test_a_middle_whose_next_hop_never_answers_says_lost_with_that_hops_url():
+    class _SilentTail(CachedTailBackend):
+        def answer(self, past_len):
+            time.sleep(3.0)  # hangs past the middle's timeout
+            return _CountingTail.token(past_len)
+
+    async with _shard(_SilentTail([])) as (tail, tail_port):
+        async with _shard(_Middle(), role="middle", layers=(6, 9), peer=f"ws://127.0.0.1:{tail_port}",
+                          step_timeout=2.0) as (middle, port):
+            async with _link(port) as ws:
+                await _open(ws, "h")
+                started = time.monotonic()
+                await ws.send_bytes(_fwd("h", 1))
+                reply = await asyncio.wait_for(_reply(ws, "h"), 10)
+                waited = time.monotonic() - started
+    assert reply["type"] == "error" and reply.get("lost") is True, reply
+    assert reply["url"] == f"ws://127.0.0.1:{tail_port}" and "no answer" in reply["message"]
+    assert 0.9 < waited < 2.0  # the middle (one hop behind it) waits half the head's timeout
