@@ -24,7 +24,7 @@ from .backend import DecodeStep, ShardBackend, StepResult, decode_alone
 from .cache_store import CacheEntry, KVCacheMiss
 from .sampling import SamplingParams
 from .session_layers import cannot_run_here
-from .tensors import cache_nbytes
+from .tensors import cache_nbytes, crop_cache
 
 log = logging.getLogger("meshws.shard")
 
@@ -167,7 +167,7 @@ def _rows_alone(shard: RowShard, steps: Sequence[DecodeStep], rows: list[Row],
     """After a failed batch: each row's cache back to its past length, then each row on its own."""
     for index, entry, _, past in rows:
         try:
-            entry.cache.crop(past)  # layers the batch reached hold one position too many
+            crop_cache(entry.cache, past)  # layers the batch reached hold one position too many
         except Exception:
             shard.sessions.drop(steps[index].session_id)
         results[index] = _alone(shard, steps[index])

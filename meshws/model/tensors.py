@@ -47,6 +47,21 @@ def cache_nbytes(cache: Any) -> int:
     return total
 
 
+def crop_cache(cache: Any, length: int) -> None:
+    """Cut every layer of a transformers cache back to `length` positions (undo a failed step).
+
+    Only plain layers can be cut back; a sliding window that dropped its oldest position
+    cannot, and raises ValueError (the caller drops the session's cache instead).
+    """
+    for layer in getattr(cache, "layers", ()):
+        keys = getattr(layer, "keys", None)
+        if not isinstance(keys, torch.Tensor) or keys.dim() < 2 or keys.shape[-2] <= length:
+            continue
+        if type(layer).__name__ != "DynamicLayer":
+            raise ValueError(f"a {type(layer).__name__} cannot be cut back")
+        layer.crop(length - keys.shape[-2])  # a negative count: positions to drop
+
+
 def positions(past_len: int, count: int) -> torch.Tensor:
     """Position ids `[1, count]` starting at `past_len`."""
     return torch.arange(past_len, past_len + count, dtype=torch.long).unsqueeze(0)

@@ -24,7 +24,7 @@ def shards(embedded_model):
 def _long_ids(head: ModelShard) -> list[int]:
     text = "Here is a list of fruits and what they taste like. " * 40 + "Which fruit is the sweetest?"
     ids = head.tokenize(text)
-    assert len(ids) > 500
+    assert len(ids) > 400
     return ids
 
 
@@ -122,6 +122,7 @@ def test_a_batch_that_raises_is_undone_and_its_rows_run_alone(shards, monkeypatc
 
     monkeypatch.setattr(head.rows, "run", run_then_fail)
     results = head.decode_batch([DecodeStep(f"batch-{index}", token_id=9) for index in range(2)])
+    assert not any(isinstance(r, Exception) for r in results), results
     for got, want in zip(results, expected):
         assert torch.equal(torch.frombuffer(bytearray(got.body), dtype=torch.float32),
                            torch.frombuffer(bytearray(want.body), dtype=torch.float32))
