@@ -27,7 +27,7 @@ class NodeSettings:
     registry_ttl: float = 6.0  # seconds the head keeps a joined node it has not heard from
     max_sessions: int = 64  # KV caches held at once on this node (LRU beyond)
     cache_ttl: float = 600.0  # seconds an idle session's cache is kept
-    max_cache_bytes: int | None = None  # byte budget for this node's KV caches
+    max_cache_bytes: int | None = None  # byte budget for this node's KV caches; None: half the memory free at start
     dtype: str = "bfloat16"  # compute dtype: bfloat16 (faster) or float32 (exact)
     wire_dtype: str = "bfloat16"  # dtype of hidden states between nodes
     threads: int | None = None  # torch threads; default: torch's choice
@@ -65,7 +65,8 @@ _HELP = {
     "registry_ttl": "on a head: seconds a joined node stays registered without a heartbeat",
     "max_sessions": "KV-cached sessions held at once; the least recently used is dropped beyond",
     "cache_ttl": "seconds an idle session's KV cache is kept",
-    "max_cache_bytes": "byte budget for all KV caches on this node, e.g. 2G; least recently used dropped beyond",
+    "max_cache_bytes": "byte budget for all KV caches on this node, e.g. 2G; least recently used dropped beyond "
+                       "(default: half the memory free when the node starts)",
     "dtype": "compute dtype: bfloat16 (about 1.9x faster on CPU) or float32 (bit-exact with generate())",
     "wire_dtype": "dtype of hidden states sent between nodes",
     "threads": "torch intra-op threads (default: all cores)",
