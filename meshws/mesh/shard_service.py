@@ -102,13 +102,18 @@ class ShardService:
         link = InboundLink(ws, peer, self.limits)
         try:
             async for message in ws:
-                if message.type == WSMsgType.TEXT:
-                    self.metrics.frame("in", "control", len(message.data))
-                    await self._on_control(link, message.data)
-                elif message.type == WSMsgType.BINARY:
-                    await self.steps.accept(link, message.data)
-                elif message.type == WSMsgType.ERROR:
-                    log.warning("inbound link from %s failed: %s", peer, ws.exception())
+                try:
+                    if message.type == WSMsgType.TEXT:
+                        self.metrics.frame("in", "control", len(message.data))
+                        await self._on_control(link, message.data)
+                    elif message.type == WSMsgType.BINARY:
+                        await self.steps.accept(link, message.data)
+                    elif message.type == WSMsgType.ERROR:
+                        log.warning("inbound link from %s failed: %s", peer, ws.exception())
+                except Exception as exc:  # a frame no check foresaw: say so; the link and its sessions go on
+                    self.log_limit.log("frame", logging.ERROR, "frame from %s failed", peer, exc_info=exc)
+                    await self._error(link, None, None, f"{self.node_name}: the frame could not be handled: "
+                                      f"{type(exc).__name__}", "internal")
         finally:
             self.inbound.discard(ws)
             if ws.close_code not in (None, 1000):

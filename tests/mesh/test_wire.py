@@ -64,6 +64,9 @@ def test_incompressible_body_is_sent_raw():
         (_frame({**GOOD, "mode": "sideways"}, b"\x00" * 8), "mode"),
         (_frame({**GOOD, "past_len": -1}, b"\x00" * 8), "past_len"),
         (_frame({**GOOD, "dtype": "int8"}, b"\x00" * 8), "dtype"),
+        (_frame({**GOOD, "dtype": {}}, b"\x00" * 8), "dtype"),  # unhashable: once raised TypeError on a read loop
+        (_frame({**GOOD, "mode": []}, b"\x00" * 8), "mode"),
+        (_frame({**GOOD, "enc": {}}, b"\x00" * 8), "encoding"),
         (_frame({**GOOD, "shape": [1, -1, 4]}, b"\x00" * 8), "shape"),
         (_frame({**GOOD, "shape": "1,1,4"}, b"\x00" * 8), "shape"),
         (_frame(GOOD, b"\x00" * 7), "needs 8"),

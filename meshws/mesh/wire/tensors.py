@@ -129,7 +129,7 @@ def _checked(header: dict[str, Any], offset: int, sid: str, size: int, max_frame
         raise FrameError(f"mode must be one of {MODES}, got {mode!r}")
     past_len = int_field(header, "past_len", 0)
     dtype = header.get("dtype")
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise FrameError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {dtype!r}")
     shape = header.get("shape")
     if not isinstance(shape, list) or not 1 <= len(shape) <= 4 or not all(is_int(n) and n > 0 for n in shape):
