@@ -119,3 +119,22 @@ def test_purge_expired_counts_removed_sessions():
     clock.now = 12.0
     assert store.purge_expired() == 1
     assert store.session_ids() == ["s2"]
+
+
+def test_the_default_cache_budget_is_half_the_memory_free_capped_by_the_cgroup(tmp_path):
+    from meshws.model.memory import MIN_CACHE_BUDGET, available_memory, default_cache_budget
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       8000000 kB\nMemAvailable:   4000000 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert available_memory(str(meminfo), str(cgroup)) == 4000000 * 1024  # no cgroup files: the machine's
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("100\n")
+    assert available_memory(str(meminfo), str(cgroup)) == 4000000 * 1024  # an unlimited cgroup
+    (cgroup / "memory.max").write_text(str(3 * 2**30))
+    (cgroup / "memory.current").write_text(str(2**30))
+    assert available_memory(str(meminfo), str(cgroup)) == 2 * 2**30  # the cgroup has less room
+    assert default_cache_budget(2 * 2**30) == 2**30
+    assert default_cache_budget(1000) == MIN_CACHE_BUDGET
+    assert available_memory(str(tmp_path / "none"), str(tmp_path / "none")) is None
