@@ -218,9 +218,17 @@ class ShardSteps:
     def _expect_answer(self, link: InboundLink, session: InboundSession, step: int) -> None:
         """Start the clock on the next hop's answer to `step`."""
         self.answered(session)
-        timeout = self.limits.hop_timeout(len(session.route) + 1)
+        timeout = self.limits.hop_timeout(self._hops_behind(session))
         loop = asyncio.get_running_loop()
         session.waiting = (step, loop.call_later(timeout, self._hung, link, session, step, timeout))
+
+    @staticmethod
+    def _hops_behind(session: InboundSession) -> int:
+        """Hops after this node: the route's, or on a static chain what the next hop's hello says."""
+        if session.route:
+            return len(session.route) + 1
+        hello = session.next_hop.peer_hello if session.next_hop is not None else None
+        return max(1, len(hello.chain)) if hello is not None else 1
 
     def answered(self, session: InboundSession, step: int | None = None) -> None:
         """The next hop answered (`step`, or whatever it was waiting for), or the session ended: stop the clock."""

@@ -215,3 +215,13 @@ async def test_a_middle_whose_next_hop_never_answers_says_lost_with_that_hops_ur
     assert reply["type"] == "error" and reply.get("lost") is True, reply
     assert reply["url"] == f"ws://127.0.0.1:{tail_port}" and "no answer" in reply["message"]
     assert 0.9 < waited < 2.0  # the middle (one hop behind it) waits half the head's timeout
+
+
+def test_hops_nearer_the_tail_wait_less_so_the_nearest_to_a_hang_speaks_first():
+    from meshws.mesh.inbound import ShardLimits
+
+    limits = ShardLimits(step_timeout=120.0)
+    # head -> m1 -> m2 -> tail: the head waits 120 s, m1 (two hops behind it) 80 s, m2 (one) 60 s.
+    assert [limits.hop_timeout(behind) for behind in (2, 1)] == [80.0, 60.0]
+    assert all(limits.hop_timeout(n + 1) > limits.hop_timeout(n) for n in range(1, 8))
+    assert all(limits.hop_timeout(n) < limits.step_timeout for n in range(1, 64))
