@@ -11,8 +11,8 @@ import time
 
 import aiohttp
 import orjson
+import numpy as np
 import pytest
-import torch
 
 from meshws.mesh.wire import Hello, encode_control
 from meshws.tools.launch import NodeProcess
@@ -27,8 +27,9 @@ LINK_SESSIONS = 4
 
 @pytest.fixture(scope="module")
 def tail(embedded_model):
-    # float32: on CPUs without native bf16 it is the faster one, and this test times a long prefill.
-    node = NodeProcess("--role", "tail", "--layers", "15-29", "--dtype", "float32",
+    # float32: on CPUs without native bf16 it is the faster one; one thread: spinning OpenMP threads of a
+    # busy machine (other nodes, other tests) slow a timed prefill far more than a thread fewer does.
+    node = NodeProcess("--role", "tail", "--layers", "15-29", "--dtype", "float32", "--threads", "1",
                        "--max-link-sessions", str(LINK_SESSIONS), name="tail").wait_started()
     node.wait_ready()
     yield node
@@ -36,8 +37,14 @@ def tail(embedded_model):
     node.stop()
 
 
+def _bf16(positions, width=HIDDEN, seed=0):
+    """Random hidden states as bf16 bytes, made with numpy (no torch threads spinning beside the tail)."""
+    values = np.random.default_rng(seed).standard_normal((positions, width), dtype=np.float32) * 0.5
+    return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+
 def _fwd(sid, step, positions, past_len=0, mode="prefill", width=HIDDEN):
-    body = (torch.randn(1, positions, width) * 0.5).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    body = _bf16(positions, width, seed=step)
     header = orjson.dumps({"type": "fwd", "sid": sid, "step": step, "mode": mode, "past_len": past_len,
                            "shape": [1, positions, width], "dtype": "bfloat16", "enc": None})
     return struct.pack(">I", len(header)) + header + body
