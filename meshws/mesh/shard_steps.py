@@ -100,7 +100,16 @@ class ShardSteps:
             await self._refuse(link, sid, header.step, f"{self.node_name}: this link already has "
                                f"{self.limits.link_frames} frames in flight; try again", "link_busy")
             return
-        session.step_task = self._spawn(self._step(link, session, header, data))
+        task = session.step_task = self._spawn(self._step(link, session, header, data))
+        task.add_done_callback(lambda done: self._step_over(link, session, done))
+
+    @staticmethod
+    def _step_over(link: InboundLink, session: InboundSession, task: asyncio.Task) -> None:
+        """A step ended (done, failed, or cancelled — even before it started): its slot is free again."""
+        link.frame_slots.release()
+        if session.step_task is task:
+            session.step_task = None
+            session.busy = False
 
     def header_problem(self, header: ForwardHeader) -> str | None:
         """What makes a frame's header unfit for this shard (before its body is touched), or None."""
@@ -149,9 +158,7 @@ class ShardSteps:
             await self._refuse(link, sid, header.step, f"{self.node_name}: {type(exc).__name__}: {exc}", "compute")
             return
         finally:
-            session.busy = False
-            session.step_task = None
-            link.frame_slots.release()
+            session.busy = False  # (the slot is freed when the task ends: `_step_over`)
         self._count_step(session, frame, time.perf_counter() - started)
         if self.sessions.get(sid) is not session:  # closed while the step ran: drop what it stored
             await self.worker.release(sid)

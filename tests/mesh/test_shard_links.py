@@ -225,3 +225,18 @@ def test_hops_nearer_the_tail_wait_less_so_the_nearest_to_a_hang_speaks_first():
     assert [limits.hop_timeout(behind) for behind in (2, 1)] == [80.0, 60.0]
     assert all(limits.hop_timeout(n + 1) > limits.hop_timeout(n) for n in range(1, 8))
     assert all(limits.hop_timeout(n) < limits.step_timeout for n in range(1, 64))
+
+
+async def test_a_step_cancelled_before_it_started_gives_its_in_flight_slot_back():
+    tail = _CountingTail()
+    async with _shard(tail, max_link_frames=1) as (node, port):
+        async with _link(port) as ws:
+            for round_ in range(4):  # a step and its session's close in one burst: the close cancels the step
+                sid = f"gone-{round_}"
+                await _open(ws, sid)
+                await ws.send_bytes(_fwd(sid, 1))
+                await ws.send_str(encode_control_close(sid))
+            await _open(ws, "after")
+            await ws.send_bytes(_fwd("after", 1))
+            reply = await _reply(ws, "after")
+            assert reply["type"] == "token", reply  # with the one slot leaked it would say "frames in flight"
