@@ -240,7 +240,10 @@ class ShardService:
 
     async def _release(self, session: InboundSession, reason: str) -> None:
         sid = session.sid
-        await self.worker.release(sid)
+        try:
+            await self.worker.release(sid)
+        except RuntimeError:  # the worker is shut down: the node clears every cache as it stops
+            pass
         self.decode_log.forget(sid)
         if session.next_hop is not None:
             try:
