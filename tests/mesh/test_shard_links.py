@@ -240,3 +240,29 @@ async def test_a_step_cancelled_before_it_started_gives_its_in_flight_slot_back(
             await ws.send_bytes(_fwd("after", 1))
             reply = await _reply(ws, "after")
             assert reply["type"] == "token", reply  # with the one slot leaked it would say "frames in flight"
+
+
+async def test_a_large_body_is_inflated_off_the_event_loop(monkeypatch):
+    import meshws.mesh.shard_steps as shard_steps
+
+    off_loop = []
+    real_to_thread = asyncio.to_thread
+
+    async def recording_to_thread(fn, *args):
+        off_loop.append(fn.__name__)
+        return await real_to_thread(fn, *args)
+
+    monkeypatch.setattr(shard_steps.asyncio, "to_thread", recording_to_thread)
+    tail = _CountingTail()
+    tail.hidden_size = 512
+    async with _shard(tail) as (node, port):
+        async with _link(port) as ws:
+            await _open(ws, "big")
+            body = zstandard.ZstdCompressor().compress(bytes(1024 * 512 * 2))  # 1 MiB once inflated
+            await ws.send_bytes(_fwd("big", 1, positions=1024, width=512, body=body, enc="zstd"))
+            assert (await _reply(ws, "big"))["type"] == "token"
+            await ws.send_bytes(_fwd("big", 2, mode="decode", past_len=1024, positions=1, width=512))
+            assert (await _reply(ws, "big"))["type"] == "token"
+    # (the patch sees every to_thread of the process: the node's own shutdown too)
+    assert off_loop.count("inflate_forward") == 1  # the large body off the loop; the one-token step inline
+    assert tail.calls[0]["bytes"] == 1024 * 512 * 2
