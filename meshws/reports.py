@@ -53,7 +53,8 @@ class NodeReports:
         if self.registry is not None:
             info["nodes"] = [record.describe() for record in self.registry.nodes()]
         if self.announcer is not None:
-            info["joined"] = self.announcer.joined
+            info["joined"] = self.announcer.joined  # every head named by --join took the last heartbeat
+            info["joined_heads"] = sorted(self.announcer.joined_heads)
         return info
 
     async def _health(self, request: web.Request) -> web.Response:

@@ -32,7 +32,7 @@ from aiohttp import WSMsgType, web
 from ..head.generation import FinishReason, GenerationStats, PipelineError
 from ..head.service import HeadService, Unavailable
 from .errors import ApiError, public_text
-from .openai_routes import run_spec, usage
+from .openai_routes import STREAM_BUFFER_BYTES, bound_write_buffers, run_spec, usage
 from .requests import check_request, complete_spec
 
 log = logging.getLogger("meshws.chat")
@@ -54,6 +54,7 @@ class ChatSocket:
     async def handle(self, request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(heartbeat=20.0, max_msg_size=MAX_MESSAGE_BYTES)
         await ws.prepare(request)
+        bound_write_buffers(request)
         send = _Sender(ws, request, self.write_timeout)
         self.sockets.add(ws)
         detailed = self.detail_allowed(request)
@@ -187,9 +188,21 @@ class _Sender:
             return
         try:
             with suppress(ConnectionError, RuntimeError):
-                await asyncio.wait_for(self.ws.send_str(orjson.dumps(message).decode()), self.timeout)
+                await asyncio.wait_for(self._send(orjson.dumps(message).decode()), self.timeout)
         except asyncio.TimeoutError:
             log.warning("a /ws/chat client read nothing for %g s; dropped it", self.timeout)
             if self.request.transport is not None:
                 self.request.transport.abort()
             raise _SlowClient() from None
+
+    async def _send(self, text: str) -> None:
+        """Send, then wait while more than the stream's buffer is queued for this client.
+
+        aiohttp's websocket writer waits for the socket only every 64 KiB: thousands of
+        small messages to a client that reads nothing would go unnoticed.
+        """
+        await self.ws.send_str(text)
+        transport = self.request.transport
+        while transport is not None and not transport.is_closing() \
+                and transport.get_write_buffer_size() > STREAM_BUFFER_BYTES:
+            await asyncio.sleep(0.02)

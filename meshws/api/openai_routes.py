@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 import uuid
 from contextlib import aclosing
@@ -27,6 +28,26 @@ from .errors import ApiError, json_response, public_text, read_json
 from .requests import CompletionSpec, check_request, complete_spec
 
 log = logging.getLogger("meshws.api")
+
+STREAM_BUFFER_BYTES = 16 * 1024  # what a streamed answer may queue for a client before a write waits
+
+
+def bound_write_buffers(request: web.Request) -> None:
+    """Keep a streaming connection's buffers small, so a client that stops reading makes writes wait.
+
+    Unbounded, the kernel's send buffer grows to megabytes on loopback and a stalled
+    client goes unnoticed for thousands of tokens; a token stream needs only a few KiB.
+    """
+    transport = request.transport
+    if transport is None:
+        return
+    try:
+        transport.set_write_buffer_limits(high=STREAM_BUFFER_BYTES)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_BUFFER_BYTES)
+    except (AttributeError, NotImplementedError, OSError):
+        pass  # a transport without these knobs: the write timeout still applies, later
 
 
 def unavailable(exc: Unavailable) -> ApiError:
@@ -137,6 +158,7 @@ class OpenAIApi:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         await response.prepare(request)
+        bound_write_buffers(request)
         created = int(time.time())
         chunk_kind = kind + ".chunk" if chat else kind
 
