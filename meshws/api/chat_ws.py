@@ -32,7 +32,7 @@ from aiohttp import WSMsgType, web
 from ..head.generation import FinishReason, GenerationStats, PipelineError
 from ..head.service import HeadService, Unavailable
 from .errors import ApiError, public_text
-from .openai_routes import STREAM_BUFFER_BYTES, bound_write_buffers, run_spec, usage
+from .openai_routes import bound_write_buffers, run_spec, until_drained, usage
 from .requests import check_request, complete_spec
 
 log = logging.getLogger("meshws.chat")
@@ -196,13 +196,5 @@ class _Sender:
             raise _SlowClient() from None
 
     async def _send(self, text: str) -> None:
-        """Send, then wait while more than the stream's buffer is queued for this client.
-
-        aiohttp's websocket writer waits for the socket only every 64 KiB: thousands of
-        small messages to a client that reads nothing would go unnoticed.
-        """
         await self.ws.send_str(text)
-        transport = self.request.transport
-        while transport is not None and not transport.is_closing() \
-                and transport.get_write_buffer_size() > STREAM_BUFFER_BYTES:
-            await asyncio.sleep(0.02)
+        await until_drained(self.request)

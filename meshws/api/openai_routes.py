@@ -29,7 +29,7 @@ from .requests import CompletionSpec, check_request, complete_spec
 
 log = logging.getLogger("meshws.api")
 
-STREAM_BUFFER_BYTES = 16 * 1024  # what a streamed answer may queue for a client before a write waits
+STREAM_BUFFER_BYTES = 8 * 1024  # what a streamed answer may queue for a client before a write waits (~40 tokens)
 
 
 def bound_write_buffers(request: web.Request) -> None:
@@ -48,6 +48,18 @@ def bound_write_buffers(request: web.Request) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_BUFFER_BYTES)
     except (AttributeError, NotImplementedError, OSError):
         pass  # a transport without these knobs: the write timeout still applies, later
+
+
+async def until_drained(request: web.Request) -> None:
+    """Wait while more than STREAM_BUFFER_BYTES wait to be sent to this client.
+
+    aiohttp's writers wait for the socket only every 64 KiB written: hundreds of tokens
+    to a client that reads nothing would otherwise go unnoticed.
+    """
+    transport = request.transport
+    while transport is not None and not transport.is_closing() \
+            and transport.get_write_buffer_size() > STREAM_BUFFER_BYTES:
+        await asyncio.sleep(0.02)
 
 
 def unavailable(exc: Unavailable) -> ApiError:
@@ -181,10 +193,16 @@ class OpenAIApi:
                 return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
 
+        async def send(data: bytes) -> None:
+            await response.write(data)
+            await until_drained(request)
+
         async def write(data: bytes) -> None:
             try:
-                await asyncio.wait_for(response.write(data), self.write_timeout)
+                await asyncio.wait_for(send(data), self.write_timeout)
             except asyncio.TimeoutError:
+                log.warning("generation %s: the client read nothing for %g s; dropped it and released its "
+                            "session", stats.sid[:12], self.write_timeout)
                 if request.transport is not None:
                     request.transport.abort()  # nothing more will reach this client
                 raise SlowClient(f"the client read nothing for {self.write_timeout:g} s") from None
@@ -203,8 +221,7 @@ class OpenAIApi:
             error = {"error": {"message": f"pipeline error: {public_text(str(exc))}", "type": "upstream_error", "param": None,
                                "code": "pipeline_error"}}
             await write(b"data: " + orjson.dumps(error) + b"\n\n")
-        except SlowClient as exc:
-            log.warning("generation %s: %s; dropped it and released its session", stats.sid[:12], exc)
+        except SlowClient:
             raise
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("client went away mid-stream; generation %s stopped", stats.sid[:12])
