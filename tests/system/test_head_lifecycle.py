@@ -32,7 +32,7 @@ def _until(check, timeout):
 
 def test_two_heads_share_a_tail_joined_to_both_and_drop_it_when_it_dies(embedded_model):
     ports = [free_port(), free_port()]
-    heads = [NodeProcess("--role", "head", "--layers", "0-14", "--registry-ttl", "2", "--threads", "1", *EXACT,
+    heads = [NodeProcess("--role", "head", "--layers", "0-14", "--registry-ttl", "5", "--threads", "1", *EXACT,
                          name=f"head {index}", port=port) for index, port in enumerate(ports)]
     joins = ",".join(f"http://127.0.0.1:{port}" for port in ports)
     tail = NodeProcess("--role", "tail", "--layers", "15-29", "--join", joins, "--threads", "1", *EXACT, name="tail")
@@ -51,7 +51,7 @@ def test_two_heads_share_a_tail_joined_to_both_and_drop_it_when_it_dies(embedded
         assert health["joined"] and health["joined_heads"] == sorted(f"http://127.0.0.1:{port}" for port in ports)
         tail.kill()
         for head in heads:  # its heartbeats stop: each head forgets it, closes its link, stops re-dialing
-            _until(lambda: not head.health()["nodes"] and not head.health()["links"], timeout=10)
+            _until(lambda: not head.health()["nodes"] and not head.health()["links"], timeout=12)
             assert not head.health()["ready"]
             assert any("stopped answering; removed from the registry" in line for line in head.lines)
     finally:
