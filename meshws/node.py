@@ -162,8 +162,8 @@ class Node(NodeReports):
         """Close sessions (their releases still reach the shards), then links, then the HTTP runner."""
         if self._runner is None:
             return
-        if self.head is not None and self.head.queue.cancel_running():
-            await _until(lambda: not self.head or not self.head.generations, 5.0)
+        if self.head is not None and self.head.generations:  # cancelled again until gone: a cancel can be lost
+            await _until(lambda: not self.head or not self.head.queue.cancel_running(), 5.0)
         if self.announcer is not None:
             await self.announcer.stop()
         await self.links.close()

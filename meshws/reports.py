@@ -48,8 +48,10 @@ class NodeReports:
             info["channels"] = len(self.shard_service.sessions)
             info["pending_tasks"] = len(self.shard_service.pending_tasks)
         if self.head is not None:
+            queue = self.head.queue
             info.update(generations=self.head.generations, queued=self.head.queued,
-                        max_generations=self.head.max_generations, max_queue=self.head.queue.max_queue)
+                        longest_wait_s=round(queue.longest_wait, 2), max_generations=queue.slots,
+                        max_queue=queue.max_queue, draining=queue.draining)
         if self.registry is not None:
             info["nodes"] = [record.describe() for record in self.registry.nodes()]
         if self.announcer is not None:

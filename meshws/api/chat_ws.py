@@ -188,8 +188,9 @@ class _Sender:
             return
         try:
             with suppress(ConnectionError, RuntimeError):
-                await asyncio.wait_for(self._send(orjson.dumps(message).decode()), self.timeout)
-        except asyncio.TimeoutError:
+                async with asyncio.timeout(self.timeout):  # not wait_for, which may lose a cancellation
+                    await self._send(orjson.dumps(message).decode())
+        except TimeoutError:
             log.warning("a /ws/chat client read nothing for %g s; dropped it", self.timeout)
             if self.request.transport is not None:
                 self.request.transport.abort()

@@ -198,9 +198,10 @@ class OpenAIApi:
             await until_drained(request)
 
         async def write(data: bytes) -> None:
-            try:
-                await asyncio.wait_for(send(data), self.write_timeout)
-            except asyncio.TimeoutError:
+            try:  # asyncio.timeout, not wait_for: wait_for (3.11) loses a cancellation that meets a finished write
+                async with asyncio.timeout(self.write_timeout):
+                    await send(data)
+            except TimeoutError:
                 log.warning("generation %s: the client read nothing for %g s; dropped it and released its "
                             "session", stats.sid[:12], self.write_timeout)
                 if request.transport is not None:

@@ -57,6 +57,7 @@ class AdmissionQueue:
         self._clock = clock
         self._held: set[Slot] = set()
         self._waiters: deque[asyncio.Future[Slot]] = deque()
+        self._since: dict[asyncio.Future[Slot], float] = {}  # when each waiter joined the queue
 
     @property
     def running(self) -> int:
@@ -67,6 +68,12 @@ class AdmissionQueue:
     def waiting(self) -> int:
         """Requests in the queue now."""
         return sum(1 for waiter in self._waiters if not waiter.done())
+
+    @property
+    def longest_wait(self) -> float:
+        """Seconds the longest-waiting request has waited so far (0 with nobody waiting)."""
+        now = self._clock()
+        return max((now - since for waiter, since in self._since.items() if not waiter.done()), default=0.0)
 
     async def enter(self) -> Slot:
         """A slot, at once or after waiting in line; `Refused` when there is none to have."""
@@ -81,6 +88,7 @@ class AdmissionQueue:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[Slot] = loop.create_future()
         self._waiters.append(waiter)
+        self._since[waiter] = started
         timer = loop.call_later(self.timeout, self._expire, waiter)
         try:
             slot = await waiter  # not wait_for: it would swallow a cancellation that comes with a slot
@@ -92,6 +100,7 @@ class AdmissionQueue:
             raise
         finally:
             timer.cancel()
+            self._since.pop(waiter, None)
         slot.task = asyncio.current_task()
         self.on_wait(self._clock() - started)
         return slot

@@ -30,13 +30,15 @@ async def _post(client, url, body=BODY):
 
 
 async def test_a_burst_beyond_the_limit_waits_in_line_and_only_a_full_queue_gets_503():
-    async with fake_mesh(CachedHeadBackend(), SlowTail(0.1), max_generations=1, max_queue=2) as mesh:
+    async with fake_mesh(CachedHeadBackend(), SlowTail(0.2), max_generations=1, max_queue=2) as mesh:
         url = f"http://127.0.0.1:{mesh.head_port}/v1/chat/completions"
         async with aiohttp.ClientSession() as client:
             running = asyncio.create_task(_post(client, url))
             await eventually(lambda: mesh.head.health()["generations"] == 1)
             queued = [asyncio.create_task(_post(client, url)) for _ in range(2)]
             await eventually(lambda: mesh.head.health()["queued"] == 2)
+            await asyncio.sleep(0.1)
+            assert mesh.head.health()["longest_wait_s"] >= 0.1  # how long the first in line has waited
             started = time.monotonic()
             refused = await asyncio.gather(_post(client, url), _post(client, url))
             assert time.monotonic() - started < 0.3  # refused at once, not after a wait
@@ -69,6 +71,33 @@ async def test_a_queued_client_that_hangs_up_leaves_the_queue_at_once():
             assert mesh.head.health()["generations"] == 1  # the first one still runs: the queue did not just drain
             status, _, _ = await running
             assert status == 200
+        assert mesh.head.health()["generations"] == 0
+
+
+async def test_a_ws_chat_turn_waits_in_line_and_leaves_it_on_stop_or_when_its_socket_closes():
+    async with fake_mesh(CachedHeadBackend(), SlowTail(0.3), max_generations=1, max_queue=2) as mesh:
+        url = f"http://127.0.0.1:{mesh.head_port}"
+        turn = {"type": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        async with aiohttp.ClientSession() as client:
+            running = asyncio.create_task(_post(client, url + "/v1/chat/completions"))
+            await eventually(lambda: mesh.head.health()["generations"] == 1)
+            closing = await client.ws_connect(url + "/ws/chat")
+            await closing.send_json(turn)
+            await eventually(lambda: mesh.head.health()["queued"] == 1)
+            await closing.close()  # the page is closed while its turn waits
+            await eventually(lambda: mesh.head.health()["queued"] == 0, timeout=1)
+            async with client.ws_connect(url + "/ws/chat") as ws:
+                await ws.send_json(turn)
+                await eventually(lambda: mesh.head.health()["queued"] == 1)
+                await ws.send_json({"type": "stop"})
+                await eventually(lambda: mesh.head.health()["queued"] == 0, timeout=1)
+                assert mesh.head.health()["generations"] == 1  # still the HTTP request, served meanwhile
+                await ws.send_json(turn)  # waits its turn, then runs
+                kinds = []
+                while not kinds or kinds[-1] not in ("done", "error"):
+                    kinds.append((await asyncio.wait_for(ws.receive_json(), 10))["type"])
+                assert kinds[0] == "start" and kinds[-1] == "done", kinds
+            assert (await running)[0] == 200
         assert mesh.head.health()["generations"] == 0
 
 

@@ -52,8 +52,9 @@ async def _dropped_and_released(request_for, tail: EndlessTail) -> None:
         sock = stalled_socket(mesh.head_port, request_for(mesh.head_port))
         try:
             await eventually(lambda: mesh.head.health()["generations"] == 1, timeout=5)
+            await eventually(lambda: mesh.tail.health()["channels"] == 1, timeout=5)
             await eventually(lambda: mesh.head.health()["generations"] == 0, timeout=15)
-            await eventually(lambda: mesh.tail.health()["sessions"] == 0, timeout=5)
+            await eventually(lambda: mesh.tail.health()["channels"] == 0, timeout=5)
             assert len(tail.calls) < 1500  # dropped mid-answer, not served to the end
             assert mesh.head.health()["sessions"] == 0
         finally:

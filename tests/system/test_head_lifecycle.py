@@ -2,8 +2,9 @@
 
 A tail started with `--join A,B` serves both heads (several heads behind one load
 balancer share a pool of shards); when it dies, each head drops it from its registry,
-its /health and its links. SIGTERM on a head during a generation lets the generation
-finish, refuses new connections meanwhile, and exits 0.
+its /health and its links. SIGTERM on the head and the tail during a generation lets
+the generation finish (each node drains), refuses new connections meanwhile, and both
+exit 0.
 """
 
 import asyncio
@@ -59,7 +60,7 @@ def test_two_heads_share_a_tail_joined_to_both_and_drop_it_when_it_dies(embedded
             node.stop()
 
 
-async def test_sigterm_during_a_generation_lets_it_finish_and_the_head_exits_0(embedded_model):
+async def test_sigterm_on_head_and_tail_during_a_generation_lets_it_finish_and_both_exit_0(embedded_model):
     mesh = Mesh([("head", "0-14"), ("tail", "15-29")], common=EXACT)
     try:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 40,
@@ -77,15 +78,15 @@ async def test_sigterm_during_a_generation_lets_it_finish_and_the_head_exits_0(e
                         usage = chunk.get("usage") or usage
                         chunks += 1
                         if chunks == 3:
-                            mesh.head.proc.send_signal(signal.SIGTERM)
+                            for node in mesh.nodes:
+                                node.proc.send_signal(signal.SIGTERM)
                         elif chunks > 6 and not refused:  # draining: the port takes no new connections
                             with pytest.raises(ConnectionRefusedError):
                                 socket.create_connection(("127.0.0.1", mesh.head.port), timeout=2).close()
                             refused = True
-        assert done and refused and usage["completion_tokens"] == 40  # the whole answer, after the SIGTERM
-        assert await asyncio.to_thread(mesh.head.proc.wait, 60) == 0
-        assert any("draining" in line for line in mesh.head.lines)
-        assert mesh.tail.wait_sessions(0)["sessions"] == 0
-        assert mesh.tail.stop() == 0
+        assert done and refused and usage["completion_tokens"] == 40  # the whole answer, after the SIGTERMs
+        for node in mesh.nodes:
+            assert await asyncio.to_thread(node.proc.wait, 60) == 0
+            assert any("draining" in line for line in node.lines), node.name
     finally:
         mesh.stop()
