@@ -88,6 +88,7 @@ class Node(NodeReports):
         self.announcer: Announcer | None = None
         self.registry_endpoints: RegistryEndpoints | None = None
         self._runner: web.AppRunner | None = None
+        self.hurry = asyncio.Event()  # set by a second SIGTERM/SIGINT: cut the drain short
 
     @property
     def name(self) -> str:
@@ -153,9 +154,10 @@ class Node(NodeReports):
         busy = self._busy()
         if busy:
             log.info("%s draining: waiting up to %g s for %d running", self.name, self.settings.drain_timeout, busy)
-        if not await _until(lambda: not self._busy(), self.settings.drain_timeout):
-            log.warning("%s: %d still running after %g s; closing them", self.name, self._busy(),
-                        self.settings.drain_timeout)
+        if not await _until(lambda: not self._busy() or self.hurry.is_set(), self.settings.drain_timeout) \
+                or self._busy():
+            log.warning("%s: %d still running (drain over: timed out or cut short); closing them", self.name,
+                        self._busy())
         await self.stop()
 
     async def stop(self) -> None:
@@ -324,7 +326,9 @@ async def serve(settings: NodeSettings) -> None:
         line += f" (links: {node.advertise}/ws/shard)"
     print(line, flush=True)
     await stop.wait()
-    log.info("%s shutting down", node.name)
+    log.info("%s shutting down (again to skip the drain)", node.name)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, node.hurry.set)
     await node.shutdown()
 
 
