@@ -56,8 +56,19 @@ async def test_a_burst_beyond_the_limit_waits_in_line_and_only_a_full_queue_gets
         assert (health["generations"], health["queued"], health["max_queue"]) == (0, 0, 2)
 
 
-async def test_a_queued_client_that_hangs_up_leaves_the_queue_at_once():
-    async with fake_mesh(CachedHeadBackend(), SlowTail(0.3), max_generations=1, max_queue=2) as mesh:
+class CountingHead(CachedHeadBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokenized = 0
+
+    def tokenize(self, text):
+        self.tokenized += 1
+        return super().tokenize(text)
+
+
+async def test_a_queued_client_that_hangs_up_leaves_the_queue_at_once_and_costs_no_work():
+    head_backend = CountingHead()
+    async with fake_mesh(head_backend, SlowTail(0.3), max_generations=1, max_queue=2) as mesh:
         url = f"http://127.0.0.1:{mesh.head_port}/v1/chat/completions"
         async with aiohttp.ClientSession() as client:
             running = asyncio.create_task(_post(client, url))
@@ -72,6 +83,7 @@ async def test_a_queued_client_that_hangs_up_leaves_the_queue_at_once():
             status, _, _ = await running
             assert status == 200
         assert mesh.head.health()["generations"] == 0
+        assert head_backend.tokenized == 1 and len(head_backend.prefills) == 1  # the departed one: nothing
 
 
 async def test_a_ws_chat_turn_waits_in_line_and_leaves_it_on_stop_or_when_its_socket_closes():
