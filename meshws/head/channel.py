@@ -69,9 +69,10 @@ class HopChannel:
         deadline = time.monotonic() + self.step_timeout
         while True:
             remaining = deadline - time.monotonic()
-            try:
-                reply = await asyncio.wait_for(self._replies.get(), max(remaining, 0.001))
-            except asyncio.TimeoutError:
+            try:  # asyncio.timeout, not wait_for: wait_for (3.11) loses a cancellation that meets a reply
+                async with asyncio.timeout(max(remaining, 0.001)):
+                    reply = await self._replies.get()
+            except TimeoutError:
                 raise PipelineError(f"no answer from the route behind {self.link.url} within "
                                     f"{self.step_timeout:.0f} s", lost=True, url=self.hung_url) from None
             if reply.step not in (None, step):

@@ -26,6 +26,7 @@ from ..mesh.compute import ComputeWorker
 from ..model.backend import DecodeStep, ShardBackend, TailTokenResult
 from ..model.cache_store import KVCacheMiss
 from ..model.sampling import SamplingParams
+from .admission import Slot
 from .channel import PipelineError, RoutedPath
 from .planner import RoutePlanner
 from .routes import Route
@@ -110,10 +111,11 @@ class Generator:
         self.active: dict[str, GenerationStats] = {}
 
     async def generate(self, request: GenerationRequest, stats: GenerationStats | None = None,
-                       route: Route | None = None) -> AsyncIterator[TokenEvent]:
+                       route: Route | None = None, slot: Slot | None = None) -> AsyncIterator[TokenEvent]:
         """Yield tokens as they come. Close the iterator (aclosing) to stop early.
 
         `route` is the route admission planned; without one, the generation plans its own.
+        `slot`, the admission's, is released only after the session's release has run.
         """
         stats = stats or GenerationStats(sid=uuid.uuid4().hex)
         sid = stats.sid
@@ -142,6 +144,8 @@ class Generator:
             try:
                 await run_uncancelled(self._release(path, sid))
             finally:
+                if slot is not None:
+                    slot.release()
                 if self.on_finish is not None:
                     self.on_finish(stats, outcome)
 
