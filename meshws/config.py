@@ -22,7 +22,7 @@ class NodeSettings:
     host: str = "127.0.0.1"  # address to bind
     port: int = 8700  # port to bind (0 = any free port)
     peer: str | None = None  # the next hop, ws://host:port (head -> middle -> tail)
-    join: str | None = None  # a head to announce this node to, http://host:port
+    join: str | None = None  # heads to announce this node to, http://host:port, comma-separated
     advertise: str | None = None  # the address other nodes reach this node at, ws://host:port
     registry_ttl: float = 6.0  # seconds the head keeps a joined node it has not heard from
     max_sessions: int = 64  # KV caches held at once on this node (LRU beyond)
@@ -44,10 +44,15 @@ class NodeSettings:
     tls_ca: str | None = None  # CA bundle that peers' certificates must verify against (wss://, https://)
     cors_origins: tuple[str, ...] = ()  # browser origins besides the node's own allowed on the API and /ws/chat
     allowed_hosts: tuple[str, ...] = ()  # Host names the page and API answer besides IPs, loopback and own names
-    max_generations: int = 32  # generations a head runs at once; beyond, 503 with Retry-After
+    max_generations: int = 32  # generations a head runs at once; beyond, requests wait in the queue
     cache_dir: str | None = None  # where converted models are cached
     log_level: str = "INFO"
-    # Shard limits (issue 13): per inbound link, and how a long prefill shares the compute worker.
+    # -- admission, slow clients and shutdown (issue 13, the head's side) --
+    max_queue: int = 256  # requests a head lets wait for a generation slot; beyond, 503 with Retry-After
+    queue_timeout: float = 60.0  # seconds a request may wait in the queue before a 503
+    write_timeout: float = 30.0  # seconds one SSE or /ws/chat write may wait for a client that does not read
+    drain_timeout: float = 30.0  # seconds SIGTERM lets running generations finish before closing them
+    # -- shard limits and prefill chunks (issue 13, the shard's side) --
     max_link_sessions: int = 256  # sessions one inbound link may carry at once; beyond, an error frame
     max_link_frames: int = 64  # tensor frames of one link in flight at once (backpressure, then an error frame)
     prefill_chunk: int = 256  # tokens of a prefill run between other sessions' decode steps
@@ -60,7 +65,8 @@ _HELP = {
     "host": "address to listen on; nodes stay on loopback unless told otherwise",
     "port": "port to listen on (0 picks a free one)",
     "peer": "the next hop's address, e.g. ws://10.0.0.2:8702 (head -> middle -> tail)",
-    "join": "announce this node to a head, e.g. http://10.0.0.1:8700; the head routes sessions through it",
+    "join": "announce this node to a head, e.g. http://10.0.0.1:8700, or to several, comma-separated (heads "
+            "behind one load balancer share the node); each head routes sessions through it",
     "advertise": "the address other nodes use to reach this one (default ws://HOST:PORT)",
     "registry_ttl": "on a head: seconds a joined node stays registered without a heartbeat",
     "max_sessions": "KV-cached sessions held at once; the least recently used is dropped beyond",
@@ -85,9 +91,15 @@ _HELP = {
     "cors_origins": "comma-separated browser origins (https://app.example) allowed to call the API and /ws/chat",
     "allowed_hosts": "comma-separated host names the page and API answer to, besides IP addresses, localhost and "
                      "this node's own names (DNS-rebinding guard)",
-    "max_generations": "on a head: generations run at once; more get 503 with Retry-After",
+    "max_generations": "on a head: generations run at once; more wait in the queue (--max-queue)",
     "cache_dir": "folder for converted models (default ~/.cache/meshws/models)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "max_queue": "on a head: requests that wait (first in, first out) for a free generation slot; more get 503",
+    "queue_timeout": "on a head: seconds a request waits in the queue before it gets 503 with Retry-After",
+    "write_timeout": "on a head: seconds a streamed answer's write may wait for a client that stopped reading; "
+                     "then the client is dropped and its session released",
+    "drain_timeout": "on SIGTERM: seconds running generations (and sessions through a shard) may take to finish "
+                     "before they are closed",
     "max_link_sessions": "on a middle or tail: sessions one inbound link may carry at once; more get an error frame",
     "max_link_frames": "on a middle or tail: tensor frames of one inbound link in flight at once; beyond, reading "
                        "the link waits a moment, then the frame gets an error frame",
@@ -130,6 +142,11 @@ def _http(text: str) -> str:
     return value if value.startswith(("http://", "https://")) else "http://" + value
 
 
+def _heads(text: str) -> str:
+    """--join: one head or several, comma-separated, each as http(s)://host:port."""
+    return ",".join(_http(part) for part in str(text).split(",") if part.strip())
+
+
 def _peer(text: str) -> str:
     value = text.strip().rstrip("/")
     if value.startswith("http://"):
@@ -159,7 +176,7 @@ _TYPES = {
     "host": str,
     "port": int,
     "peer": _peer,
-    "join": _http,
+    "join": _heads,
     "advertise": _peer,
     "registry_ttl": float,
     "max_sessions": int,
@@ -184,6 +201,10 @@ _TYPES = {
     "max_generations": int,
     "cache_dir": str,
     "log_level": str,
+    "max_queue": int,
+    "queue_timeout": float,
+    "write_timeout": float,
+    "drain_timeout": float,
     "max_link_sessions": int,
     "max_link_frames": int,
     "prefill_chunk": int,

@@ -4,7 +4,9 @@ This module only wires the parts for a role: it loads the shard, binds the port,
 and mounts `/health` and `/metrics` everywhere, `/ws/shard` on middle and tail
 nodes, and on head and full nodes the public API, `/ws/chat`, the chat page and
 the registry. Each background part's start and stop sit together in one
-`cleanup_ctx` generator; `aiohttp` runs the stops in reverse order.
+`cleanup_ctx` generator; `aiohttp` runs the stops in reverse order. SIGTERM drains
+first (`Node.shutdown`): no new connections, running work finishes within
+`--drain-timeout`, then sessions, links and the HTTP runner close, in that order.
 """
 
 from __future__ import annotations
@@ -15,18 +17,19 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
 from .api.chat_ws import ChatSocket
-from .api.errors import error_middleware, json_response
+from .api.errors import error_middleware
 from .api.guards import RequestGuard, add_security_headers
 from .api.openai_routes import OpenAIApi
 from .api.page import add_page_routes
 from .access import NodeAccess, tls_contexts
 from .config import NodeSettings, parse_settings
-from .head.generation import GenerationStats, Generator
+from .head.admission import AdmissionQueue
+from .head.generation import Generator
 from .head.membership import RegistryEndpoints
 from .head.planner import RoutePlanner
 from .head.registry import Registry
@@ -42,7 +45,7 @@ from .mesh.metrics import NodeMetrics
 from .mesh.shard_service import ShardService
 from .mesh.wire import ChainHop, Hello
 from .model.backend import ShardBackend
-from .model.memory import process_memory
+from .reports import NodeReports
 
 log = logging.getLogger("meshws.node")
 
@@ -68,7 +71,7 @@ def check_role(role: str, backend: ShardBackend) -> str | None:
     return None
 
 
-class Node:
+class Node(NodeReports):
     def __init__(self, settings: NodeSettings, backend: ShardBackend | None = None) -> None:
         self.settings = settings
         self.backend = backend
@@ -86,6 +89,7 @@ class Node:
         self.announcer: Announcer | None = None
         self.registry_endpoints: RegistryEndpoints | None = None
         self._runner: web.AppRunner | None = None
+        self.hurry = asyncio.Event()  # set by a second SIGTERM/SIGINT: cut the drain short
 
     @property
     def name(self) -> str:
@@ -141,9 +145,40 @@ class Node:
         await web.SockSite(self._runner, sock, ssl_context=self.server_ssl).start()
         return self.port
 
+    async def shutdown(self) -> None:
+        """SIGTERM: accept nothing new, let running work finish within --drain-timeout, then `stop`."""
+        if self._runner is None:
+            return
+        for site in list(self._runner.sites):
+            await site.stop()  # no new connections; a load balancer sees this node go
+        if self.head is not None:
+            self.head.queue.drain()  # those still waiting (and new requests on kept-alive connections): 503
+        busy = self._busy()
+        if busy:
+            log.info("%s draining: waiting up to %g s for %d running", self.name, self.settings.drain_timeout, busy)
+        if not await _until(lambda: not self._busy() or self.hurry.is_set(), self.settings.drain_timeout) \
+                or self._busy():
+            log.warning("%s: %d still running (drain over: timed out or cut short); closing them", self.name,
+                        self._busy())
+        await self.stop()
+
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        """Close sessions (their releases still reach the shards), then links, then the HTTP runner."""
+        if self._runner is None:
+            return
+        if self.head is not None and self.head.generations:  # cancelled again until gone: a cancel can be lost
+            await _until(lambda: not self.head or not self.head.queue.cancel_running(), 5.0)
+        if self.announcer is not None:
+            await self.announcer.stop()
+        await self.links.close()
+        await self._runner.cleanup()
+        self._runner = None
+
+    def _busy(self) -> int:
+        """Generations this head runs, or sessions this shard holds for the hops before it."""
+        if self.head is not None:
+            return self.head.generations
+        return len(self.shard_service.sessions) if self.shard_service is not None else 0
 
     async def _worker_ctx(self, app: web.Application) -> AsyncIterator[None]:
         yield
@@ -189,9 +224,12 @@ class Node:
         generator = Generator(backend, self.worker, planner=self.planner, step_timeout=self.settings.step_timeout,
                               compress_min_bytes=self.settings.compress_min_bytes,
                               on_finish=self._generation_finished, secret=self.settings.secret)
-        self.head = HeadService(backend, self.worker, generator, self.planner, self.settings.max_generations)
-        OpenAIApi(self.head).add_routes(app)
-        chat = ChatSocket(self.head, detail_allowed=self.access.detail_allowed)
+        queue = AdmissionQueue(self.settings.max_generations, self.settings.max_queue, self.settings.queue_timeout)
+        self.head = HeadService(backend, self.worker, generator, self.planner, queue)
+        self.metrics.watch_admission(lambda: queue.running, lambda: queue.waiting)
+        queue.on_wait, queue.on_refuse = self.metrics.queue_wait_seconds.observe, self._refused
+        OpenAIApi(self.head, self.settings.write_timeout).add_routes(app)
+        chat = ChatSocket(self.head, self.access.detail_allowed, self.settings.write_timeout)
         chat.add_routes(app)
         app.on_shutdown.append(lambda app: chat.shutdown())
         if not add_page_routes(app):
@@ -271,61 +309,6 @@ class Node:
             return len(self.shard_service.sessions)
         return 1
 
-    def health(self) -> dict[str, Any]:
-        backend = self.shard
-        chain, problems = self._chain_state()
-        info: dict[str, Any] = {
-            "status": "ok",
-            "role": self.role,
-            "node": self.name,
-            "model": backend.model_id,
-            "layers": list(self.span),
-            "total_layers": backend.total_layers,
-            "sessions": len(backend.sessions),
-            "cache_bytes": backend.sessions.total_bytes,
-            "weight_bytes": backend.weight_bytes,  # what this node's layers cost, and the process in all
-            **process_memory(),  # resident_bytes, peak_resident_bytes
-            "supports_kv_cache": backend.supports_kv_cache,
-            "links": [link.describe() for link in self.links.all()],
-            "chain": chain,
-            "problems": problems,
-            "ready": not problems,
-            "uptime_s": round(time.time() - self.started, 1),
-        }
-        if self.shard_service is not None:
-            info["inbound_links"] = len(self.shard_service.inbound)
-            info["channels"] = len(self.shard_service.sessions)
-            info["pending_tasks"] = len(self.shard_service.pending_tasks)
-        if self.head is not None:
-            info["generations"] = self.head.generations
-        if self.registry is not None:
-            info["nodes"] = [record.describe() for record in self.registry.nodes()]
-        if self.announcer is not None:
-            info["joined"] = self.announcer.joined
-        return info
-
-    async def _health(self, request: web.Request) -> web.Response:
-        if self.access.detail_allowed(request):
-            return json_response(self.health())
-        backend = self.shard  # the public face: whether it serves, and what
-        ready = not self._chain_state()[1]
-        return json_response({"status": "ok", "ready": ready, "role": self.role, "model": backend.model_id,
-                              "layers": list(self.span)})
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
-
-    def _generation_finished(self, stats: GenerationStats, outcome: str) -> None:
-        self.metrics.generations.labels(outcome).inc()
-        self.metrics.generated_tokens.inc(stats.completion_tokens)
-        ttft = stats.time_to_first_token
-        log.info(
-            "generation %s %s: %d prompt + %d completion tokens, ttft %s, %.1f tok/s, %d prefill(s), %d cache misses",
-            stats.sid[:12], outcome, stats.prompt_tokens, stats.completion_tokens,
-            f"{ttft * 1000:.0f} ms" if ttft is not None else "-", stats.decode_tokens_per_second or 0.0,
-            stats.prefills, stats.cache_misses,
-        )
-
 
 async def serve(settings: NodeSettings) -> None:
     node = Node(settings)
@@ -346,8 +329,20 @@ async def serve(settings: NodeSettings) -> None:
         line += f" (links: {node.advertise}/ws/shard)"
     print(line, flush=True)
     await stop.wait()
-    log.info("%s shutting down", node.name)
-    await node.stop()
+    log.info("%s shutting down (again to skip the drain)", node.name)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, node.hurry.set)
+    await node.shutdown()
+
+
+async def _until(done: Callable[[], bool], timeout: float) -> bool:
+    """Wait until `done()` (polled) or `timeout` seconds; whether it came true."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m meshws.node") -> None:

@@ -11,6 +11,10 @@ Server -> client:
   {"type": "done", "id", "finish_reason": "stop"|"length"|"stopped", "text",
    "usage": {...}, "timing": {"ttft_ms", "tokens_per_second", "total_ms"}, "route": [...]}
   {"type": "error", "id"?, "message"}       a bad message, or the mesh failed
+
+A turn waits in the head's admission queue before its prompt is tokenized. A client
+that stops reading is dropped once a send has waited `write_timeout` seconds; its
+running turn stops and its session is released.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import asyncio
 import logging
 import time
 import uuid
-from contextlib import suppress
+from contextlib import aclosing, suppress
 from typing import Any, Callable
 
 import orjson
@@ -28,8 +32,8 @@ from aiohttp import WSMsgType, web
 from ..head.generation import FinishReason, GenerationStats, PipelineError
 from ..head.service import HeadService, Unavailable
 from .errors import ApiError, public_text
-from .openai_routes import run_spec, usage
-from .requests import build_spec
+from .openai_routes import bound_write_buffers, run_spec, until_drained, usage
+from .requests import check_request, complete_spec
 
 log = logging.getLogger("meshws.chat")
 
@@ -37,8 +41,10 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
 class ChatSocket:
-    def __init__(self, head: HeadService, detail_allowed: Callable[[web.Request], bool] = lambda request: False) -> None:
+    def __init__(self, head: HeadService, detail_allowed: Callable[[web.Request], bool] = lambda request: False,
+                 write_timeout: float = 30.0) -> None:
         self.head = head
+        self.write_timeout = write_timeout  # seconds one send to a client may take
         self.detail_allowed = detail_allowed  # may this client see node names and addresses?
         self.sockets: set[web.WebSocketResponse] = set()
 
@@ -48,6 +54,8 @@ class ChatSocket:
     async def handle(self, request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(heartbeat=20.0, max_msg_size=MAX_MESSAGE_BYTES)
         await ws.prepare(request)
+        bound_write_buffers(request)
+        send = _Sender(ws, request, self.write_timeout)
         self.sockets.add(ws)
         detailed = self.detail_allowed(request)
         running: asyncio.Task | None = None
@@ -55,12 +63,12 @@ class ChatSocket:
             async for message in ws:
                 if message.type != WSMsgType.TEXT:
                     if message.type == WSMsgType.BINARY:
-                        await _send(ws, {"type": "error", "message": "send JSON text messages"})
+                        await send({"type": "error", "message": "send JSON text messages"})
                     continue
                 try:
                     data = orjson.loads(message.data)
                 except orjson.JSONDecodeError:
-                    await _send(ws, {"type": "error", "message": "the message is not valid JSON"})
+                    await send({"type": "error", "message": "the message is not valid JSON"})
                     continue
                 kind = data.get("type") if isinstance(data, dict) else None
                 if kind == "stop":
@@ -68,13 +76,15 @@ class ChatSocket:
                         running.cancel()
                     continue
                 if kind != "chat":
-                    await _send(ws, {"type": "error", "message": f"unknown message type {kind!r}; use chat or stop"})
+                    await send({"type": "error", "message": f"unknown message type {kind!r}; use chat or stop"})
                     continue
                 if running is not None and not running.done():  # a new turn replaces the running one
                     running.cancel()
                     with suppress(asyncio.CancelledError):
                         await running
-                running = asyncio.create_task(self._turn(ws, data, detailed))
+                running = asyncio.create_task(self._turn(send, data, detailed))
+        except _SlowClient:
+            pass  # dropped: the socket is closed
         finally:
             self.sockets.discard(ws)
             if running is not None and not running.done():
@@ -86,45 +96,62 @@ class ChatSocket:
     async def shutdown(self) -> None:
         """The node is stopping: close every chat socket (their turns stop and release)."""
         for ws in list(self.sockets):
-            await ws.close(code=1001, message=b"node shutting down")
+            with suppress(asyncio.TimeoutError, ConnectionError, RuntimeError):
+                await asyncio.wait_for(ws.close(code=1001, message=b"node shutting down"), self.write_timeout)
 
-    async def _turn(self, ws: web.WebSocketResponse, data: dict[str, Any], detailed: bool) -> None:
+    async def _turn(self, send: "_Sender", data: dict[str, Any], detailed: bool) -> None:
+        try:
+            await self._run_turn(send, data, detailed)
+        except _SlowClient:
+            pass  # the socket is dropped; the turn's session is released already
+
+    async def _run_turn(self, send: "_Sender", data: dict[str, Any], detailed: bool) -> None:
         turn_id = data.get("id") if isinstance(data.get("id"), (str, int)) else uuid.uuid4().hex[:12]
         body = {key: value for key, value in data.items() if key not in ("type", "id", "stream")}
         body.setdefault("model", self.head.model_id)
         body.setdefault("temperature", 0.7)
-        try:
-            spec = await build_spec(body, True, self.head)
-            route = self.head.admit()
+        try:  # admission before any work on the prompt
+            draft = check_request(body, True, self.head)
+            admission = await self.head.admit()
         except Unavailable as exc:
-            await _send(ws, {"type": "error", "id": turn_id, "message": public_text(str(exc)), "param": None})
+            await send({"type": "error", "id": turn_id, "message": public_text(str(exc)), "param": None,
+                        "code": exc.code, "retry_after": exc.retry_after})
             return
         except ApiError as exc:
-            await _send(ws, {"type": "error", "id": turn_id, "message": exc.message, "param": exc.param})
+            await send({"type": "error", "id": turn_id, "message": exc.message, "param": exc.param})
             return
+        except asyncio.CancelledError:
+            return  # stopped (or replaced, or the socket closed) while waiting in line
         stats = GenerationStats(sid=uuid.uuid4().hex)
         parts: list[str] = []
         try:
-            await _send(ws, {"type": "start", "id": turn_id, "model": self.head.model_id,
-                             "prompt_tokens": len(spec.prompt_ids)})
-            async for delta in run_spec(self.head, spec, stats, route):
-                parts.append(delta)
-                await _send(ws, {"type": "delta", "id": turn_id, "text": delta})
+            spec = await complete_spec(draft, self.head)
+            await send({"type": "start", "id": turn_id, "model": self.head.model_id,
+                        "prompt_tokens": len(spec.prompt_ids)})
+            async with aclosing(run_spec(self.head, spec, stats, admission)) as deltas:
+                async for delta in deltas:
+                    parts.append(delta)
+                    await send({"type": "delta", "id": turn_id, "text": delta})
             finish = stats.finish_reason or FinishReason.LENGTH
         except asyncio.CancelledError:
             finish = FinishReason.STOPPED
+        except ApiError as exc:
+            await send({"type": "error", "id": turn_id, "message": exc.message, "param": exc.param})
+            return
+        except _SlowClient:
+            raise
         except Exception as exc:  # a pipeline failure, or a bug: the client hears of it either way
             if not isinstance(exc, PipelineError):
                 log.exception("turn %s failed", turn_id)
                 exc = PipelineError("internal error; the node logged it")
-            await _send(ws, {"type": "error", "id": turn_id, "message": f"pipeline error: {public_text(str(exc))}",
-                             "text": "".join(parts)})
+            await send({"type": "error", "id": turn_id, "message": f"pipeline error: {public_text(str(exc))}",
+                        "text": "".join(parts)})
             return
         finally:
-            route.release()
+            admission.release()
         stats.finished_at = stats.finished_at or time.perf_counter()
         ttft = stats.time_to_first_token
-        await _send(ws, {
+        await send({
             "type": "done",
             "id": turn_id,
             "finish_reason": finish.value,
@@ -144,7 +171,31 @@ def public_route(route: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"node": str(hop.get("node", "")).split("@")[0], "layers": hop.get("layers")} for hop in route]
 
 
-async def _send(ws: web.WebSocketResponse, message: dict[str, Any]) -> None:
-    if not ws.closed:
-        with suppress(ConnectionError, RuntimeError):
-            await ws.send_str(orjson.dumps(message).decode())
+class _SlowClient(Exception):
+    """A send did not finish within the write timeout: the client stopped reading and is dropped."""
+
+
+class _Sender:
+    """Sends a socket's messages; one that waits longer than `timeout` drops the connection."""
+
+    def __init__(self, ws: web.WebSocketResponse, request: web.Request, timeout: float) -> None:
+        self.ws = ws
+        self.request = request
+        self.timeout = timeout
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        if self.ws.closed:
+            return
+        try:
+            with suppress(ConnectionError, RuntimeError):
+                async with asyncio.timeout(self.timeout):  # not wait_for, which may lose a cancellation
+                    await self._send(orjson.dumps(message).decode())
+        except TimeoutError:
+            log.warning("a /ws/chat client read nothing for %g s; dropped it", self.timeout)
+            if self.request.transport is not None:
+                self.request.transport.abort()
+            raise _SlowClient() from None
+
+    async def _send(self, text: str) -> None:
+        await self.ws.send_str(text)
+        await until_drained(self.request)

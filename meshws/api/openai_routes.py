@@ -1,29 +1,65 @@
 """The OpenAI-compatible HTTP API of a head (or full) node.
 
 POST /v1/chat/completions, POST /v1/completions, GET /v1/models; streaming is
-SSE. This file only translates: `requests.build_spec` validates a request into a
-`CompletionSpec`, the head admits it and streams its text, and the answer and every
-error are shaped the way the official `openai` client expects.
+SSE. This file only translates: `requests.check_request` validates a request, the
+head admits it (it may wait in the admission queue), `requests.complete_spec` then
+templates and tokenizes it into a `CompletionSpec`, the head streams its text, and the
+answer and every error are shaped the way the official `openai` client expects. A write
+to a client that has stopped reading gives up after `write_timeout` seconds: the
+connection is dropped and the generation's session released.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 import uuid
+from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 import orjson
 from aiohttp import web
 
 from ..head.generation import GenerationRequest, GenerationStats, PipelineError
-from ..head.routes import Route
-from ..head.service import HeadService, Unavailable
+from ..head.service import Admission, HeadService, Unavailable
 from .errors import ApiError, json_response, public_text, read_json
-from .requests import CompletionSpec, build_spec
+from .requests import CompletionSpec, check_request, complete_spec
 
 log = logging.getLogger("meshws.api")
+
+STREAM_BUFFER_BYTES = 8 * 1024  # what a streamed answer may queue for a client before a write waits (~40 tokens)
+
+
+def bound_write_buffers(request: web.Request) -> None:
+    """Keep a streaming connection's buffers small, so a client that stops reading makes writes wait.
+
+    Unbounded, the kernel's send buffer grows to megabytes on loopback and a stalled
+    client goes unnoticed for thousands of tokens; a token stream needs only a few KiB.
+    """
+    transport = request.transport
+    if transport is None:
+        return
+    try:
+        transport.set_write_buffer_limits(high=STREAM_BUFFER_BYTES)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_BUFFER_BYTES)
+    except (AttributeError, NotImplementedError, OSError):
+        pass  # a transport without these knobs: the write timeout still applies, later
+
+
+async def until_drained(request: web.Request) -> None:
+    """Wait while more than STREAM_BUFFER_BYTES wait to be sent to this client.
+
+    aiohttp's writers wait for the socket only every 64 KiB written: hundreds of tokens
+    to a client that reads nothing would otherwise go unnoticed.
+    """
+    transport = request.transport
+    while transport is not None and not transport.is_closing() \
+            and transport.get_write_buffer_size() > STREAM_BUFFER_BYTES:
+        await asyncio.sleep(0.02)
 
 
 def unavailable(exc: Unavailable) -> ApiError:
@@ -40,17 +76,22 @@ def usage(stats: GenerationStats) -> dict[str, int]:
     }
 
 
-def run_spec(head: HeadService, spec: CompletionSpec, stats: GenerationStats, route: Route,
+def run_spec(head: HeadService, spec: CompletionSpec, stats: GenerationStats, admission: Admission,
              token_ids: list[int] | None = None) -> AsyncIterator[str]:
-    """The text of a validated, admitted request as it is decided."""
+    """The text of a validated, admitted request as it is decided (close it with `aclosing`)."""
     request = GenerationRequest(prompt=spec.prompt, max_tokens=spec.max_tokens, sampling=spec.sampling,
                                 prompt_ids=spec.prompt_ids, ignore_eos=spec.ignore_eos)
-    return head.stream(request, spec.stop, stats, route, token_ids)
+    return head.stream(request, spec.stop, stats, admission, token_ids)
+
+
+class SlowClient(ConnectionError):
+    """A write to a client did not finish within the write timeout: it stopped reading."""
 
 
 class OpenAIApi:
-    def __init__(self, head: HeadService) -> None:
+    def __init__(self, head: HeadService, write_timeout: float = 30.0) -> None:
         self.head = head
+        self.write_timeout = write_timeout  # seconds one write to a client may take
         self.created = int(time.time())
 
     def add_routes(self, app: web.Application) -> None:
@@ -69,9 +110,9 @@ class OpenAIApi:
         return await self._serve(request, chat=False)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        try:
-            spec = await build_spec(await read_json(request), chat, self.head)
-            route = self.head.admit()
+        try:  # admission before any work on the prompt; a client that hangs up meanwhile cancels it
+            draft = check_request(await read_json(request), chat, self.head)
+            admission = await self.head.admit()
         except ApiError as exc:
             return exc.response()
         except Unavailable as exc:
@@ -79,20 +120,24 @@ class OpenAIApi:
         kind = "chat.completion" if chat else "text_completion"
         answer_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         try:
+            spec = await complete_spec(draft, self.head)
             if spec.stream:
-                return await self._stream(request, spec, route, chat, kind, answer_id)
-            return await self._complete(spec, route, chat, kind, answer_id)
+                return await self._stream(request, spec, admission, chat, kind, answer_id)
+            return await self._complete(spec, admission, chat, kind, answer_id)
+        except ApiError as exc:
+            return exc.response()
         finally:
-            route.release()  # the generation released it already, unless it never started
+            admission.release()  # the generation released it already, unless it never started
 
-    async def _complete(self, spec: CompletionSpec, route: Route, chat: bool, kind: str,
+    async def _complete(self, spec: CompletionSpec, admission: Admission, chat: bool, kind: str,
                         answer_id: str) -> web.Response:
         stats = GenerationStats(sid=uuid.uuid4().hex)
         token_ids: list[int] = []
         parts: list[str] = []
         try:
-            async for delta in run_spec(self.head, spec, stats, route, token_ids):
-                parts.append(delta)
+            async with aclosing(run_spec(self.head, spec, stats, admission, token_ids)) as deltas:
+                async for delta in deltas:
+                    parts.append(delta)
         except PipelineError as exc:
             if parts or stats.completion_tokens:
                 log.warning("generation %s failed after %d tokens: %s", stats.sid[:12], stats.completion_tokens, exc)
@@ -119,12 +164,13 @@ class OpenAIApi:
             answer["prompt_token_ids"] = spec.prompt_ids
         return json_response(answer)
 
-    async def _stream(self, request: web.Request, spec: CompletionSpec, route: Route, chat: bool, kind: str,
-                      answer_id: str) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, spec: CompletionSpec, admission: Admission, chat: bool,
+                      kind: str, answer_id: str) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         await response.prepare(request)
+        bound_write_buffers(request)
         created = int(time.time())
         chunk_kind = kind + ".chunk" if chat else kind
 
@@ -147,19 +193,37 @@ class OpenAIApi:
                 return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
 
+        async def send(data: bytes) -> None:
+            await response.write(data)
+            await until_drained(request)
+
+        async def write(data: bytes) -> None:
+            try:  # asyncio.timeout, not wait_for: wait_for (3.11) loses a cancellation that meets a finished write
+                async with asyncio.timeout(self.write_timeout):
+                    await send(data)
+            except TimeoutError:
+                log.warning("generation %s: the client read nothing for %g s; dropped it and released its "
+                            "session", stats.sid[:12], self.write_timeout)
+                if request.transport is not None:
+                    request.transport.abort()  # nothing more will reach this client
+                raise SlowClient(f"the client read nothing for {self.write_timeout:g} s") from None
+
         stats = GenerationStats(sid=uuid.uuid4().hex)
         try:
             if chat:
-                await response.write(chunk(delta_choice("", role=True)))
-            async for delta in run_spec(self.head, spec, stats, route):
-                await response.write(chunk(delta_choice(delta)))
-            await response.write(chunk(delta_choice(None, _finish(stats))))
+                await write(chunk(delta_choice("", role=True)))
+            async with aclosing(run_spec(self.head, spec, stats, admission)) as deltas:
+                async for delta in deltas:
+                    await write(chunk(delta_choice(delta)))
+            await write(chunk(delta_choice(None, _finish(stats))))
             if spec.include_usage:
-                await response.write(chunk(None, {"usage": usage(stats)}))
+                await write(chunk(None, {"usage": usage(stats)}))
         except PipelineError as exc:
             error = {"error": {"message": f"pipeline error: {public_text(str(exc))}", "type": "upstream_error", "param": None,
                                "code": "pipeline_error"}}
-            await response.write(b"data: " + orjson.dumps(error) + b"\n\n")
+            await write(b"data: " + orjson.dumps(error) + b"\n\n")
+        except SlowClient:
+            raise
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("client went away mid-stream; generation %s stopped", stats.sid[:12])
             raise
@@ -167,8 +231,8 @@ class OpenAIApi:
             log.exception("generation %s failed", stats.sid[:12])
             error = {"error": {"message": "internal error; the node logged it", "type": "server_error",
                                "param": None, "code": "internal_error"}}
-            await response.write(b"data: " + orjson.dumps(error) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
+            await write(b"data: " + orjson.dumps(error) + b"\n\n")
+        await write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 

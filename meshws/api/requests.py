@@ -144,8 +144,21 @@ def check_common(body: dict[str, Any]) -> None:
                        param="stream_options", code="invalid_type")
 
 
-async def build_spec(body: dict[str, Any], chat: bool, head: HeadService) -> CompletionSpec:
-    """Validate a request body (OpenAI fields) into a spec; ApiError names what is wrong."""
+@dataclass
+class RequestDraft:
+    """A request whose fields are checked, before any work is spent on its prompt."""
+
+    body: dict[str, Any]
+    chat: bool
+    sampling: SamplingParams
+    stop: list[str]
+    messages: list[dict[str, str]] | None = None  # chat
+    prompt: str = ""  # completions: the text ...
+    prompt_ids: list[int] | None = None  # ... or the token ids
+
+
+def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> RequestDraft:
+    """Every check that needs no template and no tokenizer: cheap, so it runs before admission."""
     check_common(body)
     model = body.get("model")
     if model is None:
@@ -155,23 +168,36 @@ async def build_spec(body: dict[str, Any], chat: bool, head: HeadService) -> Com
     if model != head.model_id:
         raise ApiError(404, f"the model '{model}' does not exist; this mesh serves '{head.model_id}'",
                        param="model", code="model_not_found")
-    sampling = parse_sampling(body)
-    stop = parse_stop(body)
-    builder = head.prompts
-    prompt_ids: list[int] | None = None
+    draft = RequestDraft(body, chat, parse_sampling(body), parse_stop(body))
     if chat:
-        messages = parse_messages(body)
-        _check_size(sum(len(m["content"]) for m in messages), len(messages), head.context_length)
+        draft.messages = parse_messages(body)
+        _check_size(sum(len(m["content"]) for m in draft.messages), len(draft.messages), head.context_length)
+    else:
+        draft.prompt, draft.prompt_ids = _completion_prompt(body)
+        _check_size(len(draft.prompt) + len(draft.prompt_ids or ()), 1, head.context_length)
+    for name in ("max_completion_tokens", "max_tokens"):
+        _integer(body, name, 1, None)
+    return draft
+
+
+async def build_spec(body: dict[str, Any], chat: bool, head: HeadService) -> CompletionSpec:
+    """Validate a request body (OpenAI fields) into a spec; ApiError names what is wrong."""
+    return await complete_spec(check_request(body, chat, head), head)
+
+
+async def complete_spec(draft: RequestDraft, head: HeadService) -> CompletionSpec:
+    """The prompt of an admitted request templated and tokenized, and the checks that need its length."""
+    body, chat, stop = draft.body, draft.chat, list(draft.stop)
+    builder = head.prompts
+    prompt, prompt_ids = draft.prompt, draft.prompt_ids
+    if draft.messages is not None:
         try:
-            prompt = await asyncio.to_thread(builder.chat_prompt, messages)
+            prompt = await asyncio.to_thread(builder.chat_prompt, draft.messages)
         except Exception as exc:  # a model's Jinja template may raise on messages it does not expect
             raise ApiError(400, f"the model's chat template cannot render these messages: {str(exc)[:200]}",
                            param="messages", code="invalid_value") from None
         if not builder.has_template:
             stop += builder.DEFAULT_STOP
-    else:
-        prompt, prompt_ids = _completion_prompt(body)
-        _check_size(len(prompt) + len(prompt_ids or ()), 1, head.context_length)
     if prompt_ids is None:
         prompt_ids = await head.tokenize(prompt)
     context = head.context_length
@@ -201,7 +227,7 @@ async def build_spec(body: dict[str, Any], chat: bool, head: HeadService) -> Com
         prompt=prompt,
         prompt_ids=list(prompt_ids),
         max_tokens=max_tokens,
-        sampling=sampling,
+        sampling=draft.sampling,
         stop=stop,
         stream=bool(body.get("stream")),
         include_usage=bool(options.get("include_usage")),

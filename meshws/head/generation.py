@@ -22,21 +22,19 @@ from enum import Enum
 from typing import Any, AsyncIterator, Callable
 
 from ..mesh.aio import run_uncancelled
-from ..mesh.auth import sign_route
 from ..mesh.compute import ComputeWorker
-from ..mesh.link import Link, LinkDown
-from ..mesh.wire import CacheMiss, Close, Error, Open, RouteHop, SessionReply, Token, encode_forward
-from ..model.backend import DecodeStep, ShardBackend, TailTokenResult, TensorPayload
+from ..model.backend import DecodeStep, ShardBackend, TailTokenResult
 from ..model.cache_store import KVCacheMiss
 from ..model.sampling import SamplingParams
+from .admission import Slot
+from .channel import PipelineError, RoutedPath
 from .planner import RoutePlanner
-from .routes import NoRoute, Route
+from .routes import Route
 
 log = logging.getLogger("meshws.generation")
 
 MAX_CONSECUTIVE_CACHE_MISSES = 8
 MAX_FAILOVERS = 3  # re-routes per generation before its error is reported
-LINK_WAIT = 5.0  # seconds to wait for a link that is still being dialed
 
 
 class FinishReason(str, Enum):
@@ -45,15 +43,6 @@ class FinishReason(str, Enum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens
     STOPPED = "stopped"  # the client stopped it (/ws/chat)
-
-
-class PipelineError(Exception):
-    """The mesh could not produce the next token; the message names the cause."""
-
-    def __init__(self, message: str, lost: bool = False, url: str | None = None) -> None:
-        super().__init__(message)
-        self.lost = lost  # a hop went away or hung: another route might work
-        self.url = url  # the hop that went away, when known
 
 
 @dataclass
@@ -97,63 +86,6 @@ class GenerationStats:
         return (self.completion_tokens - 1) / span if span > 0 else None
 
 
-class HopChannel:
-    """The head's end of one session channel on the link to its first hop."""
-
-    def __init__(self, link: Link, sid: str, step_timeout: float, compress_min_bytes: int,
-                 secret: str | None = None) -> None:
-        self.link = link
-        self.secret = secret  # signs the route, so the hops dial only what this head chose
-        self.sid = sid
-        self.step_timeout = step_timeout
-        self.compress_min_bytes = compress_min_bytes
-        self._replies: asyncio.Queue[SessionReply] = asyncio.Queue()
-        link.subscribe(sid, self._replies.put_nowait)
-
-    async def open(self, sampling: SamplingParams, prompt_tokens: int, route: tuple[RouteHop, ...]) -> None:
-        mac = sign_route(self.secret, self.sid, [hop.to_wire() for hop in route]) if self.secret and route else None
-        message = Open(self.sid, sampling, prompt_tokens, route, mac)
-        if not self.link.is_up:
-            await self.link.wait_up(LINK_WAIT)
-        try:
-            await self.link.send_control(message)
-        except LinkDown as exc:
-            raise PipelineError(str(exc), lost=True, url=self.link.url) from exc
-
-    async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None) -> TailTokenResult:
-        data = encode_forward(
-            self.sid, step, mode, payload.past_len, payload.shape, payload.dtype, payload.body,
-            ids=ids, compress_min_bytes=self.compress_min_bytes,
-        )
-        try:
-            await self.link.send_forward(data)
-        except LinkDown as exc:
-            raise PipelineError(str(exc), lost=True, url=self.link.url) from exc
-        deadline = time.monotonic() + self.step_timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                reply = await asyncio.wait_for(self._replies.get(), max(remaining, 0.001))
-            except asyncio.TimeoutError:
-                raise PipelineError(f"no answer from the route behind {self.link.url} within "
-                                    f"{self.step_timeout:.0f} s", lost=True) from None
-            if reply.step not in (None, step):
-                continue  # a late answer to an earlier step
-            if isinstance(reply, Token):
-                return TailTokenResult(text=reply.text or "", token_id=reply.token_id)
-            if isinstance(reply, CacheMiss):
-                raise KVCacheMiss(reply.reason)
-            if isinstance(reply, Error):
-                raise PipelineError(reply.message, lost=reply.lost, url=reply.url)
-
-    async def close(self) -> None:
-        self.link.unsubscribe(self.sid)
-        try:
-            await self.link.send_control(Close(self.sid))
-        except LinkDown:
-            pass  # the next hop releases the session when the link drops
-
-
 class Generator:
     """Runs generations on a head (or full) node."""
 
@@ -179,22 +111,24 @@ class Generator:
         self.active: dict[str, GenerationStats] = {}
 
     async def generate(self, request: GenerationRequest, stats: GenerationStats | None = None,
-                       route: Route | None = None) -> AsyncIterator[TokenEvent]:
+                       route: Route | None = None, slot: Slot | None = None) -> AsyncIterator[TokenEvent]:
         """Yield tokens as they come. Close the iterator (aclosing) to stop early.
 
         `route` is the route admission planned; without one, the generation plans its own.
+        `slot`, the admission's, is released only after the session's release has run.
         """
         stats = stats or GenerationStats(sid=uuid.uuid4().hex)
         sid = stats.sid
         self.active[sid] = stats
-        path = _Path(self, sid, route)
+        path = RoutedPath(self.planner, sid, route, self.step_timeout, self.compress_min_bytes, self.secret)
         outcome = "error"
         try:
             prompt_ids = request.prompt_ids
             if prompt_ids is None:
                 prompt_ids = await self.worker.call(self.backend.tokenize, request.prompt)
             stats.prompt_tokens = len(prompt_ids)
-            await path.open(request.sampling, len(prompt_ids), stats)
+            await path.open(request.sampling, len(prompt_ids))
+            stats.route = path.view
             async for event in self._loop(request, stats, prompt_ids, path):
                 yield event
             outcome = stats.finish_reason.value if stats.finish_reason else "stopped"
@@ -210,10 +144,12 @@ class Generator:
             try:
                 await run_uncancelled(self._release(path, sid))
             finally:
+                if slot is not None:
+                    slot.release()
                 if self.on_finish is not None:
                     self.on_finish(stats, outcome)
 
-    async def _release(self, path: "_Path", sid: str) -> None:
+    async def _release(self, path: RoutedPath, sid: str) -> None:
         """Close the channel (every shard drops the session) and drop the head's own cache."""
         await path.close()
         await self.worker.call(self.backend.release_session, sid)
@@ -223,7 +159,7 @@ class Generator:
         request: GenerationRequest,
         stats: GenerationStats,
         prompt_ids: list[int],
-        path: "_Path",
+        path: RoutedPath,
     ) -> AsyncIterator[TokenEvent]:
         sid, sampling = stats.sid, request.sampling
         sequence = _Sequence(request.prompt, prompt_ids)
@@ -246,7 +182,8 @@ class Generator:
                     raise
                 stats.failovers += 1
                 log.warning("session %s: %s; re-routing (failover %d)", sid[:12], exc, stats.failovers)
-                await path.reroute(exc, sampling, len(prompt_ids), stats)
+                await path.reroute(exc, sampling, len(prompt_ids))
+                stats.route = path.view
                 need_prefill = True
                 continue
             except ValueError as exc:  # a step refused by a backend (bad length, dtype...)
@@ -273,7 +210,7 @@ class Generator:
         stats.finish_reason = FinishReason.LENGTH
 
     async def _lap(self, sid: str, step: int, prefill: bool, sequence: "_Sequence", sampling: SamplingParams,
-                   path: "_Path") -> TailTokenResult:
+                   path: RoutedPath) -> TailTokenResult:
         """One step through the head's layers and the route: a (re-)prefill, or one token's decode."""
         prompt_length = len(sequence.prompt_ids)
         if prefill:
@@ -309,51 +246,3 @@ class _Sequence:
     def prefill_input(self) -> str | list[int]:
         """What a (re-)prefill runs: the token ids so far, or prompt + text with a legacy tail."""
         return self.prompt + "".join(self.legacy_text) if self.legacy_text else self.ids()
-
-
-class _Path:
-    """A generation's current route and its channel, replaced when a hop fails."""
-
-    def __init__(self, generator: Generator, sid: str, route: Route | None) -> None:
-        self.generator = generator
-        self.sid = sid
-        self.planned = route  # planned at admission: the first open takes it
-        self.route: Route | None = None
-        self.channel: HopChannel | None = None
-        self.avoid: set[str] = set()
-
-    async def open(self, sampling: SamplingParams, prompt_tokens: int, stats: GenerationStats) -> None:
-        planner = self.generator.planner
-        route, self.planned = self.planned, None  # admitted and held already
-        try:
-            self.route = route or planner.hold(planner.plan(self.avoid))
-        except NoRoute as exc:
-            raise PipelineError(str(exc)) from exc
-        stats.route = self.route.view
-        if self.route.link is not None:
-            self.channel = HopChannel(self.route.link, self.sid, self.generator.step_timeout,
-                                      self.generator.compress_min_bytes, self.generator.secret)
-            await self.channel.open(sampling, prompt_tokens, self.route.hops)
-
-    async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None) -> TailTokenResult:
-        if self.channel is None:
-            raise PipelineError("the head has no next hop for its hidden states")
-        return await self.channel.step(step, mode, payload, ids)
-
-    async def reroute(self, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int,
-                      stats: GenerationStats) -> None:
-        """Close the session on the failed route and open it again on one without the failed hop."""
-        self.avoid |= {failure.url} if failure.url else set(self.route.urls if self.route else ())
-        await self.close()
-        try:
-            await self.open(sampling, prompt_tokens, stats)
-        except PipelineError as exc:
-            raise PipelineError(f"{failure}; and no other route: {exc}") from exc
-
-    async def close(self) -> None:
-        if self.channel is not None:
-            await self.channel.close()
-            self.channel = None
-        if self.route is not None:
-            self.route.release()
-        self.route = None

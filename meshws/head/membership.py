@@ -42,6 +42,7 @@ class RegistryEndpoints:
         self.precheck = precheck  # what can be refused before the body is read
         self.log_limit = LogLimiter(log)
         self.insecure = insecure  # no secret, beyond loopback: every join is said out loud
+        registry.on_expire = self._expired  # whoever notices a silent node first, it leaves the same way
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/mesh/join", self.join)
@@ -133,9 +134,11 @@ class RegistryEndpoints:
     async def _expire_forever(self) -> None:
         while True:
             await asyncio.sleep(0.5)
-            for record in self.registry.expire():
-                log.warning("node %s (%s) stopped answering; removed from the registry", record.node, record.url)
-                self.on_leave(record.url)
+            self.registry.expire()
+
+    def _expired(self, record: NodeRecord) -> None:
+        log.warning("node %s (%s) stopped answering; removed from the registry", record.node, record.url)
+        self.on_leave(record.url)
 
 
 def _record(data: Any) -> NodeRecord:

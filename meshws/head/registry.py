@@ -2,7 +2,9 @@
 
 Nodes started with `--join` announce themselves to the head (endpoint, model,
 layers, free cache capacity, load) and repeat it as a heartbeat; a node not
-heard from for `ttl` seconds is dropped. `--layers auto`: a joining node takes the
+heard from for `ttl` seconds is dropped, whoever notices first (the expiry loop, or a
+read such as `nodes()`), and every drop is told to `on_expire` (the head closes its link
+and logs it), so a dead node is never re-dialed nor shown. `--layers auto`: a joining node takes the
 first span no node serves (the whole gap); when every layer is served, it
 replicates the least-served span that some node already serves (fewest replicas,
 then the lowest layers). Spans handed out are reserved for a while so nodes
@@ -21,10 +23,12 @@ MAX_RESERVED_PER_SPAN = 8  # --layers auto grants remembered per span (more aske
 
 class Registry:
     def __init__(self, model: str, total_layers: int, ttl: float = 6.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_expire: Callable[[NodeRecord], None] = lambda record: None) -> None:
         self.model = model
         self.total_layers = total_layers
         self.ttl = ttl
+        self.on_expire = on_expire  # told of every record dropped for silence, once
         self._clock = clock
         self._nodes: dict[str, NodeRecord] = {}
         self._reserved: dict[tuple[int, int], list[float]] = {}  # span -> expiry times of --layers auto grants
@@ -45,16 +49,18 @@ class Registry:
         return self._nodes.pop(url, None) is not None
 
     def nodes(self) -> list[NodeRecord]:
-        """The nodes heard from within the TTL (`expire` removes the others and says which)."""
-        now = self._clock()
-        live = [r for r in self._nodes.values() if r.static or now - r.last_seen <= self.ttl]
-        return sorted(live, key=lambda r: (r.layers, r.url))
+        """The nodes heard from within the TTL; the others expire now (and `on_expire` hears of each)."""
+        self.expire()
+        return sorted(self._nodes.values(), key=lambda r: (r.layers, r.url))
 
     def expire(self) -> list[NodeRecord]:
+        """Drop the nodes not heard from within the TTL, telling `on_expire` of each; which they were."""
         now = self._clock()
         gone = [r for r in self._nodes.values() if not r.static and now - r.last_seen > self.ttl]
         for record in gone:
             del self._nodes[record.url]
+        for record in gone:
+            self.on_expire(record)
         for span in list(self._reserved):
             self._reserved[span] = [t for t in self._reserved[span] if t > now]
             if not self._reserved[span]:

@@ -1,16 +1,19 @@
 """`HeadService`: what the public surfaces may ask of a head, and nothing more.
 
 The API and `/ws/chat` learn the model's facts here, tokenize and detokenize
-through it, ask it to admit a request (a route must exist and the head must have
-room) and run generations as streams of text. They never see the node.
+through it, ask it to admit a request (a route must exist, and a generation slot be
+free or become free while the request waits in the admission queue) and run
+generations as streams of text. They never see the node.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 from ..mesh.compute import ComputeWorker
 from ..model.backend import ShardBackend
+from .admission import AdmissionQueue, Refused, Slot
 from .generation import GenerationRequest, GenerationStats, Generator
 from .planner import RoutePlanner
 from .prompts import PromptBuilder
@@ -27,14 +30,27 @@ class Unavailable(Exception):
         self.retry_after = retry_after
 
 
+@dataclass
+class Admission:
+    """What an admitted request holds: a generation slot and a route. `release()` is idempotent."""
+
+    slot: Slot
+    route: Route
+
+    def release(self) -> None:
+        self.route.release()
+        self.slot.release()
+
+
 class HeadService:
     def __init__(self, backend: ShardBackend, worker: ComputeWorker, generator: Generator, planner: RoutePlanner,
-                 max_generations: int) -> None:
+                 queue: AdmissionQueue) -> None:
         self._backend = backend
         self._worker = worker
         self._generator = generator
         self._planner = planner
-        self.max_generations = max_generations
+        self.queue = queue
+        self.max_generations = queue.slots
         self.model_id = backend.model_id
         self.context_length = backend.context_length
         self.vocab_size = backend.vocab_size
@@ -42,8 +58,13 @@ class HeadService:
 
     @property
     def generations(self) -> int:
-        """Generations running now."""
-        return len(self._generator.active)
+        """Generations running now, or still releasing their sessions (each holds a slot)."""
+        return self.queue.running
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return self.queue.waiting
 
     async def tokenize(self, text: str) -> list[int]:
         return await self._worker.call(self._backend.tokenize, text)
@@ -51,22 +72,29 @@ class HeadService:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._backend.decode(token_ids)
 
-    def admit(self) -> Route:
-        """The route for a new generation, held from now on, or Unavailable when there is no room or no route.
+    async def admit(self) -> Admission:
+        """A slot and a held route for a new request, after waiting in line if need be.
 
-        The caller must `release()` the route when the request ends (the generation
-        releases it too; a second release does nothing).
+        Unavailable when there is no route, the queue is full, the wait timed out or the
+        head is draining. A cancelled caller leaves the queue at once. The caller must
+        `release()` the admission when the request ends (the generation releases it too,
+        after its session's release has run).
         """
-        active = self.generations
-        if active >= self.max_generations:
-            raise Unavailable(f"the head is running {active} generations, its limit; retry shortly",
-                              "over_capacity", retry_after=1)
         try:
-            return self._planner.hold(self._planner.plan())
+            self._planner.plan()  # no route: refused now rather than after a wait
+            slot = await self.queue.enter()
         except NoRoute as exc:
             raise Unavailable(str(exc), "no_route", retry_after=2) from exc
+        except Refused as exc:
+            raise Unavailable(str(exc), exc.code, exc.retry_after) from exc
+        try:
+            return Admission(slot, self._planner.hold(self._planner.plan()))
+        except NoRoute as exc:
+            slot.release()
+            raise Unavailable(str(exc), "no_route", retry_after=2) from exc
 
-    def stream(self, request: GenerationRequest, stop: Sequence[str], stats: GenerationStats, route: Route,
+    def stream(self, request: GenerationRequest, stop: Sequence[str], stats: GenerationStats, admission: Admission,
                token_ids: list[int] | None = None) -> AsyncIterator[str]:
-        """The answer's text as it is decided; stats fill in as it runs."""
-        return stream_completion(self._generator, request, self.decode, stop, stats, token_ids, route)
+        """The answer's text as it is decided; stats fill in as it runs. Close it (aclosing) to stop early."""
+        return stream_completion(self._generator, request, self.decode, stop, stats, token_ids, admission.route,
+                                 admission.slot)

@@ -12,6 +12,7 @@ from contextlib import aclosing
 from typing import AsyncIterator, Callable, Sequence
 
 from .generation import FinishReason, GenerationRequest, GenerationStats, Generator
+from .admission import Slot
 from .routes import Route
 
 REPLACEMENT = "\ufffd"
@@ -91,10 +92,11 @@ async def stream_completion(
     stats: GenerationStats,
     token_ids: list[int] | None = None,
     route: Route | None = None,
+    slot: Slot | None = None,
 ) -> AsyncIterator[str]:
     """Text deltas of one generation; a stop string ends it with finish_reason "stop"."""
     text = TextStream(decode, stop)
-    async with aclosing(generator.generate(request, stats, route)) as events:
+    async with aclosing(generator.generate(request, stats, route, slot)) as events:
         async for event in events:
             if event.token_id is not None:
                 if token_ids is not None:

@@ -2,15 +2,17 @@
 
 A middle or tail started with `--join http://HEAD:PORT` POSTs its record to
 `/mesh/join` every `HEARTBEAT` seconds (the first POST joins, later ones are the
-heartbeat) and `/mesh/leave` when it stops. `--layers auto` asks
-`GET /mesh/assign` which span to load before loading anything. The head's side
+heartbeat) and `/mesh/leave` when it stops. `--join` may name several heads,
+comma-separated: the node announces itself to each (so heads behind one load balancer
+share a pool of shards), and one head that is down does not hold up the others.
+`--layers auto` asks the first head, `GET /mesh/assign`, which span to load before
+loading anything. The head's side
 is `meshws.head.membership`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any, Callable
 
@@ -37,54 +39,70 @@ async def post_signed(client: aiohttp.ClientSession, head: str, path: str, data:
         return answer
 
 
-class Announcer:
-    """A joined node's side: announce, repeat as a heartbeat, leave on stop."""
+def head_urls(join: str) -> list[str]:
+    """The heads named by --join (comma-separated)."""
+    return [part.strip().rstrip("/") for part in join.split(",") if part.strip()]
 
-    def __init__(self, head: str, record: Callable[[], dict[str, Any]], secret: str | None = None,
+
+class Announcer:
+    """A joined node's side: announce to every head, repeat as a heartbeat, leave them all on stop."""
+
+    def __init__(self, heads: str, record: Callable[[], dict[str, Any]], secret: str | None = None,
                  ssl: Any = True) -> None:
-        self.head = head.rstrip("/")
+        self.heads = head_urls(heads)
         self.record = record
         self.secret = secret
         self.ssl = ssl  # verifies an https:// head (the system's CAs, or --tls-ca)
-        self.joined = False
-        self._task: asyncio.Task | None = None
+        self.joined_heads: set[str] = set()
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def joined(self) -> bool:
+        """Whether every head has taken this node's latest heartbeat."""
+        return bool(self.heads) and self.joined_heads == set(self.heads)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._announce_forever())
+        self._tasks = [asyncio.create_task(self._announce_forever(head)) for head in self.heads]
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        tasks, self._tasks = self._tasks, []
+        if not tasks:
+            return  # never started, or stopped already
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as client:
+            await asyncio.gather(*(self._leave(client, head) for head in self.heads))
+        self.joined_heads.clear()
+
+    async def _leave(self, client: aiohttp.ClientSession, head: str) -> None:
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as client:
-                await post_signed(client, self.head, "/mesh/leave", {"url": self.record()["url"]}, self.secret,
-                                  self.ssl)
+            await post_signed(client, head, "/mesh/leave", {"url": self.record()["url"]}, self.secret, self.ssl)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError, ValueError):
             pass  # the head drops us when the heartbeats stop
 
-    async def _announce_forever(self) -> None:
+    async def _announce_forever(self, head: str) -> None:
         failures = 0
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as client:
             while True:
                 try:
-                    await post_signed(client, self.head, "/mesh/join", self.record(), self.secret, self.ssl)
-                    if not self.joined:
-                        log.info("joined the mesh at %s", self.head)
-                    self.joined, failures = True, 0
+                    await post_signed(client, head, "/mesh/join", self.record(), self.secret, self.ssl)
+                    if head not in self.joined_heads:
+                        log.info("joined the mesh at %s", head)
+                    self.joined_heads.add(head)
+                    failures = 0
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError, ValueError) as exc:
                     failures += 1
                     if failures == 1 or failures % 15 == 0:
-                        log.warning("cannot announce to %s (%s); retrying", self.head, exc)
-                    self.joined = False
+                        log.warning("cannot announce to %s (%s); retrying", head, exc)
+                    self.joined_heads.discard(head)
                 await asyncio.sleep(HEARTBEAT)
 
 
 async def ask_assignment(head: str, secret: str | None, ssl: Any = True) -> tuple[int, int, int]:
-    """`--layers auto`: the span the head wants this node to serve (retries until the head answers)."""
+    """`--layers auto`: the span the (first) head wants this node to serve (retries until it answers)."""
     delay = 0.5
-    head = head.rstrip("/")
+    head = head_urls(head)[0]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
         while True:
             try:

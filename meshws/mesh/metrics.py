@@ -14,6 +14,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..model.memory import process_memory
 
+QUEUE_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
 
 
@@ -51,6 +52,18 @@ class NodeMetrics:
             "meshws_generations", "Generations finished on the head, by outcome", ["outcome"], registry=self.registry
         )
         self.generated_tokens = Counter("meshws_generated_tokens", "Tokens generated on the head", registry=self.registry)
+
+    def watch_admission(self, running: Callable[[], int], queued: Callable[[], int]) -> None:
+        """A head's admission: generations holding a slot, requests queued, their waits and refusals."""
+        running_gauge = Gauge("meshws_generations_running", "Generations holding a slot on the head (releases "
+                              "included)", registry=self.registry)
+        running_gauge.set_function(lambda: float(running()))
+        queued_gauge = Gauge("meshws_queue_depth", "Requests waiting for a generation slot", registry=self.registry)
+        queued_gauge.set_function(lambda: float(queued()))
+        self.queue_wait_seconds = Histogram("meshws_queue_wait_seconds", "Time an admitted request waited for "
+                                            "its slot", buckets=QUEUE_BUCKETS, registry=self.registry)
+        self.admission_refused = Counter("meshws_admission_refused", "Requests refused by admission, by reason",
+                                         ["reason"], registry=self.registry)
 
     def frame(self, direction: str, kind: str, size: int) -> None:
         self.frames.labels(direction, kind).inc()

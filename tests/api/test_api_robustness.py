@@ -69,13 +69,13 @@ async def test_fuzzed_api_requests_get_answers_never_server_errors():
         assert mesh.head.health()["status"] == "ok"
 
 
-async def test_admission_limit_answers_503_with_retry_after():
+async def test_with_no_queue_the_admission_limit_answers_503_with_retry_after():
     class _SlowTail(LoopTailBackend):
         def answer(self, past_len):
             time.sleep(0.05)
             return super().answer(past_len)
 
-    async with fake_mesh(CachedHeadBackend(), _SlowTail(), max_generations=1) as mesh:
+    async with fake_mesh(CachedHeadBackend(), _SlowTail(), max_generations=1, max_queue=0) as mesh:
         url = f"http://127.0.0.1:{mesh.head_port}/v1/chat/completions"
         body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
         async with aiohttp.ClientSession() as client:

@@ -64,6 +64,25 @@ def test_a_link_that_contradicts_its_record_drops_it():
     assert registry.nodes() == [] and left == ["ws://127.0.0.1:9"]
 
 
+def test_a_record_that_expires_while_being_read_fires_leave_handling_once(caplog):
+    now = [100.0]
+    registry = Registry("fake-model", 12, ttl=6.0, clock=lambda: now[0])
+    left = []
+    RegistryEndpoints(registry, (0, 6), on_join=lambda record: None, on_leave=left.append,
+                      authorize=lambda request, body: None)
+    registry.announce(_record(GOOD))
+    registry.announce(_record({**GOOD, "url": "ws://127.0.0.1:10"}))
+    now[0] += 4
+    registry.announce(_record({**GOOD, "url": "ws://127.0.0.1:10"}))  # this one keeps its heartbeat
+    now[0] += 3  # the first is silent for 7 s: it expires on the next read, before the expiry loop runs
+    with caplog.at_level("WARNING", logger="meshws.membership"):
+        assert [r.url for r in registry.nodes()] == ["ws://127.0.0.1:10"]
+    assert left == ["ws://127.0.0.1:9"]  # its link is closed: the head stops re-dialing it
+    assert "stopped answering" in caplog.text
+    assert registry.expire() == [] and [r.url for r in registry.nodes()] == ["ws://127.0.0.1:10"]
+    assert left == ["ws://127.0.0.1:9"]  # told once
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),

@@ -1,0 +1,160 @@
+"""A generation's way through the mesh: its route, and the session channel on the link to its first hop.
+
+`HopChannel` is the head's end of one session channel: open (with the route the
+hops may dial, signed), tensor steps answered by tokens, close. `RoutedPath`
+holds a generation's current route and channel and replaces both when a hop
+fails, avoiding the hop that failed (the one a timeout blames, when it can tell).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from ..mesh.auth import sign_route
+from ..mesh.link import Link, LinkDown
+from ..mesh.wire import CacheMiss, Close, Error, Open, RouteHop, SessionReply, Token, encode_forward
+from ..model.backend import TailTokenResult, TensorPayload
+from ..model.cache_store import KVCacheMiss
+from ..model.sampling import SamplingParams
+from .planner import RoutePlanner
+from .routes import NoRoute, Route
+
+LINK_WAIT = 5.0  # seconds to wait for a link that is still being dialed
+
+
+class PipelineError(Exception):
+    """The mesh could not produce the next token; the message names the cause."""
+
+    def __init__(self, message: str, lost: bool = False, url: str | None = None) -> None:
+        super().__init__(message)
+        self.lost = lost  # a hop went away or hung: another route might work
+        self.url = url  # the hop that went away, when known
+
+
+class HopChannel:
+    """The head's end of one session channel on the link to its first hop."""
+
+    def __init__(self, link: Link, sid: str, step_timeout: float, compress_min_bytes: int,
+                 secret: str | None = None) -> None:
+        self.link = link
+        self.secret = secret  # signs the route, so the hops dial only what this head chose
+        self.sid = sid
+        self.step_timeout = step_timeout
+        self.compress_min_bytes = compress_min_bytes
+        self.hung_url: str | None = link.url  # the hop a timeout blames: ours alone while nothing lies behind it
+        self._replies: asyncio.Queue[SessionReply] = asyncio.Queue()
+        link.subscribe(sid, self._replies.put_nowait)
+
+    async def open(self, sampling: SamplingParams, prompt_tokens: int, route: tuple[RouteHop, ...]) -> None:
+        mac = sign_route(self.secret, self.sid, [hop.to_wire() for hop in route]) if self.secret and route else None
+        message = Open(self.sid, sampling, prompt_tokens, route, mac)
+        self.hung_url = None if route else self.link.url  # behind a dialed route, any of its hops may hang
+        if not self.link.is_up:
+            await self.link.wait_up(LINK_WAIT)
+        try:
+            await self.link.send_control(message)
+        except LinkDown as exc:
+            raise PipelineError(str(exc), lost=True, url=self.link.url) from exc
+
+    async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None) -> TailTokenResult:
+        data = encode_forward(
+            self.sid, step, mode, payload.past_len, payload.shape, payload.dtype, payload.body,
+            ids=ids, compress_min_bytes=self.compress_min_bytes,
+        )
+        try:
+            await self.link.send_forward(data)
+        except LinkDown as exc:
+            raise PipelineError(str(exc), lost=True, url=self.link.url) from exc
+        deadline = time.monotonic() + self.step_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:  # asyncio.timeout, not wait_for: wait_for (3.11) loses a cancellation that meets a reply
+                async with asyncio.timeout(max(remaining, 0.001)):
+                    reply = await self._replies.get()
+            except TimeoutError:
+                raise PipelineError(f"no answer from the route behind {self.link.url} within "
+                                    f"{self.step_timeout:.0f} s", lost=True, url=self.hung_url) from None
+            if reply.step not in (None, step):
+                continue  # a late answer to an earlier step
+            if isinstance(reply, Token):
+                return TailTokenResult(text=reply.text or "", token_id=reply.token_id)
+            if isinstance(reply, CacheMiss):
+                raise KVCacheMiss(reply.reason)
+            if isinstance(reply, Error):
+                raise PipelineError(reply.message, lost=reply.lost, url=reply.url)
+
+    async def close(self) -> None:
+        self.link.unsubscribe(self.sid)
+        try:
+            await self.link.send_control(Close(self.sid))
+        except LinkDown:
+            pass  # the next hop releases the session when the link drops
+
+
+
+class RoutedPath:
+    """A generation's current route and its channel, replaced when a hop fails."""
+
+    def __init__(self, planner: RoutePlanner, sid: str, route: Route | None, step_timeout: float,
+                 compress_min_bytes: int, secret: str | None) -> None:
+        self.planner = planner
+        self.sid = sid
+        self.step_timeout = step_timeout
+        self.compress_min_bytes = compress_min_bytes
+        self.secret = secret
+        self.planned = route  # planned at admission: the first open takes it
+        self.route: Route | None = None
+        self.channel: HopChannel | None = None
+        self.avoid: set[str] = set()
+
+    @property
+    def view(self) -> list[dict]:
+        """The current route as /health and the chat page show it."""
+        return self.route.view if self.route is not None else []
+
+    async def open(self, sampling: SamplingParams, prompt_tokens: int) -> None:
+        planner = self.planner
+        route, self.planned = self.planned, None  # admitted and held already
+        try:
+            self.route = route or planner.hold(planner.plan(self.avoid))
+        except NoRoute as exc:
+            raise PipelineError(str(exc)) from exc
+        if self.route.link is not None:
+            self.channel = HopChannel(self.route.link, self.sid, self.step_timeout, self.compress_min_bytes,
+                                      self.secret)
+            await self.channel.open(sampling, prompt_tokens, self.route.hops)
+
+    async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None) -> TailTokenResult:
+        if self.channel is None:
+            raise PipelineError("the head has no next hop for its hidden states")
+        return await self.channel.step(step, mode, payload, ids)
+
+    async def reroute(self, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int) -> None:
+        """Close the session on the failed route and open it again on one without the failed hop.
+
+        Hops that failed earlier in this generation are avoided too, unless no route is left
+        without them: a node restarted at its old address is a good hop again.
+        """
+        failed = {failure.url} if failure.url else set(self.route.urls if self.route else ())
+        earlier, self.avoid = self.avoid, self.avoid | failed
+        await self.close()
+        try:
+            await self.open(sampling, prompt_tokens)
+        except PipelineError as exc:
+            if not earlier - failed:
+                raise PipelineError(f"{failure}; and no other route: {exc}") from exc
+            self.avoid = failed
+            await self.close()
+            try:
+                await self.open(sampling, prompt_tokens)
+            except PipelineError as again:
+                raise PipelineError(f"{failure}; and no other route: {again}") from again
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+            self.channel = None
+        if self.route is not None:
+            self.route.release()
+        self.route = None

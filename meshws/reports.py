@@ -1,0 +1,88 @@
+"""What a node reports about itself: `/health` (JSON), `/metrics` (Prometheus) and a log line per generation.
+
+`NodeReports` is a part of `meshws.node.Node` kept in its own file: it only reads the
+node's parts (shard, links, head, registry, shard service) and never changes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from .api.errors import json_response
+from .head.generation import GenerationStats
+from .model.memory import process_memory
+
+log = logging.getLogger("meshws.node")
+
+
+class NodeReports:
+    """/health, /metrics and generation logs of a node (mixed into `Node`, which owns every attribute used)."""
+
+    def health(self) -> dict[str, Any]:
+        backend = self.shard
+        chain, problems = self._chain_state()
+        info: dict[str, Any] = {
+            "status": "ok",
+            "role": self.role,
+            "node": self.name,
+            "model": backend.model_id,
+            "layers": list(self.span),
+            "total_layers": backend.total_layers,
+            "sessions": len(backend.sessions),
+            "cache_bytes": backend.sessions.total_bytes,
+            "weight_bytes": backend.weight_bytes,  # what this node's layers cost, and the process in all
+            **process_memory(),  # resident_bytes, peak_resident_bytes
+            "supports_kv_cache": backend.supports_kv_cache,
+            "links": [link.describe() for link in self.links.all()],
+            "chain": chain,
+            "problems": problems,
+            "ready": not problems,
+            "uptime_s": round(time.time() - self.started, 1),
+        }
+        if self.shard_service is not None:
+            info["inbound_links"] = len(self.shard_service.inbound)
+            info["channels"] = len(self.shard_service.sessions)
+            info["pending_tasks"] = len(self.shard_service.pending_tasks)
+        if self.head is not None:
+            queue = self.head.queue
+            info.update(generations=self.head.generations, queued=self.head.queued,
+                        longest_wait_s=round(queue.longest_wait, 2), max_generations=queue.slots,
+                        max_queue=queue.max_queue, draining=queue.draining)
+        if self.registry is not None:
+            info["nodes"] = [record.describe() for record in self.registry.nodes()]
+        if self.announcer is not None:
+            info["joined"] = self.announcer.joined  # every head named by --join took the last heartbeat
+            info["joined_heads"] = sorted(self.announcer.joined_heads)
+        return info
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.access.detail_allowed(request):
+            return json_response(self.health())
+        backend = self.shard  # the public face: whether it serves, and what
+        ready = not self._chain_state()[1]
+        public = {"status": "ok", "ready": ready, "role": self.role, "model": backend.model_id,
+                  "layers": list(self.span)}
+        if self.head is not None:  # what a load balancer weighs heads by
+            public.update(generations=self.head.generations, queued=self.head.queued)
+        return json_response(public)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
+
+    def _refused(self, reason: str) -> None:
+        self.metrics.admission_refused.labels(reason).inc()
+
+    def _generation_finished(self, stats: GenerationStats, outcome: str) -> None:
+        self.metrics.generations.labels(outcome).inc()
+        self.metrics.generated_tokens.inc(stats.completion_tokens)
+        ttft = stats.time_to_first_token
+        log.info(
+            "generation %s %s: %d prompt + %d completion tokens, ttft %s, %.1f tok/s, %d prefill(s), %d cache misses",
+            stats.sid[:12], outcome, stats.prompt_tokens, stats.completion_tokens,
+            f"{ttft * 1000:.0f} ms" if ttft is not None else "-", stats.decode_tokens_per_second or 0.0,
+            stats.prefills, stats.cache_misses,
+        )
