@@ -125,6 +125,7 @@ class Node(NodeReports):
         sessions = self.backend.sessions
         self.metrics = NodeMetrics(sessions=lambda: len(sessions), cache_bytes=lambda: sessions.total_bytes,
                                    weight_bytes=self.backend.weight_bytes)
+        self.metrics.watch_compute(lambda: self.worker.queued)
         guard = RequestGuard([self.settings.host, self._public_host(), host_of(self.advertise)],
                              self.settings.allowed_hosts, self.settings.cors_origins,
                              mesh_hosts_checked=not self.settings.secret)

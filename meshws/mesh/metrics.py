@@ -65,6 +65,11 @@ class NodeMetrics:
         self.admission_refused = Counter("meshws_admission_refused", "Requests refused by admission, by reason",
                                          ["reason"], registry=self.registry)
 
+    def watch_compute(self, queued: Callable[[], int]) -> None:
+        """The compute worker: jobs waiting for it (prefill chunks, decode steps, releases)."""
+        gauge = Gauge("meshws_compute_queued", "Jobs waiting for the compute worker", registry=self.registry)
+        gauge.set_function(lambda: float(queued()))
+
     def frame(self, direction: str, kind: str, size: int) -> None:
         self.frames.labels(direction, kind).inc()
         self.frame_bytes.labels(direction, kind).inc(size)

@@ -156,8 +156,11 @@ async def test_a_close_during_a_long_prefill_is_released_within_a_chunk_and_the_
             await ws.send_str(encode_control_close("short"))
             await eventually(lambda: "short" in tail.released_at, timeout=5)
             assert tail.released_at["short"] - closed_at < 0.35  # one chunk, not the rest of the prefill
+            metrics = node.metrics.render().decode()
             answer = await _reply(ws, "long")
             assert answer["type"] == "token" and not ws.closed
+    assert "meshws_compute_queued" in metrics
+    assert node.worker.queued == 0  # nothing left waiting once the prefill answered
 
 
 async def test_reopening_a_session_on_another_link_replaces_it_there():
