@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Callable
 
 from ..mesh.aio import run_uncancelled
 from ..mesh.compute import ComputeWorker
-from ..model.backend import DecodeStep, ShardBackend, TailTokenResult
+from ..model.backend import DecodeStep, PrefillStep, ShardBackend, TailTokenResult
 from ..model.cache_store import KVCacheMiss
 from ..model.sampling import SamplingParams
 from .admission import Slot
@@ -152,7 +152,7 @@ class Generator:
     async def _release(self, path: RoutedPath, sid: str) -> None:
         """Close the channel (every shard drops the session) and drop the head's own cache."""
         await path.close()
-        await self.worker.call(self.backend.release_session, sid)
+        await self.worker.release(sid)  # ahead of queued prefills
 
     async def _loop(
         self,
@@ -213,11 +213,14 @@ class Generator:
                    path: RoutedPath) -> TailTokenResult:
         """One step through the head's layers and the route: a (re-)prefill, or one token's decode."""
         prompt_length = len(sequence.prompt_ids)
-        if prefill:
-            result = await self.worker.call(
-                self.backend.encode_prompt, sequence.prefill_input(), sid if self.backend.supports_kv_cache else None,
-                sampling=sampling, generated_from=prompt_length,
-            )
+        cached_sid = sid if self.backend.supports_kv_cache else None
+        prefill_input = sequence.prefill_input() if prefill else None
+        if isinstance(prefill_input, str):  # prompt + text for a legacy tail: tokenized and run whole
+            result = await self.worker.call(self.backend.encode_prompt, prefill_input, cached_sid,
+                                            sampling=sampling, generated_from=prompt_length)
+        elif prefill_input is not None:  # in chunks, with other sessions' decode steps in between
+            result = await self.worker.prefill(PrefillStep(cached_sid, token_ids=prefill_input, sampling=sampling,
+                                                           generated_from=prompt_length))
         else:
             history = sequence.ids() if sampling.needs_history else ()
             result = await self.worker.decode(DecodeStep(sid, token_id=sequence.tokens[-1], sampling=sampling,
