@@ -90,6 +90,7 @@ class Node(NodeReports):
         self.registry_endpoints: RegistryEndpoints | None = None
         self._runner: web.AppRunner | None = None
         self.hurry = asyncio.Event()  # set by a second SIGTERM/SIGINT: cut the drain short
+        self.draining = False  # SIGTERM: finish what runs, take nothing new
 
     @property
     def name(self) -> str:
@@ -152,8 +153,13 @@ class Node(NodeReports):
             return
         for site in list(self._runner.sites):
             await site.stop()  # no new connections; a load balancer sees this node go
+        self.draining = True
         if self.head is not None:
             self.head.queue.drain()  # those still waiting (and new requests on kept-alive connections): 503
+        if self.shard_service is not None:
+            self.shard_service.draining = True  # new sessions over the heads' links are refused as lost
+        if self.announcer is not None:
+            await self.announcer.announce_now()  # heads stop routing new sessions here
         busy = self._busy()
         if busy:
             log.info("%s draining: waiting up to %g s for %d running", self.name, self.settings.drain_timeout, busy)
@@ -255,7 +261,7 @@ class Node(NodeReports):
     def _announcement(self) -> dict[str, Any]:
         sessions = len(self.shard.sessions)
         return {"url": self.advertise, "node": self.name, "model": self.shard.model_id,
-                "layers": list(self.span), "role": self.role, "load": sessions,
+                "layers": list(self.span), "role": self.role, "load": sessions, "draining": self.draining,
                 "capacity": max(0, self.settings.max_sessions - sessions)}
 
     # -- links and the chain --------------------------------------------------

@@ -158,8 +158,11 @@ def _record(data: Any) -> NodeRecord:
         raise ValueError("node must be a string")
     if role not in ("middle", "tail"):
         raise ValueError("role must be middle or tail")
+    draining = data.get("draining", False)
+    if not isinstance(draining, bool):
+        raise ValueError("draining must be true or false")
     return NodeRecord(url=url.rstrip("/"), node=node, model=model, layers=(layers[0], layers[1]), role=role,
-                      capacity=_count(data, "capacity"), load=_count(data, "load"))
+                      capacity=_count(data, "capacity"), load=_count(data, "load"), draining=draining)
 
 
 def _is_int(value: Any) -> bool:

@@ -70,7 +70,8 @@ class RoutePlanner:
 
     def _candidates(self) -> list[NodeRecord]:
         """Nodes a route may use now: joined ones the head can reach, and the --peer chain."""
-        records = [r for r in self.registry.nodes() if self.links.get(r.url).is_up] if self.registry else []
+        records = [r for r in self.registry.nodes() if not r.draining and self.links.get(r.url).is_up] \
+            if self.registry else []
         link = self._peer_link()
         peer = link.peer_hello if link is not None and link.is_up else None
         if link is not None and peer is not None and peer.chain:

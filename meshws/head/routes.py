@@ -31,10 +31,11 @@ class NodeRecord:
     load: int = 0  # sessions it holds now
     last_seen: float = field(default_factory=time.monotonic)
     static: bool = False  # the --peer chain (not joined; never expires)
+    draining: bool = False  # shutting down: its sessions finish, new ones go elsewhere
 
     def describe(self) -> dict[str, Any]:
         return {"url": self.url, "node": self.node, "layers": list(self.layers), "role": self.role,
-                "capacity": self.capacity, "load": self.load, "static": self.static,
+                "capacity": self.capacity, "load": self.load, "static": self.static, "draining": self.draining,
                 "last_seen_s": round(time.monotonic() - self.last_seen, 1)}
 
 

@@ -75,6 +75,17 @@ class Announcer:
             await asyncio.gather(*(self._leave(client, head) for head in self.heads))
         self.joined_heads.clear()
 
+    async def announce_now(self) -> None:
+        """Announce to every head at once, between heartbeats (a change heads should hear of now)."""
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as client:
+            await asyncio.gather(*(self._announce(client, head) for head in self.heads))
+
+    async def _announce(self, client: aiohttp.ClientSession, head: str) -> None:
+        try:
+            await post_signed(client, head, "/mesh/join", self.record(), self.secret, self.ssl)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError, ValueError):
+            pass  # the heartbeat tries again
+
     async def _leave(self, client: aiohttp.ClientSession, head: str) -> None:
         try:
             await post_signed(client, head, "/mesh/leave", {"url": self.record()["url"]}, self.secret, self.ssl)

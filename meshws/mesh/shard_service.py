@@ -71,6 +71,7 @@ class ShardService:
         self.compress_min_bytes = compress_min_bytes
         self.authorize = authorize
         self.limits = limits
+        self.draining = False  # SIGTERM: sessions running finish; new ones are refused as lost
         self.next_hops = NextHops(backend.is_tail, backend.end, links, static_peer, secret, open_routes)
         self.log_limit = LogLimiter(log)
         self.inbound: set[web.WebSocketResponse] = set()
@@ -182,6 +183,10 @@ class ShardService:
             next_url, route = self.next_hops.choose(message)
         except ValueError as exc:
             await self._error(link, sid, None, f"bad open: {exc}", "bad_frame")
+            return
+        if self.draining:  # lost: the head routes the session around this node, as if it had gone
+            self.metrics.errors.labels("draining").inc()
+            await self._send(link, Error(f"{self.node_name} is shutting down; route around it", sid, None, True))
             return
         earlier = self.sessions.get(sid)
         if earlier is not None:  # a re-open (a new route after a failure), on this link or another: start clean

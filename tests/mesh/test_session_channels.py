@@ -222,3 +222,17 @@ def _metric(tail) -> float:
         if line.startswith('meshws_frame_bytes_total{direction="in",type="fwd_prefill"}'):
             return float(line.split()[-1])
     raise AssertionError("no fwd bytes metric")
+
+
+async def test_a_draining_shard_refuses_new_sessions_as_lost_and_the_head_says_so():
+    head_backend = CachedHeadBackend()
+    tail_backend = CachedTailBackend([(" a", 1), (" b", 2)])
+    async with fake_mesh(head_backend, tail_backend) as mesh:
+        mesh.tail.shard_service.draining = True
+        status, body = await _chat_once(mesh.head_port, max_tokens=2)
+        assert status == 502
+        assert "shutting down" in orjson.loads(body)["error"]["message"]
+        assert tail_backend.calls == []  # nothing computed for a session it refused
+        mesh.tail.shard_service.draining = False
+        status, body = await _chat_once(mesh.head_port, max_tokens=2)
+    assert status == 200 and _content(body) == " a b"

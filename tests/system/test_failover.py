@@ -1,6 +1,7 @@
 """Registry, route planning, replicas and failover, with real processes (issue: failover)."""
 
 import asyncio
+import signal
 import time
 
 import aiohttp
@@ -224,5 +225,47 @@ async def test_layers_auto_covers_the_gap_then_replicates():
         while (served := [sum(" closed: " in line for line in node.lines) for node in (first, second)]) != [1, 1]:
             assert time.monotonic() < deadline, served
             time.sleep(0.1)
+    finally:
+        cluster.stop()
+
+
+async def test_a_draining_replica_finishes_its_answer_while_new_ones_go_to_the_other(tokenizer):
+    cluster = Cluster("0-14")
+    try:
+        tails = [cluster.join("tail", "15-29"), cluster.join("tail", "15-29")]
+        for tail in tails:
+            tail.wait_started()
+        cluster.wait_nodes(2)
+        messages = [{"role": "user", "content": STORY}]
+        fault_free = await stream_text(cluster.head.url, messages, 40)
+        drained = []
+
+        def drain_serving_tail(chunks):
+            if chunks == 5 and not drained:
+                serving = next(tail for tail in tails if tail.health()["sessions"] == 1)
+                serving.proc.send_signal(signal.SIGTERM)
+                drained.append(serving)
+
+        long_answer = asyncio.create_task(stream_text(cluster.head.url, messages, 40, on_chunk=drain_serving_tail))
+        while not drained:
+            await asyncio.sleep(0.05)
+        other = next(tail for tail in tails if tail is not drained[0])
+        deadline = time.monotonic() + 10
+        while not any(node["draining"] for node in cluster.head.health()["nodes"]):
+            assert time.monotonic() < deadline, "the head never heard that the tail drains"
+            await asyncio.sleep(0.05)
+        def closed_sessions(node):
+            return sum("session" in line and " closed: " in line for line in node.lines)
+
+        before = closed_sessions(other)
+        # Three at once: by load alone (1 on the draining tail, 0 on the other) one would go to the draining tail.
+        shorts = await asyncio.gather(*(stream_text(cluster.head.url, [{"role": "user", "content": prompt}], 6)
+                                        for prompt in ("Name a colour.", "Name a fruit.", "Name a bird.")))
+        assert all(shorts)
+        assert await long_answer == fault_free  # the draining tail finished it, no failover
+        assert not any("failover" in line for line in cluster.head.lines)
+        assert await asyncio.to_thread(drained[0].proc.wait, 60) == 0
+        assert other.wait_sessions(0)["sessions"] == 0
+        assert closed_sessions(other) == before + 3  # every new answer ran on the other replica
     finally:
         cluster.stop()
