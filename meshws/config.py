@@ -54,7 +54,7 @@ class NodeSettings:
     drain_timeout: float = 30.0  # seconds SIGTERM lets running generations finish before closing them
     # -- shard limits and prefill chunks (issue 13, the shard's side) --
     max_link_sessions: int = 256  # sessions one inbound link may carry at once; beyond, an error frame
-    max_link_frames: int = 64  # tensor frames of one link in flight at once (backpressure, then an error frame)
+    max_link_frames: int = 256  # tensor frames of one link in flight at once (backpressure, then an error frame)
     prefill_chunk: int = 256  # tokens of a prefill run between other sessions' decode steps
 
 

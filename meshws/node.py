@@ -209,6 +209,7 @@ class Node(NodeReports):
             open_routes=self.settings.insecure, limits=ShardLimits(
                 self.settings.max_link_sessions, self.settings.max_link_frames, self.settings.step_timeout),
         )
+        service.url = self.advertise  # a draining refusal names this node, so a head avoids it alone
         app.router.add_get("/ws/shard", service.handle)
         app.cleanup_ctx.append(service.next_hops.idle_ctx)
         app.on_shutdown.append(lambda app: service.shutdown())

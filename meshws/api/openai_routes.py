@@ -223,7 +223,7 @@ class OpenAIApi:
                                "code": "pipeline_error"}}
             await write(b"data: " + orjson.dumps(error) + b"\n\n")
         except SlowClient:
-            raise
+            return response  # aborted already; said in the log above
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("client went away mid-stream; generation %s stopped", stats.sid[:12])
             raise

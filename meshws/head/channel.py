@@ -143,13 +143,13 @@ class RoutedPath:
             await self.open(sampling, prompt_tokens)
         except PipelineError as exc:
             if not earlier - failed:
-                raise PipelineError(f"{failure}; and no other route: {exc}") from exc
+                raise PipelineError(f"{failure}; and no other route: {exc}", exc.lost, exc.url) from exc
             self.avoid = failed
             await self.close()
             try:
                 await self.open(sampling, prompt_tokens)
             except PipelineError as again:
-                raise PipelineError(f"{failure}; and no other route: {again}") from again
+                raise PipelineError(f"{failure}; and no other route: {again}", again.lost, again.url) from again
 
     async def close(self) -> None:
         if self.channel is not None:

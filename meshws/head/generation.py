@@ -180,10 +180,7 @@ class Generator:
             except PipelineError as exc:
                 if not exc.lost or stats.failovers >= MAX_FAILOVERS or path.channel is None:
                     raise
-                stats.failovers += 1
-                log.warning("session %s: %s; re-routing (failover %d)", sid[:12], exc, stats.failovers)
-                await path.reroute(exc, sampling, len(prompt_ids))
-                stats.route = path.view
+                await self._reroute(path, exc, sampling, len(prompt_ids), stats)
                 need_prefill = True
                 continue
             except ValueError as exc:  # a step refused by a backend (bad length, dtype...)
@@ -208,6 +205,22 @@ class Generator:
             need_prefill = not self.backend.supports_kv_cache
             yield TokenEvent(result.token_id)
         stats.finish_reason = FinishReason.LENGTH
+
+    @staticmethod
+    async def _reroute(path: RoutedPath, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int,
+                       stats: GenerationStats) -> None:
+        """Route around `failure`; again while the new route's first hop is lost too and failovers remain."""
+        while True:
+            stats.failovers += 1
+            log.warning("session %s: %s; re-routing (failover %d)", stats.sid[:12], failure, stats.failovers)
+            try:
+                await path.reroute(failure, sampling, prompt_tokens)
+                stats.route = path.view
+                return
+            except PipelineError as again:
+                if not again.lost or stats.failovers >= MAX_FAILOVERS:
+                    raise
+                failure = again
 
     async def _lap(self, sid: str, step: int, prefill: bool, sequence: "_Sequence", sampling: SamplingParams,
                    path: RoutedPath) -> TailTokenResult:

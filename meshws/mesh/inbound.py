@@ -14,7 +14,7 @@ from .wire import RouteHop
 
 DECODE_LOG_INTERVAL = 5.0  # seconds between one session's decode summary lines
 LINK_SESSIONS = 256  # sessions one inbound link may carry at once
-LINK_FRAMES = 64  # tensor frames of one inbound link being inflated, computed or sent on at once
+LINK_FRAMES = 256  # tensor frames of one inbound link being inflated, computed or sent on at once
 STEP_TIMEOUT = 120.0  # seconds the head waits for a step; a middle waits less, by the hops behind it
 
 

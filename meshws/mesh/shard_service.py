@@ -72,6 +72,7 @@ class ShardService:
         self.authorize = authorize
         self.limits = limits
         self.draining = False  # SIGTERM: sessions running finish; new ones are refused as lost
+        self.url: str | None = None  # this node's address as heads know it (its advertised one)
         self.next_hops = NextHops(backend.is_tail, backend.end, links, static_peer, secret, open_routes)
         self.log_limit = LogLimiter(log)
         self.inbound: set[web.WebSocketResponse] = set()
@@ -186,7 +187,8 @@ class ShardService:
             return
         if self.draining:  # lost: the head routes the session around this node, as if it had gone
             self.metrics.errors.labels("draining").inc()
-            await self._send(link, Error(f"{self.node_name} is shutting down; route around it", sid, None, True))
+            await self._send(link, Error(f"{self.node_name} is shutting down; route around it", sid, None, True,
+                                         self.url))
             return
         earlier = self.sessions.get(sid)
         if earlier is not None:  # a re-open (a new route after a failure), on this link or another: start clean

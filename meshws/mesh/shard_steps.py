@@ -100,6 +100,10 @@ class ShardSteps:
             await self._refuse(link, sid, header.step, f"{self.node_name}: this link already has "
                                f"{self.limits.link_frames} frames in flight; try again", "link_busy")
             return
+        if self.sessions.get(sid) is not session:  # ended (closed, re-opened elsewhere) while the frame waited
+            link.frame_slots.release()
+            session.busy = False
+            return
         task = session.step_task = self._spawn(self._step(link, session, header, data))
         task.add_done_callback(lambda done: self._step_over(link, session, done))
 
@@ -213,7 +217,10 @@ class ShardSteps:
                               ids=list(frame.ids) if frame.ids is not None else None,
                               compress_min_bytes=self.compress_min_bytes)
         try:
-            self._expect_answer(link, session, step)
+            if frame.mode == "decode" and frame.shape[1] == 1:
+                self._expect_answer(link, session, step)
+            else:  # a prefill's time grows with its length and the load behind us: the head's timeout judges it
+                self.answered(session)
             await next_hop.send_forward(data)
             self.metrics.frame("out", f"fwd_{frame.mode}", len(data))
         except LinkDown as exc:

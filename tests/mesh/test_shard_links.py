@@ -185,8 +185,11 @@ class _Middle(FakeBackend):
     start, end = 6, 9
 
     def prefill(self, step, chunk_tokens):
-        return TensorPayload(body=bytes(step.length * 16), shape=[1, step.length, 8], past_len=0)
+        return TensorPayload(body=bytes(step.length * 16), shape=[1, step.length, 8], past_len=step.past_len)
         yield
+
+    def forward_bytes(self, body, shape, *, past_len=None, **ignored):  # a decode step: passed on as it came
+        return TensorPayload(body=bytes(body), shape=list(shape), past_len=past_len or 0)
 
 
 async def test_a_middle_whose_next_hop_is_unreachable_says_lost_with_that_hops_url():
@@ -203,7 +206,8 @@ async def test_a_middle_whose_next_hop_is_unreachable_says_lost_with_that_hops_u
 async def test_a_middle_whose_next_hop_never_answers_says_lost_with_that_hops_url():
     class _SilentTail(CachedTailBackend):
         def answer(self, past_len):
-            time.sleep(3.0)  # hangs past the middle's timeout
+            if past_len:
+                time.sleep(3.0)  # a decode step hangs past the middle's timeout
             return _CountingTail.token(past_len)
 
     async with _shard(_SilentTail([])) as (tail, tail_port):
@@ -211,8 +215,10 @@ async def test_a_middle_whose_next_hop_never_answers_says_lost_with_that_hops_ur
                           step_timeout=2.0) as (middle, port):
             async with _link(port) as ws:
                 await _open(ws, "h")
+                await ws.send_bytes(_fwd("h", 1))  # a prefill is judged by the head's timeout alone
+                assert (await asyncio.wait_for(_reply(ws, "h"), 10))["type"] == "token"
                 started = time.monotonic()
-                await ws.send_bytes(_fwd("h", 1))
+                await ws.send_bytes(_fwd("h", 2, mode="decode", past_len=2, positions=1))
                 reply = await asyncio.wait_for(_reply(ws, "h"), 10)
                 waited = time.monotonic() - started
     assert reply["type"] == "error" and reply.get("lost") is True, reply
