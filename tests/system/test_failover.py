@@ -40,6 +40,14 @@ class Cluster:
         self.nodes.append(node)
         return node
 
+    def replica_tails(self, count: int = 2) -> list[NodeProcess]:
+        """`count` tails for layers 15-29, started and joined (the head's link to each up)."""
+        tails = [self.join("tail", "15-29") for _ in range(count)]
+        for tail in tails:
+            tail.wait_started()
+        self.wait_nodes(len(self.nodes))
+        return tails
+
     def wait_nodes(self, count: int, timeout: float = 60.0) -> dict:
         deadline = time.monotonic() + timeout
         while True:
@@ -80,10 +88,8 @@ async def stream_text(url, messages, max_tokens, on_chunk=None):
 async def test_killing_the_serving_tail_mid_answer_keeps_the_answer(tokenizer):
     cluster = Cluster("0-14")
     try:
-        tails = [cluster.join("tail", "15-29"), cluster.join("tail", "15-29")]
-        for tail in tails:
-            tail.wait_started()
-        health = cluster.wait_nodes(2)
+        tails = cluster.replica_tails()
+        health = cluster.head.health()
         assert {tuple(n["layers"]) for n in health["nodes"]} == {(15, 30)}
         messages = [{"role": "user", "content": STORY}]
         fault_free = await stream_text(cluster.head.url, messages, 90)
@@ -129,10 +135,7 @@ async def test_sixteen_streams_survive_killing_each_replica_tail_in_turn(tokeniz
     """Chaos: two replica tails; one is SIGKILLed mid-answer and restarted on its port, then the other."""
     cluster = Cluster("0-14")
     try:
-        tails = [cluster.join("tail", "15-29"), cluster.join("tail", "15-29")]
-        for tail in tails:
-            tail.wait_started()
-        cluster.wait_nodes(2)
+        tails = cluster.replica_tails()
         conversations = [[{"role": "user", "content": prompt}] for prompt in CHAOS_PROMPTS]
         max_tokens = 40
         fault_free = await asyncio.gather(*(stream_text(cluster.head.url, m, max_tokens) for m in conversations))
@@ -232,10 +235,7 @@ async def test_layers_auto_covers_the_gap_then_replicates():
 async def test_a_draining_replica_finishes_its_answer_while_new_ones_go_to_the_other(tokenizer):
     cluster = Cluster("0-14")
     try:
-        tails = [cluster.join("tail", "15-29"), cluster.join("tail", "15-29")]
-        for tail in tails:
-            tail.wait_started()
-        cluster.wait_nodes(2)
+        tails = cluster.replica_tails()
         messages = [{"role": "user", "content": STORY}]
         fault_free = await stream_text(cluster.head.url, messages, 40)
         drained = []
