@@ -28,7 +28,10 @@ class NodeSettings:
     max_sessions: int = 64  # KV caches held at once on this node (LRU beyond)
     cache_ttl: float = 600.0  # seconds an idle session's cache is kept
     max_cache_bytes: int | None = None  # byte budget for this node's KV caches; None: half the memory free at start
-    dtype: str = "bfloat16"  # compute dtype: bfloat16 (faster) or float32 (exact)
+    dtype: str = "auto"  # compute dtype: auto (bf16 where the CPU has it natively, else fp32), bfloat16 or float32
+    compute: str = "auto"  # what runs the layers: lean (packed weights) where the architecture has it, else transformers
+    quant: str = "none"  # int8: linear weights as int8 with per-channel scales (lean path)
+    compile: bool = False  # torch.compile the lean path at start
     wire_dtype: str = "bfloat16"  # dtype of hidden states between nodes
     threads: int | None = None  # torch threads; default: torch's choice
     max_frame_bytes: int = 64 * 1024 * 1024  # largest websocket frame accepted
@@ -73,7 +76,14 @@ _HELP = {
     "cache_ttl": "seconds an idle session's KV cache is kept",
     "max_cache_bytes": "byte budget for all KV caches on this node, e.g. 2G; least recently used dropped beyond "
                        "(default: half the memory free when the node starts)",
-    "dtype": "compute dtype: bfloat16 (about 1.9x faster on CPU) or float32 (bit-exact with generate())",
+    "dtype": "compute dtype: auto picks bfloat16 where the CPU multiplies it natively (AVX-512-BF16, AMX) and "
+             "float32 elsewhere (bf16 is emulated there, and slower in batches); float32 is bit-exact with generate()",
+    "compute": "what runs the decoder layers: lean (packed weights, in-place KV buffers; Llama-style and Gemma-3), "
+               "transformers (its modules), or auto (lean where the architecture has it)",
+    "compile": "run the lean path through torch.compile (compiled at start, cached on disk for restarts); "
+               "off by default: on CPU it saves little (see the README)",
+    "quant": "int8: store linear weights as int8 with a scale per output channel (about a third of fp32's "
+             "memory, faster decode; slightly different output, see the README); needs the lean path",
     "wire_dtype": "dtype of hidden states sent between nodes",
     "threads": "torch intra-op threads (default: all cores)",
     "max_frame_bytes": "largest websocket frame this node accepts, e.g. 64M",
@@ -183,6 +193,9 @@ _TYPES = {
     "cache_ttl": float,
     "max_cache_bytes": parse_size,
     "dtype": str,
+    "compute": str,
+    "quant": str,
+    "compile": _flag,
     "wire_dtype": str,
     "threads": int,
     "max_frame_bytes": parse_size,
@@ -212,7 +225,9 @@ _TYPES = {
 
 _CHOICES = {
     "role": ROLES,
-    "dtype": ("float32", "bfloat16"),
+    "dtype": ("auto", "float32", "bfloat16"),
+    "compute": ("auto", "lean", "transformers"),
+    "quant": ("none", "int8"),
     "wire_dtype": ("float32", "bfloat16", "float16"),
     "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }

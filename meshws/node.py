@@ -56,7 +56,8 @@ def load_backend(settings: NodeSettings) -> ShardBackend:
     start, end = settings.layers if isinstance(settings.layers, tuple) else (0, None)
     shard_settings = ShardSettings(dtype=settings.dtype, wire_dtype=settings.wire_dtype,
                                    max_sessions=settings.max_sessions, cache_ttl=settings.cache_ttl,
-                                   max_cache_bytes=settings.max_cache_bytes, threads=settings.threads)
+                                   max_cache_bytes=settings.max_cache_bytes, threads=settings.threads,
+                                   compute=settings.compute, quant=settings.quant, compile=settings.compile)
     return ModelShard(settings.model, start, end, shard_settings, cache_dir=settings.cache_dir)
 
 

@@ -48,6 +48,7 @@ class FakeBackend:
     supports_kv_cache = True
     supports_batching = False
     weight_bytes = 0
+    compute_facts = {"path": "fake"}
     tokenizer = None
 
     def __init__(self) -> None:

@@ -57,3 +57,22 @@ def cache_of_its_own(resolved, root):
             shutil.copy2(resolved.folder / name, target / name)
     (target / MANIFEST).write_text(json.dumps(dict(manifest, parts=parts)))
     return ResolvedModel(resolved.model_id, target, resolved.gguf)
+
+
+def run_chain(shards, ids, steps, session):
+    """Greedy tokens through a chain of in-process shards, driven as the mesh drives them: prefill, then
+    one-token steps; every shard's cache of the session is released at the end."""
+    tokens = []
+    result = shards[0].encode_prompt(ids, session_id=session)
+    mode = "prefill"
+    while True:
+        for shard in shards[1:]:
+            result = shard.forward_bytes(result.body, result.shape, dtype=result.dtype, session_id=session,
+                                         cache_mode=mode, past_len=result.past_len)
+        tokens.append(result.token_id)
+        if len(tokens) == steps:
+            for shard in shards:
+                shard.release_session(session)
+            return tokens
+        result = shards[0].encode_next_token(tokens[-1], session)
+        mode = "decode"

@@ -104,6 +104,7 @@ class ShardBackend(Protocol):
     supports_batching: bool
     hidden_size: int  # width of the hidden states between shards
     weight_bytes: int  # bytes of the weights this shard holds (its layers, not the model)
+    compute_facts: dict[str, Any]  # how the layers run: path, dtype and why, threads (for /health)
     sessions: SessionCacheStore
     tokenizer: Any  # the head's tokenizer (chat template); None elsewhere
 

@@ -29,10 +29,18 @@ from .tensors import cache_nbytes, crop_cache
 log = logging.getLogger("meshws.shard")
 
 
+class Rows(Protocol):
+    """Runs one-token rows `[rows, 1, hidden]`, each against its own session cache (`RowRunner`, `lean.LeanLayers`)."""
+
+    fits: bool
+
+    def run_rows(self, hidden: torch.Tensor, positions: torch.Tensor, caches: list[Any]) -> torch.Tensor: ...
+
+
 class RowShard(ShardBackend, Protocol):
     """What `decode_rows` needs of a shard (`ModelShard`): the backend, its row runner and its last step."""
 
-    rows: "RowRunner"
+    rows: Rows
 
     def embed(self, ids: Sequence[int]) -> torch.Tensor: ...
 
@@ -96,7 +104,7 @@ class RowRunner:
         # Gemma-3 keeps one rotary table per layer type; Llama one for all layers.
         self._rotary_by_type = "layer_type" in inspect.signature(model.model.rotary_emb.forward).parameters
 
-    def run(self, hidden: torch.Tensor, positions: torch.Tensor, caches: list[Any]) -> torch.Tensor:
+    def run_rows(self, hidden: torch.Tensor, positions: torch.Tensor, caches: list[Any]) -> torch.Tensor:
         base, config = self.model.model, self.model.config
         row_caches = RowCaches(caches)
         layer_types = getattr(config, "layer_types", None)
@@ -146,7 +154,7 @@ def decode_rows(shard: RowShard, steps: Sequence[DecodeStep]) -> list[StepResult
         hidden = torch.cat([row[2] for row in rows])
         row_positions = torch.tensor([[row[3]] for row in rows], dtype=torch.long)
         try:
-            hidden = shard.rows.run(hidden, row_positions, [row[1].cache for row in rows])
+            hidden = shard.rows.run_rows(hidden, row_positions, [row[1].cache for row in rows])
         except Exception as exc:  # one row may be at fault: each row alone, so only it fails
             _rows_alone(shard, steps, rows, results, exc)
             return results  # type: ignore[return-value]

@@ -12,15 +12,19 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from .backend import DecodeStep, PrefillRun, PrefillStep, StepResult, TailTokenResult, TensorPayload
-from .batched import RowRunner, decode_rows
+from .batched import RowRunner, Rows, decode_rows
 from .cache_store import KVCacheMiss, SessionCacheStore
+from .compiled import compile_lean
+from .cpu import choose_dtype
+from .lean import LeanLayers, lean_layers
+from .packed import int8_kernel_runs
 from .memory import default_cache_budget, process_memory, tensor_bytes
 from .sampling import DEFAULT as GREEDY
 from .sampling import SamplingParams, sample_token
@@ -49,12 +53,15 @@ class ShardLayout:
 
 @dataclass(frozen=True)
 class ShardSettings:
-    dtype: str = "float32"  # compute dtype: float32 or bfloat16
+    dtype: str = "float32"  # compute dtype: float32, bfloat16 or auto (`cpu.choose_dtype`)
     wire_dtype: str = "bfloat16"  # dtype of hidden states sent to the next hop
     max_sessions: int = 64  # KV caches held at once (LRU beyond)
     cache_ttl: float = 600.0  # seconds an idle session's cache is kept
     max_cache_bytes: int | None = None  # byte budget for all KV caches (LRU beyond); None: sized from free memory
     threads: int | None = None  # torch intra-op threads; None = torch's default
+    compute: str = "auto"  # "lean" (packed weights, `lean`), "transformers", or "auto": lean where it exists
+    quant: str | None = None  # "int8": int8 linear weights (needs the lean path); None or "none": float
+    compile: bool = False  # run the lean path's layer pieces through torch.compile (warmed up at start)
 
 
 class ModelShard:
@@ -68,11 +75,20 @@ class ModelShard:
     ) -> None:
         from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
-        self.settings = settings or ShardSettings()
-        if self.settings.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32 or bfloat16, not {self.settings.dtype!r}")
+        settings = settings or ShardSettings()
+        if settings.dtype not in ("float32", "bfloat16", "auto"):
+            raise ValueError(f"dtype must be float32, bfloat16 or auto, not {settings.dtype!r}")
+        dtype, self.dtype_reason = choose_dtype(settings.dtype)
+        if settings.dtype == "auto":
+            log.info("compute dtype %s: %s", dtype, self.dtype_reason)
+        quant = None if settings.quant == "none" else settings.quant
+        self.settings = settings = replace(settings, dtype=dtype, quant=quant)
         if self.settings.wire_dtype not in TORCH_DTYPES:
             raise ValueError(f"wire dtype must be one of {sorted(TORCH_DTYPES)}")
+        if self.settings.compute not in ("auto", "lean", "transformers"):
+            raise ValueError(f"compute must be auto, lean or transformers, not {self.settings.compute!r}")
+        if self.settings.quant not in (None, "int8"):
+            raise ValueError(f"quant must be int8 or none, not {self.settings.quant!r}")
         if self.settings.threads:
             torch.set_num_threads(self.settings.threads)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -95,7 +111,8 @@ class ModelShard:
         self.context_length = getattr(config, "max_position_embeddings", None) or 2048
         layers_config = shard_config(config, start, end)
         self.model = load_shard_model(resolved, layers_config, self.layout, self.settings.dtype)
-        self.weight_bytes = tensor_bytes(self.model.parameters())  # what this shard holds, not the model
+        self.lean = self._lean_path(resolved.model_id)
+        self.weight_bytes = tensor_bytes(self.held_tensors())  # what this shard holds, not the model
         self.tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder)) if self.layout.is_head else None
         budget = self.settings.max_cache_bytes
         if budget is None:
@@ -108,15 +125,23 @@ class ModelShard:
             ttl_seconds=self.settings.cache_ttl,
             max_bytes=budget,
         )
-        self.layers = SessionLayers(self._run_layers, lambda: DynamicCache(config=layers_config), self.sessions,
-                                    start, label=f"model {self.model_id}")
-        self.rows = RowRunner(self.model)
+        if self.lean is not None:
+            self.layers = SessionLayers(self.lean.run, self.lean.new_cache, self.sessions, start,
+                                        label=f"model {self.model_id}")
+            self.rows: Rows = self.lean
+        else:
+            self.layers = SessionLayers(self._run_layers, lambda: DynamicCache(config=layers_config), self.sessions,
+                                        start, label=f"model {self.model_id}")
+            self.rows = RowRunner(self.model)
         self.supports_batching = self.rows.fits  # else decode_batch runs the steps one by one
         self._eos_ids = eos_ids(resolved.folder, config, self.tokenizer)
+        self.compile_seconds: float | None = None
+        if self.settings.compile:
+            self.compile_seconds = compile_lean(self, cache_dir)
         memory = process_memory()
-        log.info("layers %d-%d of %s (%s): %.0f MiB of weights (mapped: resident once read); process resident "
+        log.info("layers %d-%d of %s (%s, %s path): %.0f MiB of weights (mapped: resident once read); process resident "
                  "%.0f MiB, peak %.0f MiB; ready in %.1f s", start, end - 1, self.model_id, self.settings.dtype,
-                 self.weight_bytes / 2**20, memory["resident_bytes"] / 2**20, memory["peak_resident_bytes"] / 2**20,
+                 self.compute_path, self.weight_bytes / 2**20, memory["resident_bytes"] / 2**20, memory["peak_resident_bytes"] / 2**20,
                  time.monotonic() - started)
 
     # -- facts --------------------------------------------------------------
@@ -126,6 +151,37 @@ class ModelShard:
     end = property(lambda self: self.layout.end)
     is_head = property(lambda self: self.layout.is_head)
     is_tail = property(lambda self: self.layout.is_tail)
+
+    @property
+    def compute_path(self) -> str:
+        """What runs the layers: "lean llama", "lean gemma3, int8 weights", or "transformers"."""
+        return self.lean.describe() if self.lean is not None else "transformers"
+
+    @property
+    def compute_facts(self) -> dict[str, Any]:
+        return {"path": self.compute_path, "dtype": self.settings.dtype, "dtype_reason": self.dtype_reason,
+                "threads": torch.get_num_threads(), "compile_seconds": self.compile_seconds}
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The weights this shard holds in memory."""
+        held = [param for param in self.model.parameters() if param.device.type != "meta"]
+        return held + (self.lean.tensors() if self.lean is not None else [])
+
+    def _lean_path(self, model_id: str) -> LeanLayers | None:
+        """Pack the layers for the lean path (and let go of transformers' copies), or None: the transformers path."""
+        wanted = self.settings.compute
+        lean = None if wanted == "transformers" else lean_layers(self.model, self.compute_dtype, self.settings.quant)
+        if lean is None:
+            if wanted == "lean" or self.settings.quant:
+                raise ValueError(f"{model_id} ({self.config.model_type}) has no lean path"
+                                 + (" (int8 weights need it)" if self.settings.quant else ""))
+            return None
+        if self.settings.quant == "int8" and not int8_kernel_runs():
+            raise ValueError("this torch build has no CPU int8 weight-only kernel (aten._weight_int8pack_mm)")
+        self.model.model.layers = torch.nn.ModuleList()  # the packed copies replace them
+        if lean.lm_head is not None:  # int8: the float LM head is needed only as the embeddings (a full node)
+            self.model.lm_head = None
+        return lean
 
     @property
     def supports_kv_cache(self) -> bool:
@@ -139,8 +195,11 @@ class ModelShard:
         return {"weight_bytes": self.weight_bytes, **process_memory()}
 
     def parameter_count(self) -> int:
-        """Parameters this shard holds (a tied matrix counts once)."""
-        unique = {id(param): param.numel() for param in self.model.parameters()}
+        """Parameters this shard holds (a tied matrix counts once; int8 scales are not parameters)."""
+        unique = {param.data_ptr(): param.numel() for param in self.model.parameters()
+                  if param.device.type != "meta"}
+        if self.lean is not None:
+            unique.update({tensor.data_ptr(): tensor.numel() for tensor in self.lean.parameters()})
         return sum(unique.values())
 
     def tokenize(self, text: str) -> list[int]:
@@ -285,7 +344,8 @@ class ModelShard:
         return TailTokenResult(text="", token_id=token_id)
 
     def last_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.model.lm_head(hidden[0, -1, :])
+        int8_head = self.lean is not None and self.lean.lm_head is not None
+        logits = self.lean.logits(hidden[0, -1, :]) if int8_head else self.model.lm_head(hidden[0, -1, :])
         softcap = getattr(self.config, "final_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap

@@ -38,7 +38,9 @@ def payload_from_tensor(hidden: torch.Tensor, past_len: int, wire_dtype: str) ->
 
 
 def cache_nbytes(cache: Any) -> int:
-    """Bytes held by a transformers cache's keys and values."""
+    """Bytes held by a cache's keys and values (a transformers cache, or one that says: `lean.LeanCache`)."""
+    if isinstance(getattr(cache, "nbytes", None), int):
+        return cache.nbytes
     total = 0
     for layer in getattr(cache, "layers", ()):
         for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
@@ -53,6 +55,9 @@ def crop_cache(cache: Any, length: int) -> None:
     Only plain layers can be cut back; a sliding window that dropped its oldest position
     cannot, and raises ValueError (the caller drops the session's cache instead).
     """
+    if hasattr(cache, "crop_to"):  # a lean cache: positions beyond `length` are simply overwritten later
+        cache.crop_to(length)
+        return
     for layer in getattr(cache, "layers", ()):
         keys = getattr(layer, "keys", None)
         if not isinstance(keys, torch.Tensor) or keys.dim() < 2 or keys.shape[-2] <= length:

@@ -2,12 +2,17 @@
 
 For each dtype it measures, on the embedded model:
   * in-process `model.generate()` on the whole model (the baseline);
-  * a `full` node process (one machine, zero hops) through the OpenAI API;
+  * a `full` node process (one machine, zero hops) through the OpenAI API, with float and
+    with `--quant int8` weights;
   * a head + tail mesh on loopback at 1, 4 and 16 concurrent sessions: decode tokens/s
     per session, aggregate tokens/s, time to first token (p50, p95);
   * bytes per decode and per prefill frame (from the tail's metrics);
   * a cached decode step vs a stateless one (the whole context re-run) at several
     context lengths, in-process;
+  * one decode step of a 15-layer shard per compute path, against the time to read its
+    weights once at this machine's measured memory bandwidth (`bench_compute`);
+  * llama.cpp on the same GGUF and thread count, when llama-cpp-python is installed (an
+    optional extra): every decode figure is then also a ratio to it;
   * memory: peak and steady resident memory of a node holding all, half or a third of
     the layers, each a fresh process with a fresh cache (`memory_bench`; off with --short).
 It prints a table and writes JSON. Timing on shared machines is noisy: compare the
@@ -27,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .bench_compute import gguf_of, measure_bandwidth, measure_decode_step, measure_llama_cpp
 from .memory_bench import measure_memory, print_memory, write_report
 from .streams import sessions_run, stream_once
 
@@ -111,12 +117,13 @@ def measure_processes(args: argparse.Namespace, dtype: str, prompt_ids: list[int
 
     common = ("--model", args.model, "--dtype", dtype)
     results: dict[str, Any] = {}
-    full = Mesh([("full", f"0-{args.layers - 1}")], common=common)
-    try:
-        asyncio.run(stream_once(full.head.url, model_id, prompt_ids, 4))  # warm-up
-        results["full_node"] = asyncio.run(sessions_run(full.head.url, model_id, prompt_ids, args.tokens, 1))
-    finally:
-        full.stop()
+    for name, extra in (("full_node", ()), ("full_node_int8", ("--quant", "int8"))):
+        full = Mesh([("full", f"0-{args.layers - 1}")], common=(*common, *extra))
+        try:
+            asyncio.run(stream_once(full.head.url, model_id, prompt_ids, 4))  # warm-up
+            results[name] = asyncio.run(sessions_run(full.head.url, model_id, prompt_ids, args.tokens, 1))
+        finally:
+            full.stop()
     split = args.layers // 2
     mesh = Mesh([("head", f"0-{split - 1}"), ("tail", f"{split}-{args.layers - 1}")], common=common)
     try:
@@ -137,13 +144,23 @@ def measure_processes(args: argparse.Namespace, dtype: str, prompt_ids: list[int
 
 def add_ratios(result: dict[str, Any]) -> None:
     base = result["generate"]["decode_tok_s"]
-    result["full_node"]["ratio_to_generate"] = round(result["full_node"]["per_session_tok_s"] / base, 3)
+    for name in ("full_node", "full_node_int8"):
+        result[name]["ratio_to_generate"] = round(result[name]["per_session_tok_s"] / base, 3)
     one = result["mesh"].get("1", {}).get("aggregate_tok_s")
     for entry in result["mesh"].values():
         entry["per_session_ratio_to_generate"] = round(entry["per_session_tok_s"] / base, 3)
         entry["aggregate_ratio_to_generate"] = round(entry["aggregate_tok_s"] / base, 3)
         if one:
             entry["aggregate_over_one_session"] = round(entry["aggregate_tok_s"] / one, 3)
+    llama = result.get("llama_cpp")
+    if llama:
+        cpp = llama["decode_tok_s"]
+        result["generate"]["ratio_to_llama_cpp"] = round(base / cpp, 3)
+        for name in ("full_node", "full_node_int8"):
+            result[name]["ratio_to_llama_cpp"] = round(result[name]["per_session_tok_s"] / cpp, 3)
+        for entry in result["mesh"].values():
+            entry["per_session_ratio_to_llama_cpp"] = round(entry["per_session_tok_s"] / cpp, 3)
+            entry["aggregate_ratio_to_llama_cpp"] = round(entry["aggregate_tok_s"] / cpp, 3)
 
 
 def targets(result: dict[str, Any]) -> dict[str, Any]:
@@ -153,9 +170,15 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
         "mesh_16_sessions_ge_6x_one": mesh.get("16", {}).get("aggregate_over_one_session"),
         "decode_frame_le_1400_bytes": result["wire"].get("decode_frame_bytes"),
         "cached_ge_15x_stateless_at_1024": result["stateless"].get("1024", {}).get("stateless_over_cached"),
+        "full_node_ge_2x_generate": result["full_node"].get("ratio_to_generate"),
+        "full_node_int8_ge_3x_generate": result["full_node_int8"].get("ratio_to_generate"),
+        "mesh_one_session_ge_1_5x_generate": mesh.get("1", {}).get("per_session_ratio_to_generate"),
+        "full_node_ge_0_5x_llama_cpp": result["full_node"].get("ratio_to_llama_cpp"),
     }
     limits = {"mesh_one_session_ge_1x_generate": 1.0, "mesh_16_sessions_ge_6x_one": 6.0,
-              "decode_frame_le_1400_bytes": 1400, "cached_ge_15x_stateless_at_1024": 15.0}
+              "decode_frame_le_1400_bytes": 1400, "cached_ge_15x_stateless_at_1024": 15.0,
+              "full_node_ge_2x_generate": 2.0, "full_node_int8_ge_3x_generate": 3.0,
+              "mesh_one_session_ge_1_5x_generate": 1.5, "full_node_ge_0_5x_llama_cpp": 0.5}
     report = {}
     for name, value in checks.items():
         if value is None:
@@ -171,8 +194,17 @@ def print_table(report: dict[str, Any]) -> None:
     for dtype, result in report["results"].items():
         base = result["generate"]
         print(f"\n== {dtype} == generate(): {base['decode_tok_s']} tok/s decode, ttft {base['ttft_s'] * 1000:.0f} ms")
-        full = result["full_node"]
-        print(f"full node          : {full['per_session_tok_s']:7.2f} tok/s  ({full['ratio_to_generate']:.2f}x generate)")
+        llama = result.get("llama_cpp")
+        if llama:
+            print(f"llama.cpp          : {llama['decode_tok_s']:7.2f} tok/s  ({llama['threads']} threads, "
+                  f"ttft {llama['ttft_s'] * 1000:.0f} ms; generate() is {base['ratio_to_llama_cpp']:.2f}x of it)")
+        for name, label in (("full_node", "full node         "), ("full_node_int8", "full node, int8   ")):
+            full = result[name]
+            cpp = f", {full['ratio_to_llama_cpp']:.2f}x llama.cpp" if "ratio_to_llama_cpp" in full else ""
+            print(f"{label} : {full['per_session_tok_s']:7.2f} tok/s  ({full['ratio_to_generate']:.2f}x generate{cpp})")
+        for name, step in result["decode_step"].items():
+            print(f"15-layer decode step, {step['path']:<30}: {step['step_ms']:6.2f} ms = {step['over_floor']:.2f}x "
+                  f"the {step['floor_ms']:.2f} ms floor ({step['weight_mib']} MiB at {report['bandwidth_gb_s']} GB/s)")
         print("mesh sessions | tok/s per session (x gen) | aggregate tok/s (x gen, x one) | ttft p50 / p95")
         for count, entry in result["mesh"].items():
             print(f"  {count:>11} | {entry['per_session_tok_s']:8.2f} ({entry['per_session_ratio_to_generate']:.2f}x)"
@@ -230,9 +262,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
                      "repeats": args.repeats, "prompt_tokens": len(prompt_ids)},
         "results": {},
     }
+    bandwidth = measure_bandwidth()
+    report["bandwidth_gb_s"] = round(bandwidth / 1e9, 2)
+    llama = measure_llama_cpp(gguf_of(args.model), prompt_ids, args.tokens)
     for dtype in args.dtype:
         print(f"measuring {dtype} ...", flush=True)
-        result: dict[str, Any] = {"generate": measure_generate(whole, dtype, prompt_ids, args.tokens)}
+        result: dict[str, Any] = {"generate": measure_generate(whole, dtype, prompt_ids, args.tokens),
+                                  "llama_cpp": llama,
+                                  "decode_step": measure_decode_step(resolved, dtype, bandwidth)}
         result.update(measure_processes(args, dtype, prompt_ids, resolved.model_id))
         result["stateless"] = measure_cached_vs_stateless(resolved, dtype, args.contexts, args.repeats)
         if args.tls:

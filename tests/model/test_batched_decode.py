@@ -48,7 +48,7 @@ def test_batched_rows_match_single_rows_logits_and_tokens(full):
             entries = [full.sessions.lookup(f"batch-{index}") for index in range(len(tokens))]
             hidden = full.model.model.embed_tokens(torch.tensor([[t] for t in tokens]))
             positions = torch.tensor([[e.seq_len] for e in entries])
-            out = full.rows.run(hidden, positions, [e.cache for e in entries])
+            out = full.rows.run_rows(hidden, positions, [e.cache for e in entries])
             for entry in entries:
                 entry.seq_len += 1
             for row, single in enumerate(alone_logits):

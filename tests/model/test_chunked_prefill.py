@@ -114,13 +114,13 @@ def test_a_batch_that_raises_is_undone_and_its_rows_run_alone(shards, monkeypatc
         head.encode_prompt([1, 2, 3], session_id=f"alone-{index}")
         head.encode_prompt([1, 2, 3], session_id=f"batch-{index}")
     expected = [head.encode_next_token(9, f"alone-{index}") for index in range(2)]
-    real_run = head.rows.run
+    real_run = head.rows.run_rows
 
     def run_then_fail(hidden, positions, caches):
         real_run(hidden, positions, caches)  # every cache now holds one position too many
         raise MemoryError("test: no memory for the batch")
 
-    monkeypatch.setattr(head.rows, "run", run_then_fail)
+    monkeypatch.setattr(head.rows, "run_rows", run_then_fail)
     results = head.decode_batch([DecodeStep(f"batch-{index}", token_id=9) for index in range(2)])
     assert not any(isinstance(r, Exception) for r in results), results
     for got, want in zip(results, expected):

@@ -7,7 +7,8 @@ converts only its span.
 import pytest
 import torch
 
-from meshws.model.shard import ModelShard, TailTokenResult
+from helpers import run_chain
+from meshws.model.shard import ModelShard
 
 pytestmark = pytest.mark.real_model
 
@@ -40,22 +41,6 @@ def gemma_reference(gemma_gguf):
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
-def _chain(shards, ids, steps, session):
-    tokens = []
-    result = shards[0].encode_prompt(ids, session_id=session)
-    mode = "prefill"
-    while True:
-        for shard in shards[1:]:
-            result = shard.forward_bytes(result.body, result.shape, session_id=session,
-                                         cache_mode=mode, past_len=result.past_len, dtype=result.dtype)
-        assert isinstance(result, TailTokenResult)
-        tokens.append(result.token_id)
-        if len(tokens) == steps:
-            return tokens
-        result = shards[0].encode_next_token(tokens[-1], session)
-        mode = "decode"
-
-
 def test_gemma_three_shard_split_matches_generate(gemma, gemma_reference):
     # 18 layers; the cut at 5/6 and 11/12 puts sliding and global layers on both sides.
     shards = [ModelShard(gemma, 0, 6), ModelShard(gemma, 6, 11), ModelShard(gemma, 11, 18)]
@@ -64,7 +49,7 @@ def test_gemma_three_shard_split_matches_generate(gemma, gemma_reference):
         ids = shards[0].tokenize(prompt)
         with torch.inference_mode():
             golden = gemma_reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32)[0, len(ids):]
-        assert _chain(shards, ids, len(golden), f"g{index}") == golden.tolist()
+        assert run_chain(shards, ids, len(golden), f"g{index}") == golden.tolist()
 
 
 def test_gemma_split_beyond_the_sliding_window(gemma, gemma_reference):
@@ -75,4 +60,23 @@ def test_gemma_split_beyond_the_sliding_window(gemma, gemma_reference):
     assert len(ids) > 600
     with torch.inference_mode():
         golden = gemma_reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12)[0, len(ids):]
-    assert _chain(shards, ids, len(golden), "long") == golden.tolist()
+    assert run_chain(shards, ids, len(golden), "long") == golden.tolist()
+
+
+def test_gemma_lean_chunked_prefill_beyond_the_window_matches_transformers(gemma):
+    """Chunks of 200 over a 600+ token prompt: each chunk's sliding layers see only the window."""
+    from meshws.model.backend import PrefillStep, run_prefill
+    from meshws.model.shard import ShardSettings
+
+    lean = ModelShard(gemma, 0, 18)
+    plain = ModelShard(gemma, 0, 18, ShardSettings(dtype="float32", compute="transformers"))
+    assert lean.compute_path == "lean gemma3" and plain.compute_path == "transformers"
+    text = " ".join(f"Item {n} is a {['red', 'green', 'blue'][n % 3]} box." for n in range(90))
+    ids = lean.tokenize(text + " The colour of item 7 is")
+    got = [run_prefill(lean, PrefillStep("s", token_ids=ids), 200).token_id]
+    want = [plain.encode_prompt(ids, session_id="s").token_id]
+    while len(got) < 8:
+        got.append(lean.encode_next_token(got[-1], "s").token_id)
+        want.append(plain.encode_next_token(want[-1], "s").token_id)
+    assert got == want
+    assert lean.release_session("s") and lean.sessions.total_bytes == 0

@@ -51,8 +51,8 @@ def test_a_tail_converts_only_its_span_and_an_overlapping_node_only_the_differen
     assert "converted 5 float32 tensor parts" in caplog.text
     after = _stamps(folder)
     assert all(after[name] == stamp for name, stamp in before.items()), "shared files were rewritten"
-    # Layers 20-24 are one file each, mapped by both shards.
-    assert torch.equal(middle.model.model.layers[5].mlp.up_proj.weight, tail.model.model.layers[0].mlp.up_proj.weight)
+    # Layers 20-24 are one file each, read by both shards (and packed by each for the lean path).
+    assert torch.equal(middle.lean.layers[5].gate_up[0], tail.lean.layers[0].gate_up[0])
 
 
 def test_nodes_started_together_convert_each_part_once(empty_model):

@@ -1,0 +1,344 @@
+"""The lean path: a shard's decoder layers run over its own packed weights, without transformers' modules.
+
+For the architectures meshws knows (Llama-style, e.g. SmolLM2; Gemma-3) the layers are
+repacked once at load: q/k/v fused into one matrix, gate/up into one, norm weights
+prepared (Gemma's `1 + w`), rotary tables computed once per layer type. A session's
+keys and values live in `LeanCache`: per-layer buffers grown in blocks and written in
+place, so a decode step allocates no cache objects. Attention is torch's
+`scaled_dot_product_attention`. The arithmetic follows transformers' own modules
+operation by operation, so fp32 output is the transformers path's.
+
+`--quant int8` stores every linear weight as int8 with one scale per output channel
+and runs it with torch's CPU weight-only int8 kernel (`linear`).
+
+Another architecture (or one with features the lean path lacks, such as attention
+logit soft-capping) gets `None` from `lean_layers` and keeps the transformers path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .cache_store import KVCacheMiss
+from .packed import LeanCache, Linear, linear, pack_linear
+
+
+
+def _cat_bias(*modules: Any) -> torch.Tensor | None:
+    biases = [m.bias for m in modules]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b if b is not None else torch.zeros(m.weight.shape[0]) for b, m in zip(biases, modules)])
+
+
+class _Layer:
+    """One decoder layer's packed weights."""
+
+    def __init__(self, module: Any, kind: str, dtype: torch.dtype, quant: str | None) -> None:
+        attn, mlp = module.self_attn, module.mlp
+        self.qkv = pack_linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                               _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), dtype, quant)
+        self.o = pack_linear(attn.o_proj.weight, attn.o_proj.bias, dtype, quant)
+        self.gate_up = pack_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                                   _cat_bias(mlp.gate_proj, mlp.up_proj), dtype, quant)
+        self.down = pack_linear(mlp.down_proj.weight, mlp.down_proj.bias, dtype, quant)
+        self.norms: dict[str, torch.Tensor] = {}
+        names = ["input_layernorm", "post_attention_layernorm"]
+        if kind == "gemma3":
+            names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        for name in names:
+            self.norms[name] = _norm_weight(getattr(module, name).weight, kind, dtype)
+        if kind == "gemma3":
+            self.norms["q_norm"] = _norm_weight(attn.q_norm.weight, kind, dtype)
+            self.norms["k_norm"] = _norm_weight(attn.k_norm.weight, kind, dtype)
+        # in order: input, post-attention (Gemma: then pre- and post-feedforward, q and k norms)
+        self.norm_list = tuple(self.norms.values())
+
+    def tensors(self) -> list[torch.Tensor]:
+        found = [t for packed in (self.qkv, self.o, self.gate_up, self.down) for t in packed if t is not None]
+        return found + list(self.norms.values())
+
+
+def _norm_weight(weight: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    if kind == "gemma3":  # Gemma multiplies in fp32 by (1 + w), then casts
+        return (1.0 + weight.detach().float()).contiguous()
+    return weight.detach().to(dtype).contiguous()
+
+
+def architecture(config: Any) -> str | None:
+    """Which lean path fits `config`: "llama", "gemma3", or None (the transformers path)."""
+    if getattr(config, "attn_logit_softcapping", None):
+        return None
+    model_type = getattr(config, "model_type", "")
+    if model_type in ("llama", "mistral", "qwen2") and getattr(config, "hidden_act", "silu") == "silu":
+        if getattr(config, "sliding_window", None) and model_type != "llama":
+            if getattr(config, "use_sliding_window", False):
+                return None
+        rope = getattr(config, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") not in ("default", "llama3", "linear"):
+            return None
+        return "llama"
+    if model_type == "gemma3_text" and getattr(config, "hidden_activation", "") == "gelu_pytorch_tanh":
+        if getattr(config, "use_bidirectional_attention", False):
+            return None
+        return "gemma3"
+    return None
+
+
+class LeanLayers:
+    """A shard's decoder layers (and its final norm) on packed weights; also the batched-rows runner."""
+
+    fits = True  # batched decode runs through `run_rows`
+    compiled = False
+
+    def __init__(self, model: Any, kind: str, dtype: torch.dtype, quant: str | None = None) -> None:
+        base, config = model.model, model.config
+        self.kind = kind
+        self.dtype = dtype
+        self.quant = quant
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.eps = config.rms_norm_eps
+        if kind == "gemma3":
+            self.scaling = config.query_pre_attn_scalar ** -0.5
+            self.layer_types = list(config.layer_types)
+            self.window = config.sliding_window
+        else:
+            self.scaling = self.head_dim ** -0.5
+            self.layer_types = ["full_attention"] * len(base.layers)
+            self.window = None
+        self.layers = []
+        for index, module in enumerate(base.layers):  # each layer's mapped file is let go once packed
+            self.layers.append(_Layer(module, kind, dtype, quant))
+            base.layers[index] = torch.nn.Identity()
+        self.final_norm = base.norm  # identity on a shard that is not the tail
+        self._rotary = base.rotary_emb
+        self._rotary_by_type = kind == "gemma3"
+        self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._before = self._before_attention  # or their compiled versions (`compiled.compile_lean`)
+        self._after = self._after_attention
+        self.lm_head: Linear | None = None
+        if getattr(model, "lm_head", None) is not None:
+            head = model.lm_head
+            self.lm_head = pack_linear(head.weight, head.bias, dtype, quant) if quant else None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The int8 LM head (only with `quant`; else the shard's own `lm_head` module runs)."""
+        assert self.lm_head is not None
+        return linear(hidden, self.lm_head)
+
+    def describe(self) -> str:
+        return (f"lean {self.kind}" + (f", {self.quant} weights" if self.quant else "")
+                + (", compiled" if self.compiled else ""))
+
+    def tensors(self) -> list[torch.Tensor]:
+        found = [t for layer in self.layers for t in layer.tensors()]
+        return found + [t for t in (self.lm_head or ()) if t is not None]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The packed weights that are the model's parameters (not the int8 scales)."""
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        linears += [self.lm_head] if self.lm_head is not None else []
+        found = [weight for weight, _, _ in linears] + [bias for _, bias, _ in linears if bias is not None]
+        return found + [norm for layer in self.layers for norm in layer.norms.values()]
+
+    def new_cache(self) -> LeanCache:
+        return LeanCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
+
+    # -- rotary tables ---------------------------------------------------------
+
+    def _table(self, layer_type: str, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[positions, head_dim]` for positions 0..needed-1 at least (computed once, grown by doubling)."""
+        table = self._tables.get(layer_type)
+        if table is None or table[0].shape[0] < needed:
+            size = max(needed, 2 * table[0].shape[0] if table is not None else 1024)
+            ids = torch.arange(size, dtype=torch.long).unsqueeze(0)
+            probe = torch.empty(0, dtype=self.dtype)
+            if self._rotary_by_type:
+                cos, sin = self._rotary(probe, ids, layer_type)
+            else:
+                cos, sin = self._rotary(probe, position_ids=ids)
+            table = (cos[0].contiguous(), sin[0].contiguous())
+            self._tables[layer_type] = table
+        return table
+
+    def _rope(self, positions: torch.Tensor, needed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer type, cos and sin for `positions` (flat), shaped to broadcast over `[rows, heads, T, dim]`."""
+        found = {}
+        for layer_type in set(self.layer_types):
+            cos, sin = self._table(layer_type, needed)
+            found[layer_type] = (cos[positions], sin[positions])
+        return found
+
+    # -- the arithmetic, as transformers does it -------------------------------
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        normed = x.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.kind == "gemma3":
+            return (normed * weight).type_as(x)
+        return weight * normed.to(x.dtype)
+
+    def _mlp(self, x: torch.Tensor, gate_up: Linear, down: Linear) -> torch.Tensor:
+        gate, up = linear(x, gate_up).chunk(2, dim=-1)
+        if self.kind == "gemma3":
+            return linear(F.gelu(gate, approximate="tanh") * up, down)
+        return linear(F.silu(gate) * up, down)
+
+    def _before_attention(self, hidden: torch.Tensor, norms: tuple[torch.Tensor, ...], qkv: Linear,
+                          cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Norm, projections and rotary: q `[rows, heads, T, dim]`, k and v `[rows, kv_heads, T, dim]`."""
+        rows, count = hidden.shape[0], hidden.shape[1]
+        x = self._norm(hidden, norms[0])
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = linear(x, qkv).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(rows, count, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(rows, count, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(rows, count, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.kind == "gemma3":
+            q = self._norm(q, norms[-2])
+            k = self._norm(k, norms[-1])
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v
+
+    def _after_attention(self, hidden: torch.Tensor, attended: torch.Tensor, norms: tuple[torch.Tensor, ...],
+                         o: Linear, gate_up: Linear, down: Linear) -> torch.Tensor:
+        """Output projection, residuals, norms and MLP."""
+        rows, count = hidden.shape[0], hidden.shape[1]
+        out = linear(attended.transpose(1, 2).reshape(rows, count, self.heads * self.head_dim), o)
+        if self.kind == "gemma3":
+            hidden = hidden + self._norm(out, norms[1])
+            x = self._norm(hidden, norms[2])
+            return hidden + self._norm(self._mlp(x, gate_up, down), norms[3])
+        hidden = hidden + out
+        return hidden + self._mlp(self._norm(hidden, norms[1]), gate_up, down)
+
+    def _block(self, layer: _Layer, hidden: torch.Tensor, attend: Callable[[torch.Tensor, torch.Tensor,
+               torch.Tensor], torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._before(hidden, layer.norm_list, layer.qkv, cos, sin)
+        return self._after(hidden, attend(q, k, v), layer.norm_list, layer.o, layer.gate_up, layer.down)
+
+    # -- one session: a prefill, a chunk or a decode step ----------------------
+
+    def run(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: LeanCache | None) -> torch.Tensor:
+        """Hidden states `[1, T, hidden]` at `position_ids` (consecutive) through the layers and the final norm.
+
+        With a cache the step's keys and values are written at its positions and
+        attention sees everything before them; without one the step runs stateless
+        from position 0.
+        """
+        count = hidden.shape[1]
+        past = int(position_ids[0, 0]) if count else 0
+        total = past + count
+        if cache is None and past:
+            raise ValueError("a stateless step starts at position 0")
+        if cache is not None:
+            if cache.length < past:
+                raise KVCacheMiss(f"the cache holds {cache.length} positions, the step starts at {past}")
+            cache.reserve(total)
+        rope = self._rope(position_ids[0], total)
+        masks: dict[str, torch.Tensor | None] = {}
+        for index, layer in enumerate(self.layers):
+            layer_type = self.layer_types[index]
+            window = self.window if layer_type == "sliding_attention" else None
+            if layer_type not in masks:
+                masks[layer_type] = _mask(past, count, window)
+            mask = masks[layer_type]
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int = index,
+                       window: int | None = window, mask: torch.Tensor | None = mask) -> torch.Tensor:
+                if cache is not None:
+                    cache.keys[index][:, :, past:total] = k
+                    cache.values[index][:, :, past:total] = v
+                    low = max(0, total - window - count + 1) if window and count == 1 else 0
+                    k = cache.keys[index][:, :, low:total]
+                    v = cache.values[index][:, :, low:total]
+                if count == 1:
+                    return self._attend_one(q, k, v)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                      scale=self.scaling, enable_gqa=self.heads != self.kv_heads)
+
+            cos, sin = rope[layer_type]
+            hidden = self._block(layer, hidden, attend, cos, sin)
+        if cache is not None:
+            cache.length = total
+        return self.final_norm(hidden)
+
+    def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One query position per row against its keys (the query heads of a group share their key head)."""
+        return F.scaled_dot_product_attention(q, k, v, scale=self.scaling, enable_gqa=self.heads != self.kv_heads)
+
+    # -- several sessions' one-token steps at once -----------------------------
+
+    def run_rows(self, hidden: torch.Tensor, positions: torch.Tensor, caches: Sequence[LeanCache]) -> torch.Tensor:
+        """Rows `[rows, 1, hidden]`, row r at `positions[r, 0]` of session cache `caches[r]`.
+
+        Projections, MLPs and norms run on all rows at once; each row attends to its
+        own cache. Every row's cache is grown before any is written, so a failure
+        (out of memory) leaves them all as they were.
+        """
+        flat = positions[:, 0]
+        pasts = [int(p) for p in flat]
+        for cache, past in zip(caches, pasts):
+            if cache.length < past:
+                raise KVCacheMiss(f"the cache holds {cache.length} positions, the step starts at {past}")
+            cache.reserve(past + 1)
+        rope = self._rope(flat, max(pasts) + 1)
+        for index, layer in enumerate(self.layers):
+            layer_type = self.layer_types[index]
+            window = self.window if layer_type == "sliding_attention" else None
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int = index,
+                       window: int | None = window) -> torch.Tensor:
+                outputs = []
+                for row, (cache, past) in enumerate(zip(caches, pasts)):
+                    cache.keys[index][:, :, past : past + 1] = k[row : row + 1]
+                    cache.values[index][:, :, past : past + 1] = v[row : row + 1]
+                    low = max(0, past + 1 - window) if window else 0
+                    outputs.append(self._attend_one(q[row : row + 1], cache.keys[index][:, :, low : past + 1],
+                                                    cache.values[index][:, :, low : past + 1]))
+                return torch.cat(outputs)
+
+            cos, sin = rope[layer_type]
+            hidden = self._block(layer, hidden, attend, cos.unsqueeze(1).unsqueeze(1), sin.unsqueeze(1).unsqueeze(1))
+        for cache, past in zip(caches, pasts):
+            cache.length = past + 1
+        return self.final_norm(hidden)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _mask(past: int, count: int, window: int | None) -> torch.Tensor | None:
+    """Which keys each of `count` query positions (from `past`) may see: None when plain causal from 0 will do."""
+    if count == 1:
+        return None  # one query: the keys handed to attention are exactly what it may see
+    if past == 0 and window is None:
+        return None
+    query = torch.arange(past, past + count).unsqueeze(1)
+    key = torch.arange(past + count).unsqueeze(0)
+    allowed = key <= query
+    if window is not None:
+        allowed &= query - key < window
+    return allowed
+
+
+def lean_layers(model: Any, dtype: torch.dtype, quant: str | None = None) -> LeanLayers | None:
+    """The lean path for this shard's model, or None if its architecture has none."""
+    kind = architecture(model.config)
+    if kind is None:
+        return None
+    return LeanLayers(model, kind, dtype, quant)
+
+
+def weight_floor_ms(weight_bytes: int, bandwidth_bytes_per_s: float) -> float:
+    """The time to read `weight_bytes` once at `bandwidth_bytes_per_s`, in ms (a decode step's lower bound)."""
+    return weight_bytes / bandwidth_bytes_per_s * 1e3 if bandwidth_bytes_per_s > 0 else math.inf

@@ -1,0 +1,97 @@
+"""The benchmark's compute figures: one decode step against the weight-bandwidth floor, and llama.cpp.
+
+* `measure_bandwidth`: how fast this machine reads memory (GB/s), from summing a buffer
+  far larger than its caches;
+* `measure_decode_step`: one token through a 15-layer middle shard (no embeddings, no LM
+  head), per compute path (transformers, lean, lean with int8 weights): ms per step and
+  the ratio to the floor, i.e. the time to read the shard's weights once at that bandwidth;
+* `measure_llama_cpp`: llama.cpp (llama-cpp-python, an optional extra) on the same GGUF,
+  the same prompt token ids and the same thread count: decode tok/s and time to first
+  token. None when it is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+
+def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second this process reads from memory (best of `repeats` sums over a cold-sized buffer)."""
+    import torch
+
+    buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - started)
+    return buffer.nbytes / best
+
+
+def measure_decode_step(resolved: Any, dtype: str, bandwidth: float, steps: int = 20,
+                        context: int = 64) -> dict[str, Any]:
+    """ms per one-token decode step of a 15-layer middle shard, per compute path, and its ratio to the floor."""
+    import torch
+
+    from ..model.shard import ModelShard, ShardSettings
+    from ..model.tensors import positions
+
+    results: dict[str, Any] = {}
+    for name, settings in (("transformers", ShardSettings(dtype=dtype, compute="transformers")),
+                           ("lean", ShardSettings(dtype=dtype, compute="lean")),
+                           ("lean_int8", ShardSettings(dtype=dtype, compute="lean", quant="int8"))):
+        shard = ModelShard(resolved, 5, 20, settings)
+        width = shard.hidden_size
+        with torch.inference_mode():
+            shard.layers.run(torch.randn(1, context, width, dtype=shard.compute_dtype), positions(0, context),
+                             "bench", "prefill", 0)
+            times = []
+            for index in range(steps):
+                hidden = torch.randn(1, 1, width, dtype=shard.compute_dtype)
+                started = time.perf_counter()
+                shard.layers.run(hidden, positions(context + index, 1), "bench", "decode", context + index)
+                times.append(time.perf_counter() - started)
+        shard.release_session("bench")
+        step = statistics.median(times[2:])
+        floor = shard.weight_bytes / bandwidth
+        results[name] = {"step_ms": round(step * 1e3, 2), "floor_ms": round(floor * 1e3, 2),
+                         "over_floor": round(step / floor, 2), "weight_mib": round(shard.weight_bytes / 2**20, 1),
+                         "path": shard.compute_path}
+    return results
+
+
+def measure_llama_cpp(gguf: Path | None, prompt_ids: list[int], tokens: int) -> dict[str, Any] | None:
+    """llama.cpp's greedy decode of the same prompt ids with as many threads as meshws uses; None without it."""
+    if gguf is None:
+        return None
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    threads = os.cpu_count() or 1
+    llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
+    llm.create_completion(prompt=prompt_ids, max_tokens=2, temperature=0)  # warm-up
+    llm.reset()
+    started = time.perf_counter()
+    stamps = []
+    for _ in llm.create_completion(prompt=prompt_ids, max_tokens=tokens + 1, temperature=0, stream=True,
+                                   logit_bias={llm.token_eos(): -1e9}):
+        stamps.append(time.perf_counter())
+    ttft = stamps[0] - started
+    decode = (len(stamps) - 1) / max(stamps[-1] - stamps[0], 1e-9)
+    return {"decode_tok_s": round(decode, 2), "ttft_s": round(ttft, 4), "threads": threads,
+            "gguf": gguf.name}
+
+
+def gguf_of(model: str) -> Path | None:
+    """The GGUF file a model spec names (the embedded model's included), else None."""
+    from ..model.source import embedded_gguf_path
+
+    if model in ("embedded", "", None):
+        return embedded_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None

@@ -1,0 +1,131 @@
+"""`python -m meshws.tools.quality`: what int8 weights cost in quality, measured against the float model.
+
+Loads the whole model twice in this process (float and `--quant int8`, both on the lean
+path) and reports:
+
+  * greedy agreement: for each test prompt (the golden tests' chat prompts and a few
+    more), how many of the first `--tokens` greedy tokens the int8 model shares with
+    the float one before they part, and whether all of them agree;
+  * teacher-forced agreement on a fixed text: the share of positions where both
+    models' top next-token choice is the same;
+  * mean log-likelihood per token of that fixed text under each model.
+
+It prints a table and, with --out, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+import torch
+
+PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain in detail how a bicycle works.",
+    "List ten fruits and describe the taste of each one.",
+    "What is the capital of France?",
+    "Give me three tips for writing clear emails.",
+    "How do vaccines train the immune system?",
+    "Translate 'good morning, how are you?' into Spanish.",
+    "Write a Python function that reverses a string.",
+]
+
+TEXT = (
+    "The river rises in the hills to the north and runs for some two hundred miles before it reaches the sea. "
+    "For most of its length it is slow and wide, and the towns along its banks grew up around the bridges and "
+    "the ferries that crossed it. In the spring, when the snow melts, the water can rise by several feet in a "
+    "single night, and the old houses near the bank still have marks on their walls that show how high the "
+    "great floods came. Farmers grow wheat and barley on the flat land beside the river, and in the autumn the "
+    "fields are busy with machines bringing in the harvest. Children learn to swim in the shallow pools below "
+    "the weir, and in the evenings people walk along the towpath to watch the boats come home."
+)
+
+
+def greedy(shard: Any, ids: Sequence[int], steps: int, session: str) -> list[int]:
+    tokens = [shard.encode_prompt(list(ids), session_id=session).token_id]
+    while len(tokens) < steps:
+        tokens.append(shard.encode_next_token(tokens[-1], session, history=[*ids, *tokens]).token_id)
+    shard.release_session(session)
+    return tokens
+
+
+def text_logits(shard: Any, ids: Sequence[int]) -> torch.Tensor:
+    """Next-token logits at every position of `ids` (one stateless pass)."""
+    from meshws.model.tensors import positions
+
+    with torch.inference_mode():
+        hidden = shard.layers.run(shard.embed(ids), positions(0, len(ids)))
+        if shard.lean is not None and shard.lean.lm_head is not None:
+            return shard.lean.logits(hidden[0]).float()
+        return shard.model.lm_head(hidden[0]).float()
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two continuations share."""
+    same = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        same += 1
+    return same
+
+
+def measure(model: str | None, tokens: int, dtype: str) -> dict[str, Any]:
+    from meshws.model.shard import ModelShard, ShardSettings
+    from meshws.model.source import locate_model
+
+    resolved = locate_model(model)
+    float_shard = ModelShard(resolved, 0, None, ShardSettings(dtype=dtype, compute="lean"))
+    int8_shard = ModelShard(resolved, 0, None, ShardSettings(dtype=dtype, compute="lean", quant="int8"))
+    tokenizer = float_shard.tokenizer
+    prompts = []
+    for text in PROMPTS:
+        ids = float_shard.tokenize(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                                 add_generation_prompt=True, tokenize=False))
+        want = greedy(float_shard, ids, tokens, "float")
+        got = greedy(int8_shard, ids, tokens, "int8")
+        prompts.append({"prompt": text, "shared_prefix": agreement(want, got), "all_agree": want == got})
+    ids = float_shard.tokenize(TEXT)
+    targets = torch.tensor(ids[1:])
+    result: dict[str, Any] = {"model": resolved.model_id, "dtype": dtype, "tokens": tokens, "prompts": prompts,
+                              "text_tokens": len(ids) - 1}
+    top = {}
+    for name, shard in (("float", float_shard), ("int8", int8_shard)):
+        logits = text_logits(shard, ids)[:-1]
+        result[f"mean_loglik_{name}"] = float(torch.log_softmax(logits, -1).gather(1, targets[:, None]).mean())
+        top[name] = logits.argmax(-1)
+    result["teacher_forced_top1_agreement"] = float((top["float"] == top["int8"]).float().mean())
+    result["weight_bytes"] = {"float": float_shard.weight_bytes, "int8": int8_shard.weight_bytes}
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m meshws.tools.quality", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--tokens", type=int, default=32, help="greedy tokens compared per prompt")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--out", default=None, help="where to write the JSON")
+    args = parser.parse_args(argv)
+    result = measure(args.model, args.tokens, args.dtype)
+    print(f"{result['model']} ({result['dtype']} vs int8 weights), {result['tokens']} greedy tokens per prompt")
+    for row in result["prompts"]:
+        print(f"  {row['shared_prefix']:>3}/{result['tokens']} {'same' if row['all_agree'] else 'parts'}  "
+              f"{row['prompt']}")
+    same = sum(row["all_agree"] for row in result["prompts"])
+    print(f"prompts with identical output: {same}/{len(result['prompts'])}")
+    print(f"fixed text ({result['text_tokens']} tokens): mean log-likelihood float {result['mean_loglik_float']:.4f}, "
+          f"int8 {result['mean_loglik_int8']:.4f}; top-1 agreement {result['teacher_forced_top1_agreement']:.3f}")
+    print(f"weights: float {result['weight_bytes']['float'] / 2**20:.0f} MiB, "
+          f"int8 {result['weight_bytes']['int8'] / 2**20:.0f} MiB")
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(result, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""The lean path: packed weights and in-place KV buffers give the transformers path's tokens.
+
+The golden tests (`test_shard_golden`, `test_gemma_golden`) run shards on the default
+path, which is lean for both architectures, against transformers' `generate()`; these
+tests compare the two paths directly, and check the buffers' bookkeeping.
+"""
+
+import pytest
+import torch
+
+from helpers import run_chain
+from meshws.model.backend import DecodeStep
+from meshws.model.packed import CACHE_BLOCK, LeanCache
+from meshws.model.shard import ModelShard, ShardSettings
+
+pytestmark = pytest.mark.real_model
+
+LEAN = ShardSettings(dtype="float32", compute="lean")
+PLAIN = ShardSettings(dtype="float32", compute="transformers")
+
+
+def _chat(shard, text):
+    return shard.tokenize(shard.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                              add_generation_prompt=True, tokenize=False))
+
+
+@pytest.fixture(scope="module")
+def plain(embedded_model):
+    return ModelShard(embedded_model, 0, 30, PLAIN)
+
+
+def test_the_shard_says_which_path_it_runs(embedded_model, plain):
+    lean = ModelShard(embedded_model, 20, 30, LEAN)
+    assert lean.compute_path == "lean llama" and plain.compute_path == "transformers"
+    assert lean.compute_facts["path"] == "lean llama" and lean.compute_facts["dtype"] == "float32"
+    assert len(lean.model.model.layers) == 0, "transformers' copies of the layers are let go"
+    assert lean.weight_bytes == 4 * lean.parameter_count()
+
+
+@pytest.mark.parametrize("cuts", [(), (15,), (7, 19)], ids=["whole", "two", "three"])
+def test_every_split_gives_the_transformers_tokens(embedded_model, plain, cuts):
+    bounds = [0, *cuts, 30]
+    shards = [ModelShard(embedded_model, a, b, LEAN) for a, b in zip(bounds, bounds[1:])]
+    ids = _chat(plain, "Explain in detail how a bicycle works.")
+    want = run_chain([plain], ids, 24, "plain")
+    assert run_chain(shards, ids, 24, "lean") == want
+    assert all(shard.sessions.total_bytes == 0 for shard in shards)
+
+
+def test_kv_buffers_grow_in_blocks_are_counted_and_released(embedded_model):
+    shard = ModelShard(embedded_model, 0, 30, LEAN)
+    per_position = 30 * 2 * 3 * 64 * 4  # layers x (keys, values) x kv heads x head dim x fp32
+    shard.encode_prompt(list(range(1, 11)), session_id="s")
+    entry = shard.sessions.lookup("s")
+    assert isinstance(entry.cache, LeanCache) and entry.seq_len == 10
+    assert shard.sessions.total_bytes == CACHE_BLOCK * per_position
+    token = 5
+    for _ in range(CACHE_BLOCK - 10 + 1):  # one position past the first block
+        token = shard.encode_next_token(token, "s").token_id
+    assert entry.seq_len == CACHE_BLOCK + 1
+    assert shard.sessions.total_bytes == entry.cache.nbytes > CACHE_BLOCK * per_position
+    assert shard.release_session("s") and shard.sessions.total_bytes == 0
+
+
+def test_growing_keeps_what_the_buffers_hold():
+    cache = LeanCache(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32)
+    cache.reserve(3)
+    cache.keys[1][:, :, :3] = torch.arange(12.0).view(1, 1, 3, 4)
+    cache.length = 3
+    cache.reserve(CACHE_BLOCK + 1)
+    assert cache.capacity == 2 * CACHE_BLOCK
+    assert torch.equal(cache.keys[1][:, :, :3], torch.arange(12.0).view(1, 1, 3, 4))
+    cache.crop_to(2)
+    assert cache.length == 2
+
+
+def test_batched_lean_rows_equal_each_row_alone(embedded_model):
+    shard = ModelShard(embedded_model, 0, 30, LEAN)
+    texts = ["Hi", "Write a short story about a robot who learns to paint.", "What is 2 + 2?"]
+    prompts = [_chat(shard, text) for text in texts]
+    alone, batched = [], []
+    for index, ids in enumerate(prompts):
+        alone.append(run_chain([shard], ids, 12, f"alone-{index}"))
+        batched.append([shard.encode_prompt(ids, session_id=f"row-{index}").token_id])
+    for _ in range(11):
+        steps = [DecodeStep(f"row-{index}", token_id=tokens[-1]) for index, tokens in enumerate(batched)]
+        for tokens, result in zip(batched, shard.decode_batch(steps)):
+            tokens.append(result.token_id)
+    assert batched == alone
+    for index in range(len(prompts)):
+        shard.release_session(f"row-{index}")
+    assert shard.sessions.total_bytes == 0
