@@ -85,7 +85,8 @@ _HELP = {
     "quant": "int8: store linear weights as int8 with a scale per output channel (about a third of fp32's "
              "memory, faster decode; slightly different output, see the README); needs the lean path",
     "wire_dtype": "dtype of hidden states sent between nodes",
-    "threads": "torch intra-op threads (default: all cores)",
+    "threads": "torch intra-op threads (default: the host's cores split between the meshws nodes running on it, "
+               "followed as nodes come and go)",
     "max_frame_bytes": "largest websocket frame this node accepts, e.g. 64M",
     "compress_min_bytes": "tensor bodies at least this large are zstd-compressed when that saves 10%%",
     "step_timeout": "seconds the head waits for one step before calling the pipeline failed",

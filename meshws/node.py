@@ -28,6 +28,7 @@ from .api.openai_routes import OpenAIApi
 from .api.page import add_page_routes
 from .access import NodeAccess, tls_contexts
 from .config import NodeSettings, parse_settings
+from .cores import CoreShare
 from .head.admission import AdmissionQueue
 from .head.generation import Generator
 from .head.membership import RegistryEndpoints
@@ -35,6 +36,7 @@ from .head.planner import RoutePlanner
 from .head.registry import Registry
 from .head.routes import NoRoute, chain_gaps
 from .head.service import HeadService
+from .loading import check_role, load_backend
 from .mesh.addresses import host_of, is_loopback
 from .mesh.auth import CHALLENGE_PATH
 from .mesh.compute import ComputeWorker
@@ -50,32 +52,11 @@ from .reports import NodeReports
 log = logging.getLogger("meshws.node")
 
 
-def load_backend(settings: NodeSettings) -> ShardBackend:
-    from .model.shard import ModelShard, ShardSettings
-
-    start, end = settings.layers if isinstance(settings.layers, tuple) else (0, None)
-    shard_settings = ShardSettings(dtype=settings.dtype, wire_dtype=settings.wire_dtype,
-                                   max_sessions=settings.max_sessions, cache_ttl=settings.cache_ttl,
-                                   max_cache_bytes=settings.max_cache_bytes, threads=settings.threads,
-                                   compute=settings.compute, quant=settings.quant, compile=settings.compile)
-    return ModelShard(settings.model, start, end, shard_settings, cache_dir=settings.cache_dir)
-
-
-def check_role(role: str, backend: ShardBackend) -> str | None:
-    last = backend.total_layers - 1
-    if role == "tail" and not backend.is_tail:
-        return f"a tail must run through the last layer ({last}); use --layers A-{last}"
-    if role == "middle" and backend.is_tail:
-        return f"a middle node must stop before the last layer ({last}); this is a tail"
-    if role == "head" and backend.is_tail:
-        return "this head runs every layer; use --role full"
-    return None
-
-
 class Node(NodeReports):
     def __init__(self, settings: NodeSettings, backend: ShardBackend | None = None) -> None:
         self.settings = settings
         self.backend = backend
+        self.cores: CoreShare | None = None  # this host's cores, shared with its other nodes
         self.role = settings.role
         self.started = time.time()
         self.port: int | None = None
@@ -114,7 +95,9 @@ class Node(NodeReports):
         if self.backend is None:
             if self.settings.layers == "auto":
                 await self._take_assigned_layers()
-            self.backend = await asyncio.to_thread(load_backend, self.settings)
+            if self.settings.threads is None:  # nodes on this host split its cores (`cores`)
+                self.cores = CoreShare()
+            self.backend = await asyncio.to_thread(load_backend, self.settings, self.cores and self.cores.threads)
             problem = check_role(self.role, self.backend)
             if problem:
                 raise SystemExit(problem)
@@ -123,7 +106,8 @@ class Node(NodeReports):
         scheme = "wss" if self.server_ssl else "ws"
         self.advertise = self.settings.advertise or f"{scheme}://{self._public_host()}:{self.port}"
         self.worker = ComputeWorker(self.backend, live_sessions=self._live_sessions,
-                                    prefill_chunk=self.settings.prefill_chunk)
+                                    prefill_chunk=self.settings.prefill_chunk,
+                                    retune=self.cores.retune if self.cores else None)
         sessions = self.backend.sessions
         self.metrics = NodeMetrics(sessions=lambda: len(sessions), cache_bytes=lambda: sessions.total_bytes,
                                    weight_bytes=self.backend.weight_bytes)
@@ -192,6 +176,8 @@ class Node(NodeReports):
         yield
         await asyncio.to_thread(self.worker.shutdown)
         released = self.shard.sessions.clear()
+        if self.cores is not None:
+            self.cores.close()
         log.info("%s stopped (%d cached sessions released)", self.name, released)
 
     async def _links_ctx(self, app: web.Application) -> AsyncIterator[None]:

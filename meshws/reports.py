@@ -37,7 +37,7 @@ class NodeReports:
             "weight_bytes": backend.weight_bytes,  # what this node's layers cost, and the process in all
             **process_memory(),  # resident_bytes, peak_resident_bytes
             "supports_kv_cache": backend.supports_kv_cache,
-            "compute": backend.compute_facts,
+            "compute": {**backend.compute_facts, **(self.cores.describe() if self.cores else {})},
             "links": [link.describe() for link in self.links.all()],
             "chain": chain,
             "problems": problems,

@@ -27,6 +27,7 @@ from typing import Any, Callable, Generator, TypeVar
 from ..model.backend import DecodeStep, PrefillStep, ShardBackend, StepResult, decode_alone
 
 T = TypeVar("T")
+IDLE_RETUNE_SECONDS = 3.0  # an idle worker with `retune` still calls it this often
 MAX_BATCH = 64
 LINGER = 0.003  # seconds a partial batch may wait for steps of other live sessions (never for a lone one)
 PREFILL_CHUNK = 256  # tokens of a prefill run between two turns of other work
@@ -43,7 +44,8 @@ class _Job:
 
 class ComputeWorker:
     def __init__(self, backend: ShardBackend, max_batch: int = MAX_BATCH,
-                 live_sessions: Callable[[], int] = lambda: 1, prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 live_sessions: Callable[[], int] = lambda: 1, prefill_chunk: int = PREFILL_CHUNK,
+                 retune: Callable[[], None] | None = None) -> None:
         self.backend = backend
         self.max_batch = max_batch
         self.prefill_chunk = max(1, prefill_chunk)
@@ -51,6 +53,7 @@ class ComputeWorker:
         # microseconds apart; lingering a few ms for them when several sessions are live
         # turns a 1 + 15 split into one batch of 16. A lone session never waits.
         self.live_sessions = live_sessions
+        self.retune = retune  # called on this thread between jobs: follow the host's core share (`cores`)
         self.batches = 0  # decode batches of two or more steps run so far
         self.batched_steps = 0
         self.chunks = 0  # prefill chunks run so far
@@ -117,7 +120,9 @@ class ComputeWorker:
         while True:
             with self._ready:
                 while not (self._urgent or self._decodes or self._others or self._closed):
-                    self._ready.wait()
+                    self._ready.wait(IDLE_RETUNE_SECONDS if self.retune else None)
+                    if self.retune is not None:  # idle: follow the core share all the same
+                        self.retune()
                 if self._closed and not (self._urgent or self._decodes or self._others):
                     return
                 if self._urgent:
@@ -129,6 +134,8 @@ class ComputeWorker:
                 else:
                     batch, job = [], self._others.popleft()
                     other_turn = False
+            if self.retune is not None:
+                self.retune()
             batch = [waiting for waiting in batch if not waiting.future.done()]  # callers gone: no work for them
             if job is not None and job.future.done():
                 if job.chunks is not None:

@@ -1,0 +1,51 @@
+"""Nodes on one host split its cores: registration, counting, stale entries, and the torch setting."""
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from meshws.cores import CoreShare
+
+
+def test_nodes_on_one_host_share_the_cores_and_forget_the_dead(tmp_path):
+    share = CoreShare(tmp_path, cores=4)
+    assert (share.nodes, share.threads) == (1, 4)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "meshws"])
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / str(other.pid)).touch()  # another node registered
+        (tmp_path / str(stranger.pid)).touch()  # a reused PID: alive, but no meshws node
+        (tmp_path / "notes.txt").touch()  # not a registration at all
+        assert share.count() == 2 and share.threads == 2
+        assert not (tmp_path / str(stranger.pid)).exists()
+        assert (tmp_path / "notes.txt").exists()
+    finally:
+        other.kill()
+        stranger.kill()
+        other.wait()
+        stranger.wait()
+    assert share.count() == 1 and share.threads == 4
+    assert not (tmp_path / str(other.pid)).exists()
+    share.close()
+    assert not (tmp_path / str(os.getpid())).exists()
+
+
+def test_more_nodes_than_cores_still_get_one_thread_each(tmp_path):
+    shares = [CoreShare(tmp_path, cores=2, pid=os.getpid())]
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "meshws"]) for _ in range(2)]
+    try:
+        for sleeper in sleepers:
+            (tmp_path / str(sleeper.pid)).touch()
+        assert shares[0].count() == 3 and shares[0].threads == 1
+        before = torch.get_num_threads()
+        try:
+            shares[0].apply()
+            assert torch.get_num_threads() == 1
+        finally:
+            torch.set_num_threads(before)
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()
