@@ -107,11 +107,12 @@ class Node(NodeReports):
         self.advertise = self.settings.advertise or f"{scheme}://{self._public_host()}:{self.port}"
         self.worker = ComputeWorker(self.backend, live_sessions=self._live_sessions,
                                     prefill_chunk=self.settings.prefill_chunk,
-                                    retune=self.cores.retune if self.cores else None)
+                                    retune=self.cores.retune if self.cores else None,
+                                    micro_batches=self._micro_batches)
         sessions = self.backend.sessions
         self.metrics = NodeMetrics(sessions=lambda: len(sessions), cache_bytes=lambda: sessions.total_bytes,
                                    weight_bytes=self.backend.weight_bytes)
-        self.metrics.watch_compute(lambda: self.worker.queued)
+        self.metrics.watch_compute(lambda: self.worker.queued, lambda: self.worker.busy_seconds)
         guard = RequestGuard([self.settings.host, self._public_host(), host_of(self.advertise)],
                              self.settings.allowed_hosts, self.settings.cors_origins,
                              mesh_hosts_checked=not self.settings.secret)
@@ -295,6 +296,12 @@ class Node(NodeReports):
         return [hop.to_wire() for hop in chain], problems
 
     # -- health, metrics, batching hint -------------------------------------------
+
+    def _micro_batches(self) -> int:
+        """Decode groups a head keeps in flight: one per shard of its chain, so every shard has one to compute."""
+        if self.role != "head":
+            return 1  # later shards compute groups as they arrive; a full node has no one to overlap with
+        return max(2, len(self.chain())) if self.settings.peer else 2
 
     def _live_sessions(self) -> int:
         """Sessions that may send a decode step soon (a batching hint for the worker)."""

@@ -37,7 +37,10 @@ class NodeReports:
             "weight_bytes": backend.weight_bytes,  # what this node's layers cost, and the process in all
             **process_memory(),  # resident_bytes, peak_resident_bytes
             "supports_kv_cache": backend.supports_kv_cache,
-            "compute": {**backend.compute_facts, **(self.cores.describe() if self.cores else {})},
+            "compute": {**backend.compute_facts, **(self.cores.describe() if self.cores else {}),
+                        "busy_seconds": round(self.worker.busy_seconds, 3),
+                        # (start, end, rows) of the last jobs, on this host's monotonic clock
+                        "recent_steps": [[round(a, 4), round(b, 4), rows] for a, b, rows in list(self.worker.recent)]},
             "links": [link.describe() for link in self.links.all()],
             "chain": chain,
             "problems": problems,

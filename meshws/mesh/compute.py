@@ -45,7 +45,7 @@ class _Job:
 class ComputeWorker:
     def __init__(self, backend: ShardBackend, max_batch: int = MAX_BATCH,
                  live_sessions: Callable[[], int] = lambda: 1, prefill_chunk: int = PREFILL_CHUNK,
-                 retune: Callable[[], None] | None = None) -> None:
+                 retune: Callable[[], None] | None = None, micro_batches: Callable[[], int] = lambda: 1) -> None:
         self.backend = backend
         self.max_batch = max_batch
         self.prefill_chunk = max(1, prefill_chunk)
@@ -54,6 +54,12 @@ class ComputeWorker:
         # turns a 1 + 15 split into one batch of 16. A lone session never waits.
         self.live_sessions = live_sessions
         self.retune = retune  # called on this thread between jobs: follow the host's core share (`cores`)
+        # Groups the live sessions' decode steps are split into (on a head: the shards on its route), so
+        # that while the next shard computes one group this one computes the next: several waves in flight.
+        self.micro_batches = micro_batches
+        self.lingers = 0  # decode batches that waited for more steps (never for a lone session)
+        self.busy_seconds = 0.0  # time spent computing (idle = waiting on the network or on nothing)
+        self.recent: deque[tuple[float, float, int]] = deque(maxlen=128)  # (start, end, rows) of recent jobs
         self.batches = 0  # decode batches of two or more steps run so far
         self.batched_steps = 0
         self.chunks = 0  # prefill chunks run so far
@@ -128,8 +134,10 @@ class ComputeWorker:
                 if self._urgent:
                     batch, job = [], self._urgent.popleft()
                 elif self._decodes and not (other_turn and self._others):
-                    self._linger()
-                    batch = [self._decodes.popleft() for _ in range(min(self.max_batch, len(self._decodes)))]
+                    group, split = self._group_size()
+                    self._linger(group)
+                    take = group if split else self.max_batch  # one group: every step waiting
+                    batch = [self._decodes.popleft() for _ in range(min(take, len(self._decodes)))]
                     job, other_turn = None, True
                 else:
                     batch, job = [], self._others.popleft()
@@ -141,24 +149,36 @@ class ComputeWorker:
                 if job.chunks is not None:
                     job.chunks.close()
                 continue
+            if job is None and not batch:
+                continue
+            started = time.monotonic()
             if job is not None and job.chunks is not None:
                 self._run_chunk(job)
             elif job is not None:
                 self._run_one(job, job.run)  # type: ignore[arg-type]
-            elif not batch:
-                continue
             elif len(batch) == 1:
                 step = batch[0].step
                 self._run_one(batch[0], lambda: decode_alone(self.backend, step))  # type: ignore[arg-type]
             else:
                 self._run_batch(batch)
+            ended = time.monotonic()
+            self.busy_seconds += ended - started
+            self.recent.append((started, ended, len(batch)))
 
-    def _linger(self) -> None:
-        """(Lock held.) Wait briefly while more live sessions may still add their steps."""
+    def _group_size(self) -> tuple[int, bool]:
+        """How many decode steps a batch waits for (the live sessions split into `micro_batches` groups),
+        and whether they are split at all."""
         try:
-            expected = min(self.max_batch, int(self.live_sessions()))
+            live, groups = max(1, int(self.live_sessions())), max(1, int(self.micro_batches()))
         except Exception:  # a hint, never a reason to fail
-            expected = 1
+            live, groups = 1, 1
+        return max(1, min(self.max_batch, -(-live // groups))), groups > 1
+
+    def _linger(self, expected: int) -> None:
+        """(Lock held.) Wait briefly while more live sessions may still add their steps (up to `expected`)."""
+        if len(self._decodes) >= expected or self._closed:
+            return
+        self.lingers += 1
         deadline = time.monotonic() + LINGER
         while len(self._decodes) < expected and not self._closed:
             remaining = deadline - time.monotonic()

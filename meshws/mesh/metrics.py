@@ -65,10 +65,14 @@ class NodeMetrics:
         self.admission_refused = Counter("meshws_admission_refused", "Requests refused by admission, by reason",
                                          ["reason"], registry=self.registry)
 
-    def watch_compute(self, queued: Callable[[], int]) -> None:
-        """The compute worker: jobs waiting for it (prefill chunks, decode steps, releases)."""
+    def watch_compute(self, queued: Callable[[], int], busy_seconds: Callable[[], float] = lambda: 0.0) -> None:
+        """The compute worker: jobs waiting for it (prefill chunks, decode steps, releases), and time computing."""
         gauge = Gauge("meshws_compute_queued", "Jobs waiting for the compute worker", registry=self.registry)
         gauge.set_function(lambda: float(queued()))
+        busy = Gauge("meshws_compute_busy_seconds", "Seconds the compute worker has spent computing since start "
+                     "(its rate is the busy fraction; 1 - rate is the time idle or waiting on the network)",
+                     registry=self.registry)
+        busy.set_function(lambda: float(busy_seconds()))
 
     def frame(self, direction: str, kind: str, size: int) -> None:
         self.frames.labels(direction, kind).inc()

@@ -176,3 +176,24 @@ async def test_a_batch_that_raises_fails_only_the_row_at_fault():
     assert [r.token_id for r in (results[0], results[2], results[3])] == [1, 2, 3]
     assert isinstance(results[1], ValueError) and "vocabulary" in str(results[1])
     assert worker.batches == 1
+
+
+async def test_live_sessions_split_into_micro_batches_and_a_lone_session_never_waits():
+    backend = _RecordingTail()
+    live = {"count": 1}
+    worker = ComputeWorker(backend, live_sessions=lambda: live["count"], micro_batches=lambda: 2)
+    try:
+        for _ in range(5):  # a lone session on a head with two groups in flight: no linger, ever
+            assert (await worker.decode(DecodeStep("lone", body=b"", shape=(1, 1, 8)))).token_id == 1
+        assert worker.lingers == 0 and backend.alone == ["lone"] * 5
+        live["count"] = 8
+        blocker = asyncio.ensure_future(worker.call(time.sleep, 0.2))
+        await asyncio.sleep(0.05)
+        await asyncio.gather(*(worker.decode(DecodeStep(f"s{i}", body=b"", shape=(1, 1, 8))) for i in range(8)))
+        await blocker
+        # Eight live sessions in two groups: two batches of four, in arrival order (no session's steps reordered).
+        assert backend.batches == [["s0", "s1", "s2", "s3"], ["s4", "s5", "s6", "s7"]]
+        assert worker.busy_seconds >= 0.2 and len(worker.recent) == 8
+        assert all(end >= start for start, end, _ in worker.recent)
+    finally:
+        worker.shutdown()
