@@ -95,3 +95,27 @@ def gguf_of(model: str) -> Path | None:
         return embedded_gguf_path()
     path = Path(model).expanduser()
     return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def measure_generate_sessions(folder: Path, dtype: str, prompt_ids: list[int], tokens: int,
+                              counts: list[int]) -> dict[str, Any]:
+    """In-process `generate()` on a batch of `count` copies of the prompt: what one process does with N at once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype)).eval()
+    results: dict[str, Any] = {}
+    with torch.inference_mode():
+        for count in counts:
+            ids = torch.tensor([prompt_ids] * count)
+            started = time.perf_counter()
+            model.generate(ids, do_sample=False, max_new_tokens=1)
+            ttft = time.perf_counter() - started
+            started = time.perf_counter()
+            model.generate(ids, do_sample=False, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1)
+            total = time.perf_counter() - started
+            step = max(total - ttft, 1e-9) / tokens  # every step carries all rows: one gap per step
+            results[str(count)] = {"sessions": count, "aggregate_tok_s": round(count * (tokens + 1) / total, 2),
+                                   "ttft_p50_s": round(ttft, 4), "itl_p50_s": round(step, 4),
+                                   "itl_p95_s": round(step, 4)}
+    return results

@@ -115,11 +115,13 @@ class Mesh:
 
     def __init__(self, specs: list[tuple[str, str]], common: tuple[str, ...] = (),
                  extra: dict[str, tuple[str, ...]] | None = None, ports: list[int] | None = None,
-                 echo: bool = False, timeout: float = 120.0, ca: str | None = None) -> None:
+                 echo: bool = False, timeout: float = 120.0, ca: str | None = None,
+                 split_threads: bool = True) -> None:
         self.nodes: list[NodeProcess] = []
         ports = ports or [free_port() for _ in specs]
-        if "--threads" not in common:
+        if split_threads and "--threads" not in common:
             # Nodes on one machine share its cores: oversubscribed OpenMP threads spin against each other.
+            # (Nodes without --threads split them too (`cores`), re-counting as nodes come; this is at once.)
             common = (*common, "--threads", str(max(1, (os.cpu_count() or 1) // len(specs))))
         try:
             for index, (role, layers) in enumerate(specs):

@@ -9,7 +9,8 @@ import time
 from typing import Any
 
 
-async def stream_once(url: str, model: str, prompt_ids: list[int], tokens: int, ssl: Any = True) -> dict[str, float]:
+async def stream_once(url: str, model: str, prompt_ids: list[int], tokens: int, ssl: Any = True,
+                      first_token: asyncio.Event | None = None) -> dict[str, Any]:
     import aiohttp
 
     body = {"model": model, "prompt": prompt_ids, "max_tokens": tokens, "temperature": 0, "stream": True,
@@ -17,6 +18,7 @@ async def stream_once(url: str, model: str, prompt_ids: list[int], tokens: int, 
     started = time.perf_counter()
     first = last = None
     completion = 0
+    gaps: list[float] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as client:
         async with client.post(f"{url}/v1/completions", json=body, ssl=ssl) as response:
             if response.status != 200:
@@ -29,12 +31,21 @@ async def stream_once(url: str, model: str, prompt_ids: list[int], tokens: int, 
                     completion = chunk["usage"]["completion_tokens"]
                 elif chunk["choices"] and chunk["choices"][0].get("text"):
                     now = time.perf_counter()
+                    if last is not None:
+                        gaps.append(now - last)
+                    elif first_token is not None:
+                        first_token.set()
                     first = first or now
                     last = now
     if first is None or last is None or completion < 2:
         raise RuntimeError("the stream carried no tokens")
     return {"ttft_s": first - started, "decode_tok_s": (completion - 1) / max(last - first, 1e-9),
-            "tokens": completion, "wall_s": last - started}
+            "tokens": completion, "wall_s": last - started, "gaps": gaps}
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))] if ordered else 0.0
 
 
 async def sessions_run(url: str, model: str, prompt_ids: list[int], tokens: int, count: int,
@@ -42,11 +53,26 @@ async def sessions_run(url: str, model: str, prompt_ids: list[int], tokens: int,
     started = time.perf_counter()
     runs = await asyncio.gather(*(stream_once(url, model, prompt_ids, tokens, ssl) for _ in range(count)))
     wall = time.perf_counter() - started
-    ttfts = sorted(run["ttft_s"] for run in runs)
+    ttfts = [run["ttft_s"] for run in runs]
+    gaps = [gap for run in runs for gap in run["gaps"]]
     return {
         "sessions": count,
         "per_session_tok_s": round(statistics.mean(run["decode_tok_s"] for run in runs), 2),
         "aggregate_tok_s": round(sum(run["tokens"] for run in runs) / wall, 2),
-        "ttft_p50_s": round(ttfts[len(ttfts) // 2], 4),
-        "ttft_p95_s": round(ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))], 4),
+        "ttft_p50_s": round(percentile(ttfts, 0.5), 4),
+        "ttft_p95_s": round(percentile(ttfts, 0.95), 4),
+        "itl_p50_s": round(percentile(gaps, 0.5), 4),  # inter-token latency: gaps between a stream's tokens
+        "itl_p95_s": round(percentile(gaps, 0.95), 4),
+        "wall_s": round(wall, 3),
     }
+
+
+async def joining_run(url: str, model: str, prompt_ids: list[int], tokens: int, busy: int,
+                      ssl: Any = True) -> dict[str, float]:
+    """A session that joins `busy` running ones once they all decode: its time to first token."""
+    firsts = [asyncio.Event() for _ in range(busy)]
+    running = [asyncio.ensure_future(stream_once(url, model, prompt_ids, tokens, ssl, first)) for first in firsts]
+    await asyncio.gather(*(first.wait() for first in firsts))
+    joiner = await stream_once(url, model, prompt_ids, 4, ssl)
+    await asyncio.gather(*running)
+    return {"busy_sessions": busy, "ttft_s": round(joiner["ttft_s"], 4)}

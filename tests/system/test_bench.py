@@ -13,7 +13,8 @@ pytestmark = [pytest.mark.real_model, pytest.mark.processes]
 
 def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
     out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, "-m", "meshws.bench", "--short", "--dtype", "float32", "--out", str(out)], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "meshws.bench", "--short", "--dtype", "float32", "--sessions", "1", "4",
+                             "--out", str(out)], cwd=ROOT,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -31,13 +32,21 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
         assert steps["lean_int8"]["weight_mib"] < 0.4 * steps["lean"]["weight_mib"] * (2 if dtype == "bfloat16" else 1)
         llama = entry["llama_cpp"]  # an optional extra: measured only where llama-cpp-python is installed
         assert llama is None or (llama["decode_tok_s"] > 0 and "ratio_to_llama_cpp" in entry["full_node"])
-        assert set(entry["mesh"]) == {"1", "4", "16"}
+        assert set(entry["mesh"]) == set(entry["full_node_sessions"]) == set(entry["generate_sessions"]) == {"1", "4"}
         for sessions in entry["mesh"].values():
-            for field in ("per_session_tok_s", "aggregate_tok_s", "ttft_p50_s", "ttft_p95_s"):
+            for field in ("per_session_tok_s", "aggregate_tok_s", "ttft_p50_s", "ttft_p95_s", "itl_p50_s",
+                          "itl_p95_s"):
                 assert sessions[field] > 0, (dtype, field)
+            assert sessions["itl_p95_s"] >= sessions["itl_p50_s"]
+            assert set(sessions["busy_fraction"]) == {"head", "tail"}
+            assert all(0 < fraction <= 1.05 for fraction in sessions["busy_fraction"].values()), sessions
             for field in ("per_session_ratio_to_generate", "aggregate_ratio_to_generate", "aggregate_over_one_session"):
                 assert isinstance(sessions[field], float) and sessions[field] >= 0, (dtype, field)  # a busy machine
                 # can make a rate tiny next to the baseline; the ratio is there, rounded
+        for series in ("full_node_sessions", "generate_sessions"):
+            for sessions in entry[series].values():
+                assert sessions["aggregate_tok_s"] > 0 and sessions["itl_p95_s"] > 0
+        assert entry["joining"]["busy_sessions"] == 3 and entry["joining"]["ttft_s"] > 0
         assert 1152 < entry["wire"]["decode_frame_bytes"] <= 1400
         assert entry["wire"]["prefill_frame_bytes"] > entry["wire"]["decode_frame_bytes"]
         assert set(entry["stateless"]) == {"64", "256", "1024"}
@@ -46,6 +55,8 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
         assert set(entry["targets"]) == {"mesh_one_session_ge_1x_generate", "mesh_16_sessions_ge_6x_one",
                                          "decode_frame_le_1400_bytes", "cached_ge_15x_stateless_at_1024",
                                          "full_node_ge_2x_generate", "full_node_int8_ge_3x_generate",
-                                         "mesh_one_session_ge_1_5x_generate", "full_node_ge_0_5x_llama_cpp"}
+                                         "mesh_one_session_ge_1_5x_generate", "full_node_ge_0_5x_llama_cpp",
+                                         "mesh_16_p95_itl_le_3x_one", "joining_ttft_le_2x_idle"}
+    assert report["plot"] == str(out.with_suffix(".png")) and out.with_suffix(".png").stat().st_size > 10_000
     assert report["bandwidth_gb_s"] > 0
     assert "target" in result.stdout and "x generate" in result.stdout

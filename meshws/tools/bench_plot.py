@@ -1,0 +1,46 @@
+"""The benchmark's picture: aggregate tok/s and p95 inter-token latency against concurrent sessions.
+
+One line per runner (in-process `generate()` on a batch, a `full` node, the head + tail
+mesh) and dtype. matplotlib is an optional dependency (`pip install meshws[bench]`):
+without it the benchmark says so and writes no picture.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SERIES = (("generate_sessions", "generate()"), ("full_node_sessions", "full node"), ("mesh", "head + tail"))
+
+
+def write_plot(report: dict[str, Any], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    figure, (rates, gaps) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for dtype, result in report["results"].items():
+        for key, label in SERIES:
+            data = result.get(key) or {}
+            counts = sorted(int(count) for count in data)
+            if not counts:
+                continue
+            style = "-" if dtype == "float32" else "--"
+            name = f"{label}, {dtype}"
+            rates.plot(counts, [data[str(c)]["aggregate_tok_s"] for c in counts], style, marker="o", label=name)
+            gaps.plot(counts, [data[str(c)]["itl_p95_s"] * 1000 for c in counts], style, marker="o", label=name)
+    for axes, title in ((rates, "aggregate tokens/s"), (gaps, "p95 inter-token latency (ms)")):
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("concurrent sessions")
+        axes.set_title(title)
+        axes.grid(True, alpha=0.3)
+    rates.legend(fontsize=7)
+    figure.suptitle(f"{report['model']} on {report['machine']['cpus']} cores (python -m meshws.bench)")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
