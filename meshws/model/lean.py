@@ -123,12 +123,11 @@ class LeanLayers:
         self._before = self._before_attention  # or their compiled versions (`compiled.compile_lean`)
         self._after = self._after_attention
         self.lm_head: Linear | None = None
-        if getattr(model, "lm_head", None) is not None:
-            head = model.lm_head
-            self.lm_head = pack_linear(head.weight, head.bias, dtype, quant) if quant else None
+        if getattr(model, "lm_head", None) is not None:  # the tail's LM head, packed like the layers
+            self.lm_head = pack_linear(model.lm_head.weight, model.lm_head.bias, dtype, quant)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The int8 LM head (only with `quant`; else the shard's own `lm_head` module runs)."""
+        """The packed LM head (a tail only)."""
         assert self.lm_head is not None
         return linear(hidden, self.lm_head)
 

@@ -15,15 +15,18 @@ CACHE_BLOCK = 128  # positions a session's key/value buffers grow by (at least)
 INT8_ROWS = 16  # up to this many rows the int8 kernel runs; a longer chunk dequantizes the weight once
 
 
-# A linear layer as tensors: (weight, bias or None, scale or None). With a scale the weight is int8 with one
-# bf16 scale per output channel; without, the weight (and bias) are in the compute dtype.
+# A linear layer as tensors: (weight, bias or None, scale or None). With a scale the weight is int8 [out, in]
+# with one bf16 scale per output channel; without, the weight is in the compute dtype (shape [out, in]).
 Linear = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
 
 
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, quant: str | None) -> Linear:
     bias = None if bias is None else bias.detach().to(dtype).contiguous()
     if quant != "int8":
-        return weight.detach().to(dtype).contiguous(), bias, None
+        weight = weight.detach().to(dtype)
+        if dtype == torch.float32 and weight.shape[0] > weight.shape[1]:  # wide: kept [in, out] (see `linear`)
+            return weight.t().contiguous().t(), bias, None
+        return weight.contiguous(), bias, None
     weight = weight.detach().float()
     scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
     qweight = torch.clamp(torch.round(weight / scale[:, None]), -127, 127).to(torch.int8).contiguous()
@@ -39,6 +42,10 @@ def linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
     """
     weight, bias, scale = packed
     if scale is None:
+        # A float weight is [out, in], or a transposed view of [in, out] for outputs wider than inputs: one
+        # row through 576 -> 3072 reads 12.2 GB/s that way against 7.8 (2-core AVX2, cold weights), while
+        # 1536 -> 576 prefers [out, in] (9.9 against 6.5 GB/s). Batches of 4 and more run alike either way.
+        # bf16 keeps [out, in]: its kernels round differently per layout, and bf16 output stays generate()'s.
         return F.linear(x, weight, bias)
     shape = x.shape
     rows = x.reshape(-1, shape[-1])

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -22,46 +21,18 @@ from .backend import DecodeStep, PrefillRun, PrefillStep, StepResult, TailTokenR
 from .batched import RowRunner, Rows, decode_rows
 from .cache_store import KVCacheMiss, SessionCacheStore
 from .compiled import compile_lean
-from .cpu import choose_dtype
 from .lean import LeanLayers, lean_layers
 from .packed import int8_kernel_runs
 from .memory import default_cache_budget, process_memory, tensor_bytes
 from .sampling import DEFAULT as GREEDY
 from .sampling import SamplingParams, sample_token
 from .session_layers import SessionLayers
+from .settings import ShardLayout, ShardSettings
 from .source import ResolvedModel, locate_model, model_cache
 from .tensors import TORCH_DTYPES, payload_from_tensor, positions, tensor_from_bytes
 from .weights import eos_ids, load_shard_model, shard_config
 
 log = logging.getLogger("meshws.shard")
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    total_layers: int
-    start: int
-    end: int
-
-    @property
-    def is_head(self) -> bool:
-        return self.start == 0
-
-    @property
-    def is_tail(self) -> bool:
-        return self.end == self.total_layers
-
-
-@dataclass(frozen=True)
-class ShardSettings:
-    dtype: str = "float32"  # compute dtype: float32, bfloat16 or auto (`cpu.choose_dtype`)
-    wire_dtype: str = "bfloat16"  # dtype of hidden states sent to the next hop
-    max_sessions: int = 64  # KV caches held at once (LRU beyond)
-    cache_ttl: float = 600.0  # seconds an idle session's cache is kept
-    max_cache_bytes: int | None = None  # byte budget for all KV caches (LRU beyond); None: sized from free memory
-    threads: int | None = None  # torch intra-op threads; None = torch's default
-    compute: str = "auto"  # "lean" (packed weights, `lean`), "transformers", or "auto": lean where it exists
-    quant: str | None = None  # "int8": int8 linear weights (needs the lean path); None or "none": float
-    compile: bool = False  # run the lean path's layer pieces through torch.compile (warmed up at start)
 
 
 class ModelShard:
@@ -75,20 +46,9 @@ class ModelShard:
     ) -> None:
         from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
-        settings = settings or ShardSettings()
-        if settings.dtype not in ("float32", "bfloat16", "auto"):
-            raise ValueError(f"dtype must be float32, bfloat16 or auto, not {settings.dtype!r}")
-        dtype, self.dtype_reason = choose_dtype(settings.dtype)
-        if settings.dtype == "auto":
-            log.info("compute dtype %s: %s", dtype, self.dtype_reason)
-        quant = None if settings.quant == "none" else settings.quant
-        self.settings = settings = replace(settings, dtype=dtype, quant=quant)
-        if self.settings.wire_dtype not in TORCH_DTYPES:
-            raise ValueError(f"wire dtype must be one of {sorted(TORCH_DTYPES)}")
-        if self.settings.compute not in ("auto", "lean", "transformers"):
-            raise ValueError(f"compute must be auto, lean or transformers, not {self.settings.compute!r}")
-        if self.settings.quant not in (None, "int8"):
-            raise ValueError(f"quant must be int8 or none, not {self.settings.quant!r}")
+        self.settings, self.dtype_reason = (settings or ShardSettings()).checked()
+        if self.settings.dtype_was_auto:
+            log.info("compute dtype %s: %s", self.settings.dtype, self.dtype_reason)
         if self.settings.threads:
             torch.set_num_threads(self.settings.threads)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -179,7 +139,11 @@ class ModelShard:
         if self.settings.quant == "int8" and not int8_kernel_runs():
             raise ValueError("this torch build has no CPU int8 weight-only kernel (aten._weight_int8pack_mm)")
         self.model.model.layers = torch.nn.ModuleList()  # the packed copies replace them
-        if lean.lm_head is not None:  # int8: the float LM head is needed only as the embeddings (a full node)
+        if lean.lm_head is not None:  # the packed LM head replaces the module's
+            embed = self.model.model.embed_tokens
+            if embed is not None and embed.weight.data_ptr() == self.model.lm_head.weight.data_ptr() \
+                    and lean.lm_head[2] is None:  # tied, float: the embeddings read the packed copy (one copy)
+                embed.weight = torch.nn.Parameter(lean.lm_head[0], requires_grad=False)
             self.model.lm_head = None
         return lean
 
@@ -344,8 +308,8 @@ class ModelShard:
         return TailTokenResult(text="", token_id=token_id)
 
     def last_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        int8_head = self.lean is not None and self.lean.lm_head is not None
-        logits = self.lean.logits(hidden[0, -1, :]) if int8_head else self.model.lm_head(hidden[0, -1, :])
+        packed = self.lean is not None and self.lean.lm_head is not None
+        logits = self.lean.logits(hidden[0, -1, :]) if packed else self.model.lm_head(hidden[0, -1, :])
         softcap = getattr(self.config, "final_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap

@@ -1,0 +1,51 @@
+"""What a shard is asked to be: its layer range (`ShardLayout`) and how it computes (`ShardSettings`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .cpu import choose_dtype
+from .tensors import TORCH_DTYPES
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    total_layers: int
+    start: int
+    end: int
+
+    @property
+    def is_head(self) -> bool:
+        return self.start == 0
+
+    @property
+    def is_tail(self) -> bool:
+        return self.end == self.total_layers
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    dtype: str = "float32"  # compute dtype: float32, bfloat16 or auto (`cpu.choose_dtype`)
+    wire_dtype: str = "bfloat16"  # dtype of hidden states sent to the next hop
+    max_sessions: int = 64  # KV caches held at once (LRU beyond)
+    cache_ttl: float = 600.0  # seconds an idle session's cache is kept
+    max_cache_bytes: int | None = None  # byte budget for all KV caches (LRU beyond); None: sized from free memory
+    threads: int | None = None  # torch intra-op threads; None = torch's default
+    compute: str = "auto"  # "lean" (packed weights, `lean`), "transformers", or "auto": lean where it exists
+    quant: str | None = None  # "int8": int8 linear weights (needs the lean path); None or "none": float
+    compile: bool = False  # run the lean path's layer pieces through torch.compile (warmed up at start)
+    dtype_was_auto: bool = False  # set by `checked`: the dtype was chosen for this CPU
+
+    def checked(self) -> tuple["ShardSettings", str]:
+        """These settings validated, with an `auto` dtype and a "none" quant made concrete; and why that dtype."""
+        if self.dtype not in ("float32", "bfloat16", "auto"):
+            raise ValueError(f"dtype must be float32, bfloat16 or auto, not {self.dtype!r}")
+        if self.wire_dtype not in TORCH_DTYPES:
+            raise ValueError(f"wire dtype must be one of {sorted(TORCH_DTYPES)}")
+        if self.compute not in ("auto", "lean", "transformers"):
+            raise ValueError(f"compute must be auto, lean or transformers, not {self.compute!r}")
+        if self.quant not in (None, "none", "int8"):
+            raise ValueError(f"quant must be int8 or none, not {self.quant!r}")
+        dtype, reason = choose_dtype(self.dtype)
+        quant = None if self.quant == "none" else self.quant
+        return replace(self, dtype=dtype, quant=quant, dtype_was_auto=self.dtype == "auto"), reason
