@@ -44,6 +44,9 @@ class CoreShare:
         self.cores = cores or usable_cores()
         self.pid = pid or os.getpid()
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        owner = self.directory.stat()
+        if owner.st_uid != os.getuid() or owner.st_mode & 0o022:  # planted by someone else: do not trust it
+            raise PermissionError(f"{self.directory} is not this user's own private directory")
         self._mine = self.directory / str(self.pid)
         self._mine.touch()
         self.threads = self.cores // 1

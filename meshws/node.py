@@ -96,7 +96,10 @@ class Node(NodeReports):
             if self.settings.layers == "auto":
                 await self._take_assigned_layers()
             if self.settings.threads is None:  # nodes on this host split its cores (`cores`)
-                self.cores = CoreShare()
+                try:
+                    self.cores = CoreShare()
+                except OSError as exc:
+                    log.warning("not sharing this host's cores with other nodes: %s", exc)
             self.backend = await asyncio.to_thread(load_backend, self.settings, self.cores and self.cores.threads)
             problem = check_role(self.role, self.backend)
             if problem:

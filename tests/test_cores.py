@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from meshws.cores import CoreShare
@@ -49,3 +50,11 @@ def test_more_nodes_than_cores_still_get_one_thread_each(tmp_path):
         for sleeper in sleepers:
             sleeper.kill()
             sleeper.wait()
+
+
+def test_a_directory_someone_else_could_write_is_refused(tmp_path):
+    shared = tmp_path / "open"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError):
+        CoreShare(shared, cores=2)
