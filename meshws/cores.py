@@ -75,7 +75,11 @@ class CoreShare:
         if time.monotonic() - self._checked < RETUNE_SECONDS:
             return
         before = self.threads
-        self.count()
+        try:
+            self.count()
+        except OSError as exc:  # the directory went away (a /tmp cleaner): keep the share we have
+            self._checked = time.monotonic()
+            log.debug("cannot count this host's nodes: %s", exc)
         self.apply()
         if self.threads != before:
             log.info("%d meshws nodes on this host share its %d cores: %d torch threads here (was %d)",

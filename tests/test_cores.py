@@ -1,13 +1,17 @@
 """Nodes on one host split its cores: registration, counting, stale entries, and the torch setting."""
 
+import asyncio
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from meshws.cores import CoreShare
+from fakes import FakeBackend
+from meshws.cores import RETUNE_SECONDS, CoreShare
+from meshws.mesh.compute import ComputeWorker
 
 
 def test_nodes_on_one_host_share_the_cores_and_forget_the_dead(tmp_path):
@@ -58,3 +62,21 @@ def test_a_directory_someone_else_could_write_is_refused(tmp_path):
     shared.chmod(0o777)
     with pytest.raises(PermissionError):
         CoreShare(shared, cores=2)
+
+
+def test_a_vanished_directory_keeps_the_share_and_the_worker_alive(tmp_path):
+    share = CoreShare(tmp_path / "nodes", cores=2)
+    shutil.rmtree(tmp_path / "nodes")  # a /tmp cleaner
+    share._checked -= RETUNE_SECONDS  # due for a count
+    before = torch.get_num_threads()
+    try:
+        share.retune()
+        assert share.threads == 2
+        worker = ComputeWorker(FakeBackend(), retune=lambda: 1 / 0)  # even a retune that raises
+        try:
+            assert worker._thread.is_alive()
+            assert asyncio.run(worker.call(lambda: 42)) == 42
+        finally:
+            worker.shutdown()
+    finally:
+        torch.set_num_threads(before)

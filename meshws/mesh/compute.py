@@ -127,8 +127,7 @@ class ComputeWorker:
             with self._ready:
                 while not (self._urgent or self._decodes or self._others or self._closed):
                     self._ready.wait(IDLE_RETUNE_SECONDS if self.retune else None)
-                    if self.retune is not None:  # idle: follow the core share all the same
-                        self.retune()
+                    self._retune()  # idle: follow the core share all the same
                 if self._closed and not (self._urgent or self._decodes or self._others):
                     return
                 if self._urgent:
@@ -142,8 +141,7 @@ class ComputeWorker:
                 else:
                     batch, job = [], self._others.popleft()
                     other_turn = False
-            if self.retune is not None:
-                self.retune()
+            self._retune()
             batch = [waiting for waiting in batch if not waiting.future.done()]  # callers gone: no work for them
             if job is not None and job.future.done():
                 if job.chunks is not None:
@@ -164,6 +162,14 @@ class ComputeWorker:
             ended = time.monotonic()
             self.busy_seconds += ended - started
             self.recent.append((started, ended, len(batch)))
+
+    def _retune(self) -> None:
+        if self.retune is None:
+            return
+        try:
+            self.retune()
+        except Exception:  # a tuning hint: never a reason for the worker to stop
+            pass
 
     def _group_size(self) -> tuple[int, bool]:
         """How many decode steps a batch waits for (the live sessions split into `micro_batches` groups),
