@@ -49,8 +49,7 @@ class CoreShare:
             raise PermissionError(f"{self.directory} is not this user's own private directory")
         self._mine = self.directory / str(self.pid)
         self._mine.touch()
-        self.threads = self.cores // 1
-        self.nodes = 1
+        self.threads = self.nodes = 0  # and `_checked`: all set by `count`
         self._checked = 0.0
         self.count()
 

@@ -17,7 +17,6 @@ logit soft-capping) gets `None` from `lean_layers` and keeps the transformers pa
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,7 +24,6 @@ import torch.nn.functional as F
 
 from .cache_store import KVCacheMiss
 from .packed import LeanCache, Linear, linear, pack_linear
-
 
 
 def _cat_bias(*modules: Any) -> torch.Tensor | None:
@@ -46,21 +44,18 @@ class _Layer:
         self.gate_up = pack_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
                                    _cat_bias(mlp.gate_proj, mlp.up_proj), dtype, quant)
         self.down = pack_linear(mlp.down_proj.weight, mlp.down_proj.bias, dtype, quant)
-        self.norms: dict[str, torch.Tensor] = {}
+        # In order: input, post-attention (Gemma: then pre- and post-feedforward, q and k norms).
         names = ["input_layernorm", "post_attention_layernorm"]
         if kind == "gemma3":
             names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-        for name in names:
-            self.norms[name] = _norm_weight(getattr(module, name).weight, kind, dtype)
+        weights = [getattr(module, name).weight for name in names]
         if kind == "gemma3":
-            self.norms["q_norm"] = _norm_weight(attn.q_norm.weight, kind, dtype)
-            self.norms["k_norm"] = _norm_weight(attn.k_norm.weight, kind, dtype)
-        # in order: input, post-attention (Gemma: then pre- and post-feedforward, q and k norms)
-        self.norm_list = tuple(self.norms.values())
+            weights += [attn.q_norm.weight, attn.k_norm.weight]
+        self.norms = tuple(_norm_weight(weight, kind, dtype) for weight in weights)
 
     def tensors(self) -> list[torch.Tensor]:
         found = [t for packed in (self.qkv, self.o, self.gate_up, self.down) for t in packed if t is not None]
-        return found + list(self.norms.values())
+        return found + list(self.norms)
 
 
 def _norm_weight(weight: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
@@ -74,10 +69,7 @@ def architecture(config: Any) -> str | None:
     if getattr(config, "attn_logit_softcapping", None):
         return None
     model_type = getattr(config, "model_type", "")
-    if model_type in ("llama", "mistral", "qwen2") and getattr(config, "hidden_act", "silu") == "silu":
-        if getattr(config, "sliding_window", None) and model_type != "llama":
-            if getattr(config, "use_sliding_window", False):
-                return None
+    if model_type == "llama" and getattr(config, "hidden_act", "silu") == "silu":
         rope = getattr(config, "rope_parameters", None) or {}
         if rope.get("rope_type", "default") not in ("default", "llama3", "linear"):
             return None
@@ -144,7 +136,7 @@ class LeanLayers:
         linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         linears += [self.lm_head] if self.lm_head is not None else []
         found = [weight for weight, _, _ in linears] + [bias for _, bias, _ in linears if bias is not None]
-        return found + [norm for layer in self.layers for norm in layer.norms.values()]
+        return found + [norm for layer in self.layers for norm in layer.norms]
 
     def new_cache(self) -> LeanCache:
         return LeanCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
@@ -220,8 +212,8 @@ class LeanLayers:
 
     def _block(self, layer: _Layer, hidden: torch.Tensor, attend: Callable[[torch.Tensor, torch.Tensor,
                torch.Tensor], torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self._before(hidden, layer.norm_list, layer.qkv, cos, sin)
-        return self._after(hidden, attend(q, k, v), layer.norm_list, layer.o, layer.gate_up, layer.down)
+        q, k, v = self._before(hidden, layer.norms, layer.qkv, cos, sin)
+        return self._after(hidden, attend(q, k, v), layer.norms, layer.o, layer.gate_up, layer.down)
 
     # -- one session: a prefill, a chunk or a decode step ----------------------
 
@@ -238,9 +230,7 @@ class LeanLayers:
         if cache is None and past:
             raise ValueError("a stateless step starts at position 0")
         if cache is not None:
-            if cache.length < past:
-                raise KVCacheMiss(f"the cache holds {cache.length} positions, the step starts at {past}")
-            cache.reserve(total)
+            _room(cache, past, total)
         rope = self._rope(position_ids[0], total)
         masks: dict[str, torch.Tensor | None] = {}
         for index, layer in enumerate(self.layers):
@@ -285,9 +275,7 @@ class LeanLayers:
         flat = positions[:, 0]
         pasts = [int(p) for p in flat]
         for cache, past in zip(caches, pasts):
-            if cache.length < past:
-                raise KVCacheMiss(f"the cache holds {cache.length} positions, the step starts at {past}")
-            cache.reserve(past + 1)
+            _room(cache, past, past + 1)
         rope = self._rope(flat, max(pasts) + 1)
         for index, layer in enumerate(self.layers):
             layer_type = self.layer_types[index]
@@ -309,6 +297,13 @@ class LeanLayers:
         for cache, past in zip(caches, pasts):
             cache.length = past + 1
         return self.final_norm(hidden)
+
+
+def _room(cache: LeanCache, past: int, total: int) -> None:
+    """A step from `past` to `total` needs the cache to hold `past` positions, and room up to `total`."""
+    if cache.length < past:
+        raise KVCacheMiss(f"the cache holds {cache.length} positions, the step starts at {past}")
+    cache.reserve(total)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -337,7 +332,3 @@ def lean_layers(model: Any, dtype: torch.dtype, quant: str | None = None) -> Lea
         return None
     return LeanLayers(model, kind, dtype, quant)
 
-
-def weight_floor_ms(weight_bytes: int, bandwidth_bytes_per_s: float) -> float:
-    """The time to read `weight_bytes` once at `bandwidth_bytes_per_s`, in ms (a decode step's lower bound)."""
-    return weight_bytes / bandwidth_bytes_per_s * 1e3 if bandwidth_bytes_per_s > 0 else math.inf
