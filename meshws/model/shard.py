@@ -99,7 +99,7 @@ class ModelShard:
         if self.settings.compile:
             self.compile_seconds = compile_lean(self, cache_dir)
         memory = process_memory()
-        log.info("layers %d-%d of %s (%s, %s path): %.0f MiB of weights (mapped: resident once read); process resident "
+        log.info("layers %d-%d of %s (%s, %s path): %.0f MiB of weights; process resident "
                  "%.0f MiB, peak %.0f MiB; ready in %.1f s", start, end - 1, self.model_id, self.settings.dtype,
                  self.compute_path, self.weight_bytes / 2**20, memory["resident_bytes"] / 2**20, memory["peak_resident_bytes"] / 2**20,
                  time.monotonic() - started)

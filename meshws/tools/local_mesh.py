@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.tools.loca
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded", help="as for meshws.node --model")
     parser.add_argument("--port", type=int, default=8700, help="the head's port (the tail takes the next one)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="as for meshws.node --dtype (auto: bf16 only where the CPU has it natively)")
     parser.add_argument("--api-key", default=None, help="require this key on the public API")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
