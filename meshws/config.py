@@ -59,6 +59,9 @@ class NodeSettings:
     max_link_sessions: int = 256  # sessions one inbound link may carry at once; beyond, an error frame
     max_link_frames: int = 256  # tensor frames of one link in flight at once (backpressure, then an error frame)
     prefill_chunk: int = 256  # tokens of a prefill run between other sessions' decode steps
+    # -- warm sessions (issue 17) --
+    warm_sessions: int = 0  # finished HTTP generations kept open for a request sharing their prefix (0: none)
+    warm_ttl: float = 300.0  # seconds a warm session may wait for such a request
 
 
 _HELP = {
@@ -115,6 +118,9 @@ _HELP = {
     "max_link_frames": "on a middle or tail: tensor frames of one inbound link in flight at once; beyond, reading "
                        "the link waits a moment, then the frame gets an error frame",
     "prefill_chunk": "tokens of a long prefill computed at a time, with other sessions' decode steps in between",
+    "warm_sessions": "on a head: finished API answers whose sessions (caches on every shard) stay open for a "
+                     "next request with the same prompt prefix; 0 closes each session when its answer ends",
+    "warm_ttl": "on a head: seconds a warm session (--warm-sessions) waits for a request before it is closed",
 }
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
@@ -222,6 +228,8 @@ _TYPES = {
     "max_link_sessions": int,
     "max_link_frames": int,
     "prefill_chunk": int,
+    "warm_sessions": int,
+    "warm_ttl": float,
 }
 
 _CHOICES = {
@@ -328,6 +336,8 @@ def check_settings(settings: NodeSettings) -> str | None:
     for name in ("max_link_sessions", "max_link_frames", "prefill_chunk"):
         if getattr(settings, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
+    if settings.warm_sessions < 0 or settings.warm_ttl <= 0:
+        return "--warm-sessions must be 0 or more and --warm-ttl above 0"
     return None
 
 

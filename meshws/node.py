@@ -224,7 +224,10 @@ class Node(NodeReports):
                               compress_min_bytes=self.settings.compress_min_bytes,
                               on_finish=self._generation_finished, secret=self.settings.secret)
         queue = AdmissionQueue(self.settings.max_generations, self.settings.max_queue, self.settings.queue_timeout)
-        self.head = HeadService(backend, self.worker, generator, self.planner, queue)
+        self.head = HeadService(backend, self.worker, generator, self.planner, queue, self.settings.warm_sessions,
+                                self.settings.warm_ttl)
+        app.cleanup_ctx.append(self.head.warm_ctx)
+        self.metrics.watch_reuse(lambda: self.head.reuse, lambda: self.head.warm.evictions)
         self.metrics.watch_admission(lambda: queue.running, lambda: queue.waiting)
         queue.on_wait, queue.on_refuse = self.metrics.queue_wait_seconds.observe, self._refused
         OpenAIApi(self.head, self.settings.write_timeout).add_routes(app)

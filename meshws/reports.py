@@ -55,7 +55,10 @@ class NodeReports:
             queue = self.head.queue
             info.update(generations=self.head.generations, queued=self.head.queued,
                         longest_wait_s=round(queue.longest_wait, 2), max_generations=queue.slots,
-                        max_queue=queue.max_queue, draining=queue.draining)
+                        max_queue=queue.max_queue, draining=queue.draining,
+                        # sessions kept open between answers, apart from generating ones
+                        kept_sessions={"conversations": self.head.conversations - len(self.head.warm),
+                                       "warm": len(self.head.warm), "warm_limit": self.head.warm.size})
         if self.registry is not None:
             info["nodes"] = [record.describe() for record in self.registry.nodes()]
         if self.announcer is not None:

@@ -4,13 +4,22 @@ Client -> server (JSON text frames):
   {"type": "chat", "messages": [...], "max_tokens"?, "temperature"?, "top_p"?, "top_k"?,
    "seed"?, "stop"?, "id"?}                 start a chat turn; one runs at a time per socket,
                                             and a new one stops the running one first
-  {"type": "stop"}                          stop the running turn; its session is released
+  {"type": "stop"}                          stop the running turn
+  {"type": "reset"}                         a new conversation: stop the running turn, release the session
 Server -> client:
   {"type": "start", "id", "model", "prompt_tokens"}
   {"type": "delta", "id", "text"}           text as it is generated
   {"type": "done", "id", "finish_reason": "stop"|"length"|"stopped", "text",
-   "usage": {...}, "timing": {"ttft_ms", "tokens_per_second", "total_ms"}, "route": [...]}
+   "usage": {...}, "cached_tokens", "timing": {"ttft_ms", "tokens_per_second", "total_ms"}, "route": [...]}
+  {"type": "reset", "id"?}                  the conversation's session is released
   {"type": "error", "id"?, "message"}       a bad message, or the mesh failed
+
+The socket is its conversation's channel: every turn goes on in one session, whose
+caches (on every shard of its route) keep the prompt and answer between turns, so a
+turn prefills only the tokens after the longest prefix it shares with them
+(`cached_tokens` says how many were reused). `reset` or the socket's close releases the
+session everywhere. A turn that fails, or is stopped while a step is on its way, ends
+the session too; the next turn opens a new one.
 
 A turn waits in the head's admission queue before its prompt is tokenized. A client
 that stops reading is dropped once a send has waited `write_timeout` seconds; its
@@ -29,6 +38,7 @@ from typing import Any, Callable
 import orjson
 from aiohttp import WSMsgType, web
 
+from ..head.conversation import Conversation
 from ..head.generation import FinishReason, GenerationStats, PipelineError
 from ..head.service import HeadService, Unavailable
 from .errors import ApiError, public_text
@@ -59,6 +69,7 @@ class ChatSocket:
         self.sockets.add(ws)
         detailed = self.detail_allowed(request)
         running: asyncio.Task | None = None
+        conversation = Conversation()
         try:
             async for message in ws:
                 if message.type != WSMsgType.TEXT:
@@ -75,14 +86,22 @@ class ChatSocket:
                     if running is not None and not running.done():
                         running.cancel()
                     continue
-                if kind != "chat":
-                    await send({"type": "error", "message": f"unknown message type {kind!r}; use chat or stop"})
+                if kind not in ("chat", "reset"):
+                    await send({"type": "error", "message": f"unknown message type {kind!r}; use chat, stop or "
+                                                            "reset"})
                     continue
-                if running is not None and not running.done():  # a new turn replaces the running one
+                if running is not None and not running.done():  # a new turn (or a reset) replaces the running one
                     running.cancel()
                     with suppress(asyncio.CancelledError):
                         await running
-                running = asyncio.create_task(self._turn(send, data, detailed))
+                if kind == "reset":
+                    await self.head.end_conversation(conversation)
+                    conversation = Conversation()
+                    reply = {"type": "reset", "id": data["id"]} if isinstance(data.get("id"), (str, int)) \
+                        else {"type": "reset"}
+                    await send(reply)
+                    continue
+                running = asyncio.create_task(self._turn(send, data, detailed, conversation))
         except _SlowClient:
             pass  # dropped: the socket is closed
         finally:
@@ -91,6 +110,7 @@ class ChatSocket:
                 running.cancel()
                 with suppress(asyncio.CancelledError):
                     await running
+            await self.head.end_conversation(conversation)
         return ws
 
     async def shutdown(self) -> None:
@@ -99,13 +119,15 @@ class ChatSocket:
             with suppress(asyncio.TimeoutError, ConnectionError, RuntimeError):
                 await asyncio.wait_for(ws.close(code=1001, message=b"node shutting down"), self.write_timeout)
 
-    async def _turn(self, send: "_Sender", data: dict[str, Any], detailed: bool) -> None:
+    async def _turn(self, send: "_Sender", data: dict[str, Any], detailed: bool,
+                    conversation: Conversation) -> None:
         try:
-            await self._run_turn(send, data, detailed)
+            await self._run_turn(send, data, detailed, conversation)
         except _SlowClient:
             pass  # the socket is dropped; the turn's session is released already
 
-    async def _run_turn(self, send: "_Sender", data: dict[str, Any], detailed: bool) -> None:
+    async def _run_turn(self, send: "_Sender", data: dict[str, Any], detailed: bool,
+                        conversation: Conversation) -> None:
         turn_id = data.get("id") if isinstance(data.get("id"), (str, int)) else uuid.uuid4().hex[:12]
         body = {key: value for key, value in data.items() if key not in ("type", "id", "stream")}
         body.setdefault("model", self.head.model_id)
@@ -128,7 +150,7 @@ class ChatSocket:
             spec = await complete_spec(draft, self.head)
             await send({"type": "start", "id": turn_id, "model": self.head.model_id,
                         "prompt_tokens": len(spec.prompt_ids)})
-            async with aclosing(run_spec(self.head, spec, stats, admission)) as deltas:
+            async with aclosing(run_spec(self.head, spec, stats, admission, conversation=conversation)) as deltas:
                 async for delta in deltas:
                     parts.append(delta)
                     await send({"type": "delta", "id": turn_id, "text": delta})
@@ -157,6 +179,7 @@ class ChatSocket:
             "finish_reason": finish.value,
             "text": "".join(parts),
             "usage": usage(stats),
+            "cached_tokens": stats.cached_tokens,
             "timing": {
                 "ttft_ms": round(ttft * 1000, 1) if ttft is not None else None,
                 "tokens_per_second": round(stats.decode_tokens_per_second or 0.0, 2),

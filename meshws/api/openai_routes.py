@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 import orjson
 from aiohttp import web
 
+from ..head.conversation import Conversation
 from ..head.generation import GenerationRequest, GenerationStats, PipelineError
 from ..head.service import Admission, HeadService, Unavailable
 from .errors import ApiError, json_response, public_text, read_json
@@ -68,20 +69,21 @@ def unavailable(exc: Unavailable) -> ApiError:
                     headers={"Retry-After": str(exc.retry_after)})
 
 
-def usage(stats: GenerationStats) -> dict[str, int]:
+def usage(stats: GenerationStats) -> dict[str, Any]:
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
         "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},  # not prefilled again: a kept session held them
     }
 
 
 def run_spec(head: HeadService, spec: CompletionSpec, stats: GenerationStats, admission: Admission,
-             token_ids: list[int] | None = None) -> AsyncIterator[str]:
+             token_ids: list[int] | None = None, conversation: Conversation | None = None) -> AsyncIterator[str]:
     """The text of a validated, admitted request as it is decided (close it with `aclosing`)."""
     request = GenerationRequest(prompt=spec.prompt, max_tokens=spec.max_tokens, sampling=spec.sampling,
                                 prompt_ids=spec.prompt_ids, ignore_eos=spec.ignore_eos)
-    return head.stream(request, spec.stop, stats, admission, token_ids)
+    return head.stream(request, spec.stop, stats, admission, token_ids, conversation)
 
 
 class SlowClient(ConnectionError):

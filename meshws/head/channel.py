@@ -46,9 +46,10 @@ class HopChannel:
         self._replies: asyncio.Queue[SessionReply] = asyncio.Queue()
         link.subscribe(sid, self._replies.put_nowait)
 
-    async def open(self, sampling: SamplingParams, prompt_tokens: int, route: tuple[RouteHop, ...]) -> None:
+    async def open(self, sampling: SamplingParams, prompt_tokens: int, route: tuple[RouteHop, ...],
+                   resume: bool = False) -> None:
         mac = sign_route(self.secret, self.sid, [hop.to_wire() for hop in route]) if self.secret and route else None
-        message = Open(self.sid, sampling, prompt_tokens, route, mac)
+        message = Open(self.sid, sampling, prompt_tokens, route, mac, resume)
         self.hung_url = None if route else self.link.url  # behind a dialed route, any of its hops may hang
         if not self.link.is_up:
             await self.link.wait_up(LINK_WAIT)
@@ -124,6 +125,11 @@ class RoutedPath:
             self.channel = HopChannel(self.route.link, self.sid, self.step_timeout, self.compress_min_bytes,
                                       self.secret)
             await self.channel.open(sampling, prompt_tokens, self.route.hops)
+
+    async def resume(self, sampling: SamplingParams, prompt_tokens: int) -> None:
+        """A conversation's next answer on the same route: every hop keeps its cache and takes the new sampling."""
+        if self.channel is not None and self.route is not None:
+            await self.channel.open(sampling, prompt_tokens, self.route.hops, resume=True)
 
     async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None) -> TailTokenResult:
         if self.channel is None:

@@ -28,6 +28,7 @@ from ..model.cache_store import KVCacheMiss
 from ..model.sampling import SamplingParams
 from .admission import Slot
 from .channel import PipelineError, RoutedPath
+from .conversation import Conversation
 from .planner import RoutePlanner
 from .routes import Route
 
@@ -72,6 +73,7 @@ class GenerationStats:
     prefills: int = 0
     cache_misses: int = 0
     failovers: int = 0
+    cached_tokens: int = 0  # prompt tokens a conversation's caches already held
     route: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -109,31 +111,49 @@ class Generator:
         self.secret = secret
         self.eos_ids = set(backend.eos_token_ids())
         self.active: dict[str, GenerationStats] = {}
+        self.kept: dict[str, Conversation] = {}  # conversations whose channel stays open between answers
+        self.reuse_hits = self.reuse_misses = self.reused_tokens = 0  # answers of warm conversations
 
     async def generate(self, request: GenerationRequest, stats: GenerationStats | None = None,
-                       route: Route | None = None, slot: Slot | None = None) -> AsyncIterator[TokenEvent]:
+                       route: Route | None = None, slot: Slot | None = None,
+                       conversation: Conversation | None = None) -> AsyncIterator[TokenEvent]:
         """Yield tokens as they come. Close the iterator (aclosing) to stop early.
 
         `route` is the route admission planned; without one, the generation plans its own.
         `slot`, the admission's, is released only after the session's release has run.
+        With a `conversation`, the session is its own: a warm one is resumed (only the
+        prompt's tokens after what its caches hold are prefilled), and an answer that ends
+        cleanly keeps it open for the next; one that fails or is cancelled mid-step ends it.
         """
         stats = stats or GenerationStats(sid=uuid.uuid4().hex)
+        if conversation is not None:
+            stats.sid = conversation.sid
         sid = stats.sid
         self.active[sid] = stats
-        path = RoutedPath(self.planner, sid, route, self.step_timeout, self.compress_min_bytes, self.secret)
-        outcome = "error"
+        warm = conversation is not None and conversation.warm
+        path = conversation.path if warm else RoutedPath(self.planner, sid, route, self.step_timeout,
+                                                         self.compress_min_bytes, self.secret)
+        if warm and route is not None:
+            route.release()  # the conversation goes on along its own route
+        sequence = _Sequence(request.prompt, [], first_step=conversation.steps if conversation else 0)
+        outcome, clean = "error", False
         try:
             prompt_ids = request.prompt_ids
             if prompt_ids is None:
                 prompt_ids = await self.worker.call(self.backend.tokenize, request.prompt)
+            sequence.prompt_ids = prompt_ids
             stats.prompt_tokens = len(prompt_ids)
-            await path.open(request.sampling, len(prompt_ids))
+            if warm:
+                sequence.reuse = await self._resume(path, conversation, request.sampling, prompt_ids)
+            else:
+                await path.open(request.sampling, len(prompt_ids))
             stats.route = path.view
-            async for event in self._loop(request, stats, prompt_ids, path):
+            async for event in self._loop(request, stats, sequence, path):
                 yield event
             outcome = stats.finish_reason.value if stats.finish_reason else "stopped"
+            clean = True
         except GeneratorExit:
-            outcome = "stopped"
+            outcome, clean = "stopped", True  # closed between tokens: no step is on its way
             raise
         except asyncio.CancelledError:
             outcome = "cancelled"
@@ -142,12 +162,49 @@ class Generator:
             stats.finished_at = time.perf_counter()
             self.active.pop(sid, None)
             try:
-                await run_uncancelled(self._release(path, sid))
+                if conversation is not None and clean and sequence.held and self.backend.supports_kv_cache \
+                        and not sequence.legacy_text:
+                    conversation.path, conversation.held = path, sequence.ids()[:sequence.held]
+                    conversation.steps, conversation.last_used = sequence.step, time.monotonic()
+                    self.kept[sid] = conversation
+                else:
+                    if conversation is not None:
+                        self._forget(conversation)
+                    await run_uncancelled(self._release(path, sid))
             finally:
                 if slot is not None:
                     slot.release()
                 if self.on_finish is not None:
                     self.on_finish(stats, outcome)
+
+    async def _resume(self, path: RoutedPath, conversation: Conversation, sampling: SamplingParams,
+                      prompt_ids: list[int]) -> int:
+        """Open a warm conversation's next answer; the positions its caches may keep (0 if the route is gone)."""
+        reuse = conversation.reusable(prompt_ids)
+        try:
+            await path.resume(sampling, len(prompt_ids))
+        except PipelineError as exc:  # the route's first hop went away while the conversation was idle
+            log.info("session %s: could not resume (%s); opening a new route", conversation.sid[:12], exc)
+            await path.close()
+            await path.open(sampling, len(prompt_ids))
+            reuse = 0
+        if reuse > 0:
+            self.reuse_hits += 1
+            self.reused_tokens += reuse
+        else:
+            self.reuse_misses += 1
+        return reuse
+
+    async def end(self, conversation: Conversation) -> None:
+        """A conversation's holder let it go: its channel closes and every hop releases its cache."""
+        path = self._forget(conversation)
+        if path is not None:
+            await run_uncancelled(self._release(path, conversation.sid))
+
+    def _forget(self, conversation: Conversation) -> RoutedPath | None:
+        path, conversation.path, conversation.held = conversation.path, None, []
+        self.kept.pop(conversation.sid, None)
+        return path
 
     async def _release(self, path: RoutedPath, sid: str) -> None:
         """Close the channel (every shard drops the session) and drop the head's own cache."""
@@ -158,34 +215,35 @@ class Generator:
         self,
         request: GenerationRequest,
         stats: GenerationStats,
-        prompt_ids: list[int],
+        sequence: "_Sequence",
         path: RoutedPath,
     ) -> AsyncIterator[TokenEvent]:
         sid, sampling = stats.sid, request.sampling
-        sequence = _Sequence(request.prompt, prompt_ids)
-        need_prefill, step, misses = True, 0, 0
+        stats.cached_tokens = sequence.reuse
+        need_prefill, misses = True, 0
         while len(sequence) < request.max_tokens:
-            step += 1
+            sequence.step += 1
             stats.prefills += 1 if need_prefill else 0
             try:
-                result = await self._lap(sid, step, need_prefill, sequence, sampling, path)
+                result = await self._lap(sid, sequence.step, need_prefill, sequence, sampling, path)
             except KVCacheMiss as exc:
                 misses += 1
                 stats.cache_misses += 1
                 if misses > MAX_CONSECUTIVE_CACHE_MISSES:
                     raise PipelineError(f"{misses} cache misses in a row: {exc}") from exc
                 log.debug("session %s: cache miss (%s); re-prefilling", sid[:12], exc)
-                need_prefill = True
+                need_prefill, sequence.reuse, stats.cached_tokens = True, 0, 0
                 continue
             except PipelineError as exc:
                 if not exc.lost or stats.failovers >= MAX_FAILOVERS or path.channel is None:
                     raise
-                await self._reroute(path, exc, sampling, len(prompt_ids), stats)
-                need_prefill = True
+                await self._reroute(path, exc, sampling, len(sequence.prompt_ids), stats)
+                need_prefill, sequence.reuse, stats.cached_tokens = True, 0, 0
                 continue
             except ValueError as exc:  # a step refused by a backend (bad length, dtype...)
                 raise PipelineError(str(exc)) from exc
             misses = 0
+            sequence.held = len(sequence.ids()) if need_prefill else sequence.held + 1
             if stats.first_token_at is None:
                 stats.first_token_at = time.perf_counter()
             if result.token_id is None:  # a legacy tail: text only, an empty text ends; prefill every step
@@ -224,16 +282,23 @@ class Generator:
 
     async def _lap(self, sid: str, step: int, prefill: bool, sequence: "_Sequence", sampling: SamplingParams,
                    path: RoutedPath) -> TailTokenResult:
-        """One step through the head's layers and the route: a (re-)prefill, or one token's decode."""
+        """One step through the head's layers and the route: a (re-)prefill, or one token's decode.
+
+        A prefill after `sequence.reuse` kept positions runs only the tokens after them, as a
+        multi-position "decode" at that length: every hop cuts its cache back to it first.
+        """
         prompt_length = len(sequence.prompt_ids)
         cached_sid = sid if self.backend.supports_kv_cache else None
         prefill_input = sequence.prefill_input() if prefill else None
+        mode = "decode" if prefill and sequence.reuse else "prefill"
         if isinstance(prefill_input, str):  # prompt + text for a legacy tail: tokenized and run whole
             result = await self.worker.call(self.backend.encode_prompt, prefill_input, cached_sid,
                                             sampling=sampling, generated_from=prompt_length)
         elif prefill_input is not None:  # in chunks, with other sessions' decode steps in between
-            result = await self.worker.prefill(PrefillStep(cached_sid, token_ids=prefill_input, sampling=sampling,
-                                                           generated_from=prompt_length))
+            result = await self.worker.prefill(PrefillStep(
+                cached_sid, token_ids=prefill_input[sequence.reuse:], mode=mode, past_len=sequence.reuse,
+                sampling=sampling, history=prefill_input if sampling.needs_history else (),
+                generated_from=prompt_length))
         else:
             history = sequence.ids() if sampling.needs_history else ()
             result = await self.worker.decode(DecodeStep(sid, token_id=sequence.tokens[-1], sampling=sampling,
@@ -241,7 +306,7 @@ class Generator:
         if isinstance(result, TailTokenResult):  # a full node: the head is the tail
             return result
         ids = sequence.ids() if prefill and sampling.needs_history else None
-        return await path.step(step, "prefill" if prefill else "decode", result, ids)
+        return await path.step(step, mode if prefill else "decode", result, ids)
 
 
 @dataclass
@@ -252,6 +317,12 @@ class _Sequence:
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)
     legacy_text: list[str] = field(default_factory=list)
+    first_step: int = 0  # step numbers go on from a conversation's earlier answers
+    reuse: int = 0  # positions the hops' caches keep from before: the next prefill starts after them
+    held: int = 0  # positions every hop's cache holds after the last step that worked
+
+    def __post_init__(self) -> None:
+        self.step = self.first_step
 
     def __len__(self) -> int:
         return len(self.tokens) + len(self.legacy_text)

@@ -8,12 +8,16 @@ generations as streams of text. They never see the node.
 
 from __future__ import annotations
 
+import asyncio
+from contextlib import aclosing, suppress
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
+from ..mesh.aio import run_uncancelled
 from ..mesh.compute import ComputeWorker
 from ..model.backend import ShardBackend
 from .admission import AdmissionQueue, Refused, Slot
+from .conversation import Conversation, WarmPool
 from .generation import GenerationRequest, GenerationStats, Generator
 from .planner import RoutePlanner
 from .prompts import PromptBuilder
@@ -44,7 +48,7 @@ class Admission:
 
 class HeadService:
     def __init__(self, backend: ShardBackend, worker: ComputeWorker, generator: Generator, planner: RoutePlanner,
-                 queue: AdmissionQueue) -> None:
+                 queue: AdmissionQueue, warm_sessions: int = 0, warm_ttl: float = 300.0) -> None:
         self._backend = backend
         self._worker = worker
         self._generator = generator
@@ -55,6 +59,7 @@ class HeadService:
         self.context_length = backend.context_length
         self.vocab_size = backend.vocab_size
         self.prompts = PromptBuilder(backend.tokenizer)
+        self.warm = WarmPool(warm_sessions, warm_ttl, generator.end)
 
     @property
     def generations(self) -> int:
@@ -94,7 +99,55 @@ class HeadService:
             raise Unavailable(str(exc), "no_route", retry_after=2) from exc
 
     def stream(self, request: GenerationRequest, stop: Sequence[str], stats: GenerationStats, admission: Admission,
-               token_ids: list[int] | None = None) -> AsyncIterator[str]:
-        """The answer's text as it is decided; stats fill in as it runs. Close it (aclosing) to stop early."""
-        return stream_completion(self._generator, request, self.decode, stop, stats, token_ids, admission.route,
-                                 admission.slot)
+               token_ids: list[int] | None = None, conversation: Conversation | None = None) -> AsyncIterator[str]:
+        """The answer's text as it is decided; stats fill in as it runs. Close it (aclosing) to stop early.
+
+        With a `conversation` (a /ws/chat socket's), the answer goes on in its session.
+        Without one, and with a warm pool, the request adopts the warm session sharing the
+        longest prefix with its prompt (if any) and leaves its own session in the pool.
+        """
+        if conversation is not None or not self.warm.size:
+            return stream_completion(self._generator, request, self.decode, stop, stats, token_ids,
+                                     admission.route, admission.slot, conversation)
+        return self._pooled(request, stop, stats, admission, token_ids)
+
+    async def _pooled(self, request: GenerationRequest, stop: Sequence[str], stats: GenerationStats,
+                      admission: Admission, token_ids: list[int] | None) -> AsyncIterator[str]:
+        conversation = self.warm.adopt(request.prompt_ids or []) or Conversation()
+        try:
+            async with aclosing(stream_completion(self._generator, request, self.decode, stop, stats, token_ids,
+                                                  admission.route, admission.slot, conversation)) as deltas:
+                async for delta in deltas:
+                    yield delta
+        finally:
+            await run_uncancelled(self.warm.put(conversation))
+
+    async def warm_ctx(self, app: object) -> AsyncIterator[None]:
+        """An aiohttp cleanup context: the warm pool's TTL is kept while the node runs; its sessions end at stop."""
+        async def sweep() -> None:
+            while True:
+                await asyncio.sleep(min(self.warm.ttl / 4, 5.0))
+                await self.warm.sweep()
+
+        task = asyncio.create_task(sweep())
+        yield
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+        await self.warm.clear()
+
+    async def end_conversation(self, conversation: Conversation) -> None:
+        """Close a conversation's session on every hop (a /ws/chat reset or close)."""
+        await self._generator.end(conversation)
+
+    @property
+    def conversations(self) -> int:
+        """Sessions kept open between answers: /ws/chat conversations and the warm pool."""
+        return len(self._generator.kept)
+
+    @property
+    def reuse(self) -> dict[str, int]:
+        """Answers that resumed a kept session: with cached positions (hits) or none, and positions reused."""
+        generator = self._generator
+        return {"hits": generator.reuse_hits, "misses": generator.reuse_misses,
+                "reused_tokens": generator.reused_tokens}

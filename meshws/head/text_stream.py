@@ -13,6 +13,7 @@ from typing import AsyncIterator, Callable, Sequence
 
 from .generation import FinishReason, GenerationRequest, GenerationStats, Generator
 from .admission import Slot
+from .conversation import Conversation
 from .routes import Route
 
 REPLACEMENT = "\ufffd"
@@ -93,10 +94,11 @@ async def stream_completion(
     token_ids: list[int] | None = None,
     route: Route | None = None,
     slot: Slot | None = None,
+    conversation: Conversation | None = None,
 ) -> AsyncIterator[str]:
     """Text deltas of one generation; a stop string ends it with finish_reason "stop"."""
     text = TextStream(decode, stop)
-    async with aclosing(generator.generate(request, stats, route, slot)) as events:
+    async with aclosing(generator.generate(request, stats, route, slot, conversation)) as events:
         async for event in events:
             if event.token_id is not None:
                 if token_ids is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..model.memory import process_memory
@@ -64,6 +65,29 @@ class NodeMetrics:
                                             "its slot", buckets=QUEUE_BUCKETS, registry=self.registry)
         self.admission_refused = Counter("meshws_admission_refused", "Requests refused by admission, by reason",
                                          ["reason"], registry=self.registry)
+
+    def watch_reuse(self, reuse: Callable[[], dict[str, int]], evictions: Callable[[], dict[str, int]]) -> None:
+        """A head's kept sessions: answers that resumed one (hit: cached positions reused), tokens reused, evictions."""
+        registry = self.registry
+
+        class Reuse:
+            def collect(self):  # type: ignore[no-untyped-def]
+                counts = reuse()
+                answers = CounterMetricFamily("meshws_session_reuse", "Answers that resumed a kept session "
+                                              "(/ws/chat or the warm pool): hit reused cached positions",
+                                              labels=["result"])
+                answers.add_metric(["hit"], counts["hits"])
+                answers.add_metric(["miss"], counts["misses"])
+                yield answers
+                yield CounterMetricFamily("meshws_reused_prompt_tokens", "Prompt tokens not prefilled again because "
+                                          "a kept session's caches held them", value=counts["reused_tokens"])
+                gone = CounterMetricFamily("meshws_warm_evictions", "Warm sessions closed by the pool, by reason",
+                                           labels=["reason"])
+                for reason, count in evictions().items():
+                    gone.add_metric([reason], count)
+                yield gone
+
+        registry.register(Reuse())
 
     def watch_compute(self, queued: Callable[[], int], busy_seconds: Callable[[], float] = lambda: 0.0) -> None:
         """The compute worker: jobs waiting for it (prefill chunks, decode steps, releases), and time computing."""

@@ -191,13 +191,17 @@ class ShardService:
                                          self.url))
             return
         earlier = self.sessions.get(sid)
+        next_hop = self.links.get(next_url) if next_url else None
+        if message.resume and earlier is not None and earlier.link is link and earlier.next_hop is next_hop \
+                and not earlier.busy:
+            self._resume(earlier, message, route)
+            return
         if earlier is not None:  # a re-open (a new route after a failure), on this link or another: start clean
             self._end(earlier, reason="re-opened" if earlier.link is link else "re-opened on another link")
         if len(link.owned) >= self.limits.link_sessions:
             await self._error(link, sid, None, f"{self.node_name}: this link already carries "
                               f"{self.limits.link_sessions} sessions, the limit", "link_busy")
             return
-        next_hop = self.links.get(next_url) if next_url else None
         session = InboundSession(sid, message.sampling, message.prompt_tokens, next_hop, route, link=link)
         session.after = self.lanes.last(sid)  # the release of an earlier session of this id goes first
         self.sessions[sid] = session
@@ -207,6 +211,15 @@ class ShardService:
             onward = self.next_hops.onward(message, route)
             # The link may still be dialing: the open goes on in the lane; steps wait for it.
             session.forwarding = self.lanes.run(sid, lambda: self._forward_open(next_hop, onward))
+
+    def _resume(self, session: InboundSession, message: Open, route: tuple) -> None:
+        """A conversation's next turn on the same link and next hop: the cache stays, the sampling is new."""
+        session.sampling, session.prompt_tokens, session.route = message.sampling, message.prompt_tokens, route
+        session.history = None  # the turn's first step carries the token ids when sampling needs them
+        next_hop = session.next_hop
+        if next_hop is not None:
+            onward = self.next_hops.onward(message, route)
+            session.forwarding = self.lanes.run(session.sid, lambda: self._forward_open(next_hop, onward))
 
     async def _forward_open(self, next_hop: Link, message: Open) -> str | None:
         """Send `open` on; None when done, else why it could not be."""

@@ -170,7 +170,7 @@ class ShardSteps:
         await self._deliver(link, session, frame, result)
 
     async def _compute(self, session: InboundSession, frame: ForwardFrame) -> StepResult:
-        if frame.ids is not None and frame.mode == "prefill":
+        if frame.ids is not None:  # a prefill, or a conversation's next turn: the token ids so far
             session.history = list(frame.ids)
         history = session.history or ()
         if frame.mode == "decode" and frame.shape[-2:-1] == (1,):

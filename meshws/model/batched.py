@@ -23,7 +23,7 @@ import torch
 from .backend import DecodeStep, ShardBackend, StepResult, decode_alone
 from .cache_store import CacheEntry, KVCacheMiss
 from .sampling import SamplingParams
-from .session_layers import cannot_run_here
+from .session_layers import cannot_run_here, cut_back
 from .tensors import cache_nbytes, crop_cache
 
 log = logging.getLogger("meshws.shard")
@@ -204,5 +204,5 @@ def _prepare(shard: RowShard, step: DecodeStep) -> tuple[CacheEntry, torch.Tenso
         hidden = shard.tensor_from_bytes(step.body or b"", step.shape, step.dtype)
         if hidden.shape[1] != 1:
             raise ValueError("a batched decode step carries exactly one token")
-        entry = shard.sessions.lookup(step.session_id, expected_seq_len=step.past_len, effective_start=shard.start)
+        entry = cut_back(shard.sessions, step.session_id, step.past_len, shard.start)
     return entry, hidden, entry.seq_len

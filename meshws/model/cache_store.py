@@ -89,15 +89,21 @@ class SessionCacheStore:
         session_id: str,
         expected_seq_len: int | None = None,
         effective_start: int | None = None,
+        longer_ok: bool = False,
     ) -> CacheEntry:
-        """The session's entry, made most recent; a stale or mismatched entry is dropped."""
+        """The session's entry, made most recent; a stale or mismatched entry is dropped.
+
+        With `longer_ok`, an entry holding more than `expected_seq_len` positions is
+        returned as it is: the caller cuts it back.
+        """
         now = self._clock()
         with self._lock:
             self._expire(now)
             entry = self._entries.get(session_id)
             if entry is None:
                 raise KVCacheMiss(f"no cache for session {session_id}")
-            if expected_seq_len is not None and entry.seq_len != expected_seq_len:
+            if expected_seq_len is not None and entry.seq_len != expected_seq_len \
+                    and not (longer_ok and entry.seq_len > expected_seq_len):
                 del self._entries[session_id]
                 raise KVCacheMiss(
                     f"session {session_id} holds {entry.seq_len} tokens, step expects {expected_seq_len}"

@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import torch
 
-from .cache_store import KVCacheMiss, SessionCacheStore
-from .tensors import cache_nbytes
+from .cache_store import CacheEntry, KVCacheMiss, SessionCacheStore
+from .tensors import cache_nbytes, crop_cache
 
 log = logging.getLogger("meshws.shard")
 
@@ -36,6 +36,25 @@ def cannot_run_here(exc: BaseException) -> bool:
     if isinstance(exc, NotImplementedError):
         return True
     return type(exc) is RuntimeError and bool(_UNSUPPORTED.search(str(exc)))
+
+
+def cut_back(sessions: SessionCacheStore, session_id: str, past_len: int, start: int) -> CacheEntry:
+    """The session's cache, holding exactly `past_len` positions for the step that extends it.
+
+    A longer cache is cut back (a conversation whose history diverged after `past_len`,
+    rejected drafts); a shorter one, or one that cannot be cut back (a sliding window that
+    dropped positions), is a cache miss: the head re-prefills.
+    """
+    entry = sessions.lookup(session_id, expected_seq_len=past_len, effective_start=start, longer_ok=True)
+    if entry.seq_len > past_len:
+        try:
+            crop_cache(entry.cache, past_len)
+        except ValueError as exc:
+            sessions.drop(session_id)
+            raise KVCacheMiss(f"session {session_id} cannot be cut back to {past_len} positions: {exc}") from None
+        entry.seq_len = past_len
+        sessions.resize(session_id, cache_nbytes(entry.cache))
+    return entry
 
 
 RunLayers = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]  # (hidden, positions, cache or None)
@@ -61,7 +80,7 @@ class SessionLayers:
         if mode == "prefill":
             cache, entry = self._new_cache(), None
         else:
-            entry = self.sessions.lookup(session_id, expected_seq_len=past_len, effective_start=self.start)
+            entry = cut_back(self.sessions, session_id, past_len, self.start)
             cache = entry.cache
         try:
             output = self._run(hidden, positions, cache)

@@ -22,6 +22,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..head.conversation import common_prefix
+
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
     "Explain in detail how a bicycle works.",
@@ -63,16 +65,6 @@ def text_logits(shard: Any, ids: Sequence[int]) -> torch.Tensor:
         return shard.model.lm_head(hidden[0]).float()
 
 
-def agreement(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two continuations share."""
-    same = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        same += 1
-    return same
-
-
 def measure(model: str | None, tokens: int, dtype: str) -> dict[str, Any]:
     from meshws.model.shard import ModelShard, ShardSettings
     from meshws.model.source import locate_model
@@ -87,7 +79,7 @@ def measure(model: str | None, tokens: int, dtype: str) -> dict[str, Any]:
                                                                  add_generation_prompt=True, tokenize=False))
         want = greedy(float_shard, ids, tokens, "float")
         got = greedy(int8_shard, ids, tokens, "int8")
-        prompts.append({"prompt": text, "shared_prefix": agreement(want, got), "all_agree": want == got})
+        prompts.append({"prompt": text, "shared_prefix": common_prefix(want, got), "all_agree": want == got})
     ids = float_shard.tokenize(TEXT)
     targets = torch.tensor(ids[1:])
     result: dict[str, Any] = {"model": resolved.model_id, "dtype": dtype, "tokens": tokens, "prompts": prompts,

@@ -107,10 +107,10 @@ def test_frame_above_the_size_limit_is_refused():
         ('{"type": "token", "sid": "a"}', "token_id or a text"),
         ('{"type": "hello", "version": "2", "model": "m"}', "version"),
         ('{"type": "hello", "version": 1, "model": "m"}', "protocol 1"),
-        ('{"type": "hello", "version": 2, "layers": [0, 1], "total_layers": 30}', "model"),
-        ('{"type": "hello", "version": 2, "model": "m", "layers": [5, 2]}', "layers"),
-        ('{"type": "hello", "version": 2, "model": "m", "layers": [0, 40], "total_layers": 30}', "beyond"),
-        ('{"type": "hello", "version": 2, "model": "m", "layers": [0, 3], "total_layers": 30, "role": "head",'
+        ('{"type": "hello", "version": 3, "layers": [0, 1], "total_layers": 30}', "model"),
+        ('{"type": "hello", "version": 3, "model": "m", "layers": [5, 2]}', "layers"),
+        ('{"type": "hello", "version": 3, "model": "m", "layers": [0, 40], "total_layers": 30}', "beyond"),
+        ('{"type": "hello", "version": 3, "model": "m", "layers": [0, 3], "total_layers": 30, "role": "head",'
          ' "node": "n", "chain": [{}]}', "node"),
         ('{"type": "error"}', "message"),
         ('{"type": "error", "message": "x", "lost": "yes"}', "lost"),
@@ -119,6 +119,7 @@ def test_frame_above_the_size_limit_is_refused():
         ('{"type": "cache_miss", "sid": "a"}', "step"),
         ('{"type": "open", "sid": "a", "route": {}}', "route"),
         ('{"type": "open", "sid": "a", "sampling": 3}', "sampling"),
+        ('{"type": "open", "sid": "a", "resume": "yes"}', "resume"),
     ],
 )
 def test_bad_control_frames_raise_named_errors(text, needle):
@@ -132,6 +133,7 @@ def test_every_message_round_trips():
                                                         wire.ChainHop("tail@x", (15, 30)))),
         wire.Open("a", SamplingParams(temperature=0.7, seed=3), 12, (wire.RouteHop("ws://h:1", (15, 30)),)),
         wire.Open("b"),
+        wire.Open("c", SamplingParams(temperature=0), 40, resume=True),
         wire.Token("a", 2, 17),
         wire.Token("a", 3, None, ""),
         wire.CacheMiss("a", 4, "evicted"),

@@ -20,7 +20,7 @@ from .fields import (
     text_field,
 )
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: `past_len` cuts a longer cache back; `open` may resume a session
 MAX_CONTROL_BYTES = 256 * 1024
 
 
@@ -95,7 +95,12 @@ class Hello:
 
 @dataclass(frozen=True)
 class Open:
-    """A new session channel (or a re-open after a failure): its sampling and its route."""
+    """A new session channel (or a re-open after a failure): its sampling and its route.
+
+    `resume`: a conversation's next turn. A shard that carries the session on this link,
+    to the same next hop, keeps its cache and takes the new sampling; any other shard
+    opens it afresh (its first step then answers `cache_miss` and the head re-prefills).
+    """
 
     type: ClassVar[str] = "open"
     sid: str
@@ -103,6 +108,7 @@ class Open:
     prompt_tokens: int | None = None  # where generated tokens start (for the OpenAI-style penalties)
     route: tuple[RouteHop, ...] = ()  # hops after the receiver; empty: the receiver's --peer
     route_mac: str | None = None  # the route signed with the mesh secret (a middle dials only signed hops)
+    resume: bool = False  # keep the session's cache if this link carries it already
 
     def to_wire(self) -> dict[str, Any]:
         message: dict[str, Any] = {"type": self.type, "sid": self.sid, "sampling": self.sampling.to_wire()}
@@ -112,6 +118,8 @@ class Open:
             message["route"] = [hop.to_wire() for hop in self.route]
         if self.route_mac is not None:
             message["route_mac"] = self.route_mac
+        if self.resume:
+            message["resume"] = True
         return message
 
     @classmethod
@@ -122,9 +130,12 @@ class Open:
             prompt_tokens = int_field(data, "prompt_tokens", 0) if data.get("prompt_tokens") is not None else None
             route = tuple(RouteHop.parse(hop) for hop in list_field(data, "route"))
             route_mac = name_field(data, "route_mac") if data.get("route_mac") is not None else None
+            resume = data.get("resume", False)
+            if not isinstance(resume, bool):
+                raise FrameError("resume must be true or false")
         except ValueError as exc:  # FrameError included
             raise FrameError(f"bad open: {exc}", sid) from None
-        return cls(sid, sampling, prompt_tokens, route, route_mac)
+        return cls(sid, sampling, prompt_tokens, route, route_mac, resume)
 
 
 @dataclass(frozen=True)
