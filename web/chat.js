@@ -107,7 +107,9 @@ function onMessage(event) {
   } else if (data.type === "done") {
     const t = data.timing || {};
     const why = data.finish_reason === "stopped" ? "stopped · " : data.finish_reason === "length" ? "max tokens · " : "";
-    addMeta(turn.node, `${why}${data.usage.completion_tokens} tokens · first token ${t.ttft_ms ?? "–"} ms · ` +
+    // cached: prompt tokens this conversation's session held already (not prefilled again)
+    const cached = data.cached_tokens ? ` · ${data.cached_tokens} of ${data.usage.prompt_tokens} prompt tokens cached` : "";
+    addMeta(turn.node, `${why}${data.usage.completion_tokens} tokens${cached} · first token ${t.ttft_ms ?? "–"} ms · ` +
       `${t.tokens_per_second} tok/s · route ${routeText(data.route)}`);
     finishTurn(true);
   } else if (data.type === "error") {
@@ -187,7 +189,8 @@ stopButton.addEventListener("click", () => {
   if (turn && socket && socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify({ type: "stop" }));
 });
 $("new-chat").addEventListener("click", () => {
-  if (turn && socket && socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify({ type: "stop" }));
+  // reset: the head stops a running answer and releases this conversation's session on every shard
+  if (socket && socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify({ type: "reset" }));
   finishTurn(false);
   history = [];
   log.querySelectorAll(".msg").forEach((node) => node.remove());

@@ -106,8 +106,10 @@ def test_second_turn_sends_the_conversation_and_new_chat_clears_it(page):
     assert page.locator(".msg").count() == 0  # Shift+Enter did not send
     page.fill("#input", "")
     wait_answer(ask(page, "My favourite colour is green. Say hello.", max_tokens=12))
-    wait_answer(ask(page, "What is my favourite colour?", max_tokens=12))
+    second = wait_answer(ask(page, "What is my favourite colour?", max_tokens=12))
     assert page.locator(".msg.user").count() == 2 and page.locator(".msg.assistant").count() == 2
+    # the socket's session kept the first turn: the second prefilled only what is new
+    assert re.search(r"\d+ of \d+ prompt tokens cached", second.locator(".meta").text_content())
     import json
 
     chats = [json.loads(frame) for frame in page.sent if '"chat"' in frame]
@@ -115,7 +117,9 @@ def test_second_turn_sends_the_conversation_and_new_chat_clears_it(page):
     assert chats[-1]["messages"][1]["content"] == page.locator(".msg.assistant .text").first.text_content()
     page.click("#new-chat")
     assert page.locator(".msg").count() == 0
-    wait_answer(ask(page, "Hi", max_tokens=4))
+    assert any('"reset"' in frame for frame in page.sent)
+    first = wait_answer(ask(page, "Hi", max_tokens=4))
+    assert "cached" not in first.locator(".meta").text_content()
     chats = [json.loads(frame) for frame in page.sent if '"chat"' in frame]
     assert [m["role"] for m in chats[-1]["messages"]] == ["user"]
     set_setting(page, "#system", "Answer in one word.")
@@ -132,7 +136,8 @@ def test_stop_button_stops_the_answer_and_releases_the_session(page, mesh):
     page.click("#stop")
     wait_answer(answer)
     assert answer.locator(".meta").text_content().startswith("stopped")
-    assert mesh.tail.wait_sessions(0)["sessions"] == 0
+    page.click("#new-chat")  # stopped, the conversation may stay warm; a new chat releases it everywhere
+    assert mesh.tail.wait_sessions(0)["sessions"] == 0 and mesh.head.wait_sessions(0)["sessions"] == 0
     assert page.is_visible("#send") and not page.is_visible("#stop")
 
 
