@@ -83,7 +83,7 @@ def run_spec(head: HeadService, spec: CompletionSpec, stats: GenerationStats, ad
     """The text of a validated, admitted request as it is decided (close it with `aclosing`)."""
     request = GenerationRequest(prompt=spec.prompt, max_tokens=spec.max_tokens, sampling=spec.sampling,
                                 prompt_ids=spec.prompt_ids, ignore_eos=spec.ignore_eos)
-    return head.stream(request, spec.stop, stats, admission, token_ids, conversation)
+    return head.stream(request, spec.stop, stats, admission, token_ids, conversation, pooled=spec.cache_prompt)
 
 
 class SlowClient(ConnectionError):

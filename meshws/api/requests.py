@@ -32,6 +32,7 @@ class CompletionSpec:
     include_usage: bool = False
     return_token_ids: bool = False
     ignore_eos: bool = False
+    cache_prompt: bool = True  # llama-server's field: false keeps the request out of the warm pool
 
 
 # -- validation ---------------------------------------------------------------
@@ -135,7 +136,7 @@ def check_common(body: dict[str, Any]) -> None:
         raise ApiError(400, "'best_of' must be 1", param="best_of", code="invalid_value")
     if body.get("echo") not in (None, False):
         raise ApiError(400, "'echo' is not supported", param="echo", code="unsupported_parameter")
-    for name in ("stream", "return_token_ids", "ignore_eos"):
+    for name in ("stream", "return_token_ids", "ignore_eos", "cache_prompt"):
         if body.get(name) is not None and not isinstance(body.get(name), bool):
             raise ApiError(400, f"'{name}' must be a boolean", param=name, code="invalid_type")
     options = body.get("stream_options")
@@ -233,6 +234,7 @@ async def complete_spec(draft: RequestDraft, head: HeadService) -> CompletionSpe
         include_usage=bool(options.get("include_usage")),
         return_token_ids=bool(body.get("return_token_ids")),
         ignore_eos=bool(body.get("ignore_eos")),
+        cache_prompt=body.get("cache_prompt") is not False,
     )
 
 

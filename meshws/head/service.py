@@ -99,14 +99,16 @@ class HeadService:
             raise Unavailable(str(exc), "no_route", retry_after=2) from exc
 
     def stream(self, request: GenerationRequest, stop: Sequence[str], stats: GenerationStats, admission: Admission,
-               token_ids: list[int] | None = None, conversation: Conversation | None = None) -> AsyncIterator[str]:
+               token_ids: list[int] | None = None, conversation: Conversation | None = None,
+               pooled: bool = True) -> AsyncIterator[str]:
         """The answer's text as it is decided; stats fill in as it runs. Close it (aclosing) to stop early.
 
         With a `conversation` (a /ws/chat socket's), the answer goes on in its session.
         Without one, and with a warm pool, the request adopts the warm session sharing the
-        longest prefix with its prompt (if any) and leaves its own session in the pool.
+        longest prefix with its prompt (if any) and leaves its own session in the pool
+        (unless not `pooled`: the request asked for `cache_prompt: false`).
         """
-        if conversation is not None or not self.warm.size:
+        if conversation is not None or not self.warm.size or not pooled:
             return stream_completion(self._generator, request, self.decode, stop, stats, token_ids,
                                      admission.route, admission.slot, conversation)
         return self._pooled(request, stop, stats, admission, token_ids)

@@ -13,6 +13,9 @@ For each dtype it measures, on the embedded model:
     weights once at this machine's measured memory bandwidth (`bench_compute`);
   * llama.cpp on the same GGUF and thread count, when llama-cpp-python is installed (an
     optional extra): every decode figure is then also a ratio to it;
+  * a six-turn conversation with a ~500-token system prompt: time to first token of
+    turns 2-6 with the session reused (/ws/chat; the OpenAI API's warm pool) over the
+    same turns prefilled in full (`bench_turns`);
   * memory: peak and steady resident memory of a node holding all, half or a third of
     the layers, each a fresh process with a fresh cache (`memory_bench`; off with --short).
 It prints a table and writes JSON. Timing on shared machines is noisy: compare the
@@ -35,6 +38,7 @@ from typing import Any
 from .bench_compute import (gguf_of, measure_bandwidth, measure_decode_step, measure_generate_sessions,
                             measure_llama_cpp)
 from .bench_plot import write_plot
+from .bench_turns import measure_conversation
 from .memory_bench import measure_memory, print_memory, write_report
 from .streams import joining_run, sessions_run, stream_once
 
@@ -191,12 +195,15 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
         "full_node_ge_0_5x_llama_cpp": result["full_node"].get("ratio_to_llama_cpp"),
         "mesh_16_p95_itl_le_3x_one": _over(mesh.get("16", {}).get("itl_p95_s"), mesh.get("1", {}).get("itl_p95_s")),
         "joining_ttft_le_2x_idle": _over(result.get("joining", {}).get("ttft_s"), mesh.get("1", {}).get("ttft_p50_s")),
+        **{f"conversation_{name}_ttft_le_0_3x_fresh": result.get("conversation", {}).get(name, {}).get(
+            "later_turns_ttft_ratio") for name in ("ws_chat", "openai_api")},
     }
     limits = {"mesh_one_session_ge_1x_generate": 1.0, "mesh_16_sessions_ge_6x_one": 6.0,
               "decode_frame_le_1400_bytes": 1400, "cached_ge_15x_stateless_at_1024": 15.0,
               "full_node_ge_2x_generate": 2.0, "full_node_int8_ge_3x_generate": 3.0,
               "mesh_one_session_ge_1_5x_generate": 1.5, "full_node_ge_0_5x_llama_cpp": 0.5,
-              "mesh_16_p95_itl_le_3x_one": 3.0, "joining_ttft_le_2x_idle": 2.0}
+              "mesh_16_p95_itl_le_3x_one": 3.0, "joining_ttft_le_2x_idle": 2.0,
+              "conversation_ws_chat_ttft_le_0_3x_fresh": 0.3, "conversation_openai_api_ttft_le_0_3x_fresh": 0.3}
     report = {}
     for name, value in checks.items():
         if value is None:
@@ -241,6 +248,12 @@ def print_table(report: dict[str, Any]) -> None:
         if joining:
             print(f"a session joining {joining['busy_sessions']} busy ones: first token after "
                   f"{joining['ttft_s'] * 1000:.0f} ms")
+        for name, turns in result.get("conversation", {}).items():
+            if isinstance(turns, dict):
+                print(f"conversation over {name}: ttft per turn reused " + " ".join(
+                    f"{t * 1000:.0f}" for t in turns["ttft_reuse_s"]) + " ms, fresh " + " ".join(
+                    f"{t * 1000:.0f}" for t in turns["ttft_fresh_s"]) + f" ms; later turns "
+                    f"{turns['later_turns_ttft_ratio']:.2f}x; cached tokens {turns['cached_tokens']}")
         wire = result["wire"]
         print(f"frames: decode {wire.get('decode_frame_bytes')} B, prefill {wire.get('prefill_frame_bytes')} B "
               f"({wire['prefill_tokens']} tokens)")
@@ -303,6 +316,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
                                   "llama_cpp": llama,
                                   "decode_step": measure_decode_step(resolved, dtype, bandwidth)}
         result.update(measure_processes(args, dtype, prompt_ids, resolved.model_id))
+        result["conversation"] = measure_conversation(args.model, args.layers, dtype, resolved.model_id,
+                                                      args.tokens, 3 if args.short else 6)
         result["stateless"] = measure_cached_vs_stateless(resolved, dtype, args.contexts, args.repeats)
         if args.tls:
             from .bench_tls import measure_tls

@@ -56,7 +56,14 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
                                          "decode_frame_le_1400_bytes", "cached_ge_15x_stateless_at_1024",
                                          "full_node_ge_2x_generate", "full_node_int8_ge_3x_generate",
                                          "mesh_one_session_ge_1_5x_generate", "full_node_ge_0_5x_llama_cpp",
-                                         "mesh_16_p95_itl_le_3x_one", "joining_ttft_le_2x_idle"}
+                                         "mesh_16_p95_itl_le_3x_one", "joining_ttft_le_2x_idle",
+                                         "conversation_ws_chat_ttft_le_0_3x_fresh",
+                                         "conversation_openai_api_ttft_le_0_3x_fresh"}
+        for name in ("ws_chat", "openai_api"):  # three turns in --short: the later ones reuse the session
+            turns = entry["conversation"][name]
+            assert len(turns["ttft_reuse_s"]) == len(turns["ttft_fresh_s"]) == 3
+            assert turns["cached_tokens"][0] == 0 and all(count > 400 for count in turns["cached_tokens"][1:]), turns
+            assert turns["later_turns_ttft_ratio"] > 0
     assert report["plot"] == str(out.with_suffix(".png")) and out.with_suffix(".png").stat().st_size > 10_000
     assert report["bandwidth_gb_s"] > 0
     assert "target" in result.stdout and "x generate" in result.stdout

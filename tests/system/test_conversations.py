@@ -168,8 +168,12 @@ async def test_the_openai_client_reuses_warm_sessions(size, request, tokenizer, 
         return answer.choices[0].message.content, answer.usage.prompt_tokens_details.cached_tokens
 
     try:
-        _, reused = await _converse(turn, reference, QUESTIONS[:3])
+        messages, reused = await _converse(turn, reference, QUESTIONS[:3])
         assert reused[0] == 0 and all(count > 100 for count in reused[1:]), reused
+        answer = await client.chat.completions.create(model=MODEL, messages=messages[:-1], max_tokens=STEPS,
+                                                      temperature=0, extra_body={"cache_prompt": False})
+        assert answer.usage.prompt_tokens_details.cached_tokens == 0  # llama-server's opt-out: no warm session
+        assert answer.choices[0].message.content == messages[-1]["content"]
         async with aiohttp.ClientSession() as http:
             async with http.get(f"{mesh.head.url}/metrics") as response:
                 metrics = await response.text()
