@@ -62,6 +62,9 @@ class NodeSettings:
     # -- warm sessions (issue 17) --
     warm_sessions: int = 0  # finished HTTP generations kept open for a request sharing their prefix (0: none)
     warm_ttl: float = 300.0  # seconds a warm session may wait for such a request
+    # -- speculative decoding (issue 16) --
+    draft: str = "ngram"  # how the head guesses next tokens: ngram (prompt lookup) or none
+    draft_tokens: int = 4  # the most guesses one decode lap carries
 
 
 _HELP = {
@@ -121,6 +124,9 @@ _HELP = {
     "warm_sessions": "on a head: finished API answers whose sessions (caches on every shard) stay open for a "
                      "next request with the same prompt prefix; 0 closes each session when its answer ends",
     "warm_ttl": "on a head: seconds a warm session (--warm-sessions) waits for a request before it is closed",
+    "draft": "on a head: speculative decoding's guesses of the next tokens: ngram (prompt lookup: what followed "
+             "the last few tokens earlier in the prompt or answer; no second model) or none (one token per lap)",
+    "draft_tokens": "on a head: the most guesses one decode lap carries (adapted per answer to what the tail keeps)",
 }
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
@@ -230,6 +236,8 @@ _TYPES = {
     "prefill_chunk": int,
     "warm_sessions": int,
     "warm_ttl": float,
+    "draft": str,
+    "draft_tokens": int,
 }
 
 _CHOICES = {
@@ -237,6 +245,7 @@ _CHOICES = {
     "dtype": ("auto", "float32", "bfloat16"),
     "compute": ("auto", "lean", "transformers"),
     "quant": ("none", "int8"),
+    "draft": ("ngram", "none"),
     "wire_dtype": ("float32", "bfloat16", "float16"),
     "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
@@ -336,6 +345,8 @@ def check_settings(settings: NodeSettings) -> str | None:
     for name in ("max_link_sessions", "max_link_frames", "prefill_chunk"):
         if getattr(settings, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
+    if not 0 <= settings.draft_tokens <= 16:
+        return "--draft-tokens must be between 0 and 16"
     if settings.warm_sessions < 0 or settings.warm_ttl <= 0:
         return "--warm-sessions must be 0 or more and --warm-ttl above 0"
     return None

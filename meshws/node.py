@@ -29,13 +29,11 @@ from .api.page import add_page_routes
 from .access import NodeAccess, tls_contexts
 from .config import NodeSettings, parse_settings
 from .cores import CoreShare
-from .head.admission import AdmissionQueue
-from .head.generation import Generator
 from .head.membership import RegistryEndpoints
 from .head.planner import RoutePlanner
 from .head.registry import Registry
 from .head.routes import NoRoute, chain_gaps
-from .head.service import HeadService
+from .head.service import HeadService, build_head
 from .loading import check_role, load_backend
 from .mesh.addresses import host_of, is_loopback
 from .mesh.auth import CHALLENGE_PATH
@@ -220,12 +218,8 @@ class Node(NodeReports):
         self.registry = Registry(backend.model_id, backend.total_layers, ttl=self.settings.registry_ttl)
         self.planner = RoutePlanner(self.name, self.span, backend.total_layers, backend.model_id, self.links,
                                     self.registry, self.settings.peer, full=self.role == "full")
-        generator = Generator(backend, self.worker, planner=self.planner, step_timeout=self.settings.step_timeout,
-                              compress_min_bytes=self.settings.compress_min_bytes,
-                              on_finish=self._generation_finished, secret=self.settings.secret)
-        queue = AdmissionQueue(self.settings.max_generations, self.settings.max_queue, self.settings.queue_timeout)
-        self.head = HeadService(backend, self.worker, generator, self.planner, queue, self.settings.warm_sessions,
-                                self.settings.warm_ttl)
+        self.head = build_head(backend, self.worker, self.planner, self.settings, self._generation_finished)
+        queue = self.head.queue
         app.cleanup_ctx.append(self.head.warm_ctx)
         self.metrics.watch_reuse(lambda: self.head.reuse, lambda: self.head.warm.evictions)
         self.metrics.watch_admission(lambda: queue.running, lambda: queue.waiting)

@@ -69,7 +69,8 @@ class FakeBackend:
         raise NotImplementedError("this fake is not a head")
 
     def encode_next_token(self, token_id: int, session_id: str, *, sampling: SamplingParams | None = None,
-                          history: Sequence[int] = (), generated_from: int | None = None) -> StepResult:
+                          history: Sequence[int] = (), generated_from: int | None = None,
+                          past_len: int | None = None) -> StepResult:
         raise NotImplementedError("this fake is not a head")
 
     def forward_bytes(self, body: bytes, shape: Sequence[int], *, dtype: str = "bfloat16",
@@ -117,11 +118,24 @@ class CachedHeadBackend(FakeBackend):
         return TensorPayload(body=b"\x00" * (1 * 6 * 8 * 2), shape=[1, 6, 8])
 
     def encode_next_token(self, token_id: int, session_id: str, *, sampling: SamplingParams | None = None,
-                          history: Sequence[int] = (), generated_from: int | None = None) -> StepResult:
+                          history: Sequence[int] = (), generated_from: int | None = None,
+                          past_len: int | None = None) -> StepResult:
         self.decode_calls.append((token_id, session_id))
-        past = self._seq[session_id]
+        past = self._seq[session_id] if past_len is None else past_len
         self._seq[session_id] = past + 1
         return TensorPayload(body=b"\x00" * (1 * 1 * 8 * 2), shape=[1, 1, 8], past_len=past)
+
+    def prefill(self, step: PrefillStep, chunk_tokens: int) -> PrefillRun:
+        if step.mode != "decode" or step.token_ids is None:
+            return prefill_at_once(self, step)
+        return self._extend(step)
+
+    def _extend(self, step: PrefillStep) -> PrefillRun:
+        """Several positions at `past_len` (a lap with drafts, a conversation's next turn)."""
+        count = len(step.token_ids or ())
+        self._seq[step.session_id or ""] = step.past_len + count
+        return TensorPayload(body=b"\x00" * (count * 8 * 2), shape=[1, count, 8], past_len=step.past_len)
+        yield  # a generator that never pauses
 
 
 class CachedTailBackend(FakeBackend):

@@ -83,7 +83,8 @@ def run_spec(head: HeadService, spec: CompletionSpec, stats: GenerationStats, ad
     """The text of a validated, admitted request as it is decided (close it with `aclosing`)."""
     request = GenerationRequest(prompt=spec.prompt, max_tokens=spec.max_tokens, sampling=spec.sampling,
                                 prompt_ids=spec.prompt_ids, ignore_eos=spec.ignore_eos)
-    return head.stream(request, spec.stop, stats, admission, token_ids, conversation, pooled=spec.cache_prompt)
+    return head.stream(request, spec.stop, stats, admission, token_ids, conversation,
+                       owner=spec.owner if spec.cache_prompt else None)
 
 
 class SlowClient(ConnectionError):
@@ -123,6 +124,7 @@ class OpenAIApi:
         answer_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         try:
             spec = await complete_spec(draft, self.head)
+            spec.owner = f"{request.remote}\n{draft.body.get('user')}"  # a warm session serves its owner only
             if spec.stream:
                 return await self._stream(request, spec, admission, chat, kind, answer_id)
             return await self._complete(spec, admission, chat, kind, answer_id)

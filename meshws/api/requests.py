@@ -33,6 +33,7 @@ class CompletionSpec:
     return_token_ids: bool = False
     ignore_eos: bool = False
     cache_prompt: bool = True  # llama-server's field: false keeps the request out of the warm pool
+    owner: str = ""  # who may adopt this request's warm session later: the same client address and `user`
 
 
 # -- validation ---------------------------------------------------------------

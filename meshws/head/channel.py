@@ -58,10 +58,11 @@ class HopChannel:
         except LinkDown as exc:
             raise PipelineError(str(exc), lost=True, url=self.link.url) from exc
 
-    async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None) -> TailTokenResult:
+    async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None,
+                   drafts: tuple[int, ...] = ()) -> TailTokenResult:
         data = encode_forward(
             self.sid, step, mode, payload.past_len, payload.shape, payload.dtype, payload.body,
-            ids=ids, compress_min_bytes=self.compress_min_bytes,
+            ids=ids, compress_min_bytes=self.compress_min_bytes, drafts=drafts,
         )
         try:
             await self.link.send_forward(data)
@@ -79,7 +80,7 @@ class HopChannel:
             if reply.step not in (None, step):
                 continue  # a late answer to an earlier step
             if isinstance(reply, Token):
-                return TailTokenResult(text=reply.text or "", token_id=reply.token_id)
+                return TailTokenResult(text=reply.text or "", token_id=reply.token_id, token_ids=reply.token_ids)
             if isinstance(reply, CacheMiss):
                 raise KVCacheMiss(reply.reason)
             if isinstance(reply, Error):
@@ -131,10 +132,11 @@ class RoutedPath:
         if self.channel is not None and self.route is not None:
             await self.channel.open(sampling, prompt_tokens, self.route.hops, resume=True)
 
-    async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None) -> TailTokenResult:
+    async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None,
+                   drafts: tuple[int, ...] = ()) -> TailTokenResult:
         if self.channel is None:
             raise PipelineError("the head has no next hop for its hidden states")
-        return await self.channel.step(step, mode, payload, ids)
+        return await self.channel.step(step, mode, payload, ids, drafts)
 
     async def reroute(self, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int) -> None:
         """Close the session on the failed route and open it again on one without the failed hop.

@@ -38,6 +38,11 @@ class Conversation:
     held: list[int] = field(default_factory=list)  # token ids every hop's cache holds, from position 0
     steps: int = 0  # step numbers go on across answers: a late reply to an old step is never taken for a new one
     last_used: float = field(default_factory=time.monotonic)
+    owner: str = ""  # the warm pool's: only requests of the same owner may adopt it
+
+    def renew(self) -> None:
+        """The session ended: the next answer opens another, under a new id (no late reply can reach it)."""
+        self.sid, self.steps, self.path, self.held = uuid.uuid4().hex, 0, None, []
 
     @property
     def warm(self) -> bool:
@@ -57,8 +62,9 @@ class WarmPool:
     """Finished HTTP generations' sessions, kept for the next request that shares their prefix.
 
     Bounded (`size`, least recently used leaves first) and timed (`ttl` seconds idle). A
-    warm session is adopted by one request at a time; a concurrent request with the same
-    prefix prefills normally, and its own session joins the pool when it ends.
+    warm session is adopted by one request at a time, and only by a request of the same
+    owner (client address and `user`); a concurrent request with the same prefix
+    prefills normally, and its own session joins the pool when it ends.
     """
 
     def __init__(self, size: int, ttl: float, end: End, min_tokens: int = MIN_REUSE,
@@ -74,10 +80,12 @@ class WarmPool:
     def __len__(self) -> int:
         return len(self._idle)
 
-    def adopt(self, prompt_ids: Sequence[int]) -> Conversation | None:
-        """The warm conversation sharing the longest prefix with `prompt_ids`, taken out of the pool."""
-        best, shared = None, 0
+    def adopt(self, prompt_ids: Sequence[int], owner: str = "") -> Conversation | None:
+        """`owner`'s warm conversation sharing the longest prefix with `prompt_ids`, taken out of the pool."""
+        best, shared, now = None, 0, self._clock()
         for conversation in self._idle:
+            if conversation.owner != owner or now - conversation.last_used > self.ttl:
+                continue
             length = conversation.reusable(prompt_ids)
             if length > shared:
                 best, shared = conversation, length
@@ -98,7 +106,7 @@ class WarmPool:
         now = self._clock()
         for conversation in [c for c in self._idle if now - c.last_used > self.ttl]:
             await self._evict(conversation, "ttl")
-        while len(self._idle) > self.size:
+        while len(self._idle) > self.size:  # (`_idle` shrinks before each await: no sweep sees it twice)
             await self._evict(self._idle[0], "lru")
 
     async def clear(self) -> None:
@@ -106,6 +114,8 @@ class WarmPool:
             await self._evict(conversation, "shutdown")
 
     async def _evict(self, conversation: Conversation, reason: str) -> None:
+        if conversation not in self._idle:  # adopted, or evicted by a sweep running meanwhile
+            return
         self._idle.remove(conversation)
         self.evictions[reason] += 1
         await self._end(conversation)

@@ -29,6 +29,8 @@ from ..model.sampling import SamplingParams
 from .admission import Slot
 from .channel import PipelineError, RoutedPath
 from .conversation import Conversation
+from .drafts import NgramDrafter, Speculation
+from .progress import Progress
 from .planner import RoutePlanner
 from .routes import Route
 
@@ -74,6 +76,7 @@ class GenerationStats:
     cache_misses: int = 0
     failovers: int = 0
     cached_tokens: int = 0  # prompt tokens a conversation's caches already held
+    speculation: Any = None  # the answer's drafts (`drafts.Speculation`), when the head guesses
     route: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -101,6 +104,8 @@ class Generator:
         compress_min_bytes: int,
         on_finish: Callable[[GenerationStats, str], None] | None = None,
         secret: str | None = None,
+        draft_tokens: int = 0,
+        max_kept: int = 128,
     ) -> None:
         self.backend = backend
         self.worker = worker
@@ -109,9 +114,11 @@ class Generator:
         self.compress_min_bytes = compress_min_bytes
         self.on_finish = on_finish
         self.secret = secret
+        self.draft_tokens = draft_tokens  # the most guesses per decode lap (0: no speculative decoding)
         self.eos_ids = set(backend.eos_token_ids())
         self.active: dict[str, GenerationStats] = {}
         self.kept: dict[str, Conversation] = {}  # conversations whose channel stays open between answers
+        self.max_kept = max_kept  # beyond, the least recently used idle one is closed
         self.reuse_hits = self.reuse_misses = self.reused_tokens = 0  # answers of warm conversations
 
     async def generate(self, request: GenerationRequest, stats: GenerationStats | None = None,
@@ -135,7 +142,11 @@ class Generator:
                                                          self.compress_min_bytes, self.secret)
         if warm and route is not None:
             route.release()  # the conversation goes on along its own route
-        sequence = _Sequence(request.prompt, [], first_step=conversation.steps if conversation else 0)
+        speculation = Speculation(NgramDrafter(), self.draft_tokens) \
+            if self.draft_tokens and self.backend.supports_kv_cache else None
+        sequence = Progress(request.prompt, [], first_step=conversation.steps if conversation else 0,
+                             max_tokens=request.max_tokens, speculation=speculation)
+        stats.speculation = speculation
         outcome, clean = "error", False
         try:
             prompt_ids = request.prompt_ids
@@ -167,6 +178,7 @@ class Generator:
                     conversation.path, conversation.held = path, sequence.ids()[:sequence.held]
                     conversation.steps, conversation.last_used = sequence.step, time.monotonic()
                     self.kept[sid] = conversation
+                    await run_uncancelled(self._within_bound())
                 else:
                     if conversation is not None:
                         self._forget(conversation)
@@ -197,14 +209,25 @@ class Generator:
 
     async def end(self, conversation: Conversation) -> None:
         """A conversation's holder let it go: its channel closes and every hop releases its cache."""
+        sid = conversation.sid
         path = self._forget(conversation)
         if path is not None:
-            await run_uncancelled(self._release(path, conversation.sid))
+            await run_uncancelled(self._release(path, sid))
 
     def _forget(self, conversation: Conversation) -> RoutedPath | None:
-        path, conversation.path, conversation.held = conversation.path, None, []
+        """The conversation's session ends; its next answer opens a new one under a new id."""
+        path = conversation.path
         self.kept.pop(conversation.sid, None)
+        conversation.renew()
         return path
+
+    async def _within_bound(self) -> None:
+        """Close the least recently used idle kept sessions beyond `max_kept` (their next answer prefills in full)."""
+        idle = sorted((c for sid, c in self.kept.items() if sid not in self.active), key=lambda c: c.last_used)
+        for conversation in idle[: max(0, len(self.kept) - self.max_kept)]:
+            log.info("session %s: closed, the oldest of more than %d kept between answers", conversation.sid[:12],
+                     self.max_kept)
+            await self.end(conversation)
 
     async def _release(self, path: RoutedPath, sid: str) -> None:
         """Close the channel (every shard drops the session) and drop the head's own cache."""
@@ -215,7 +238,7 @@ class Generator:
         self,
         request: GenerationRequest,
         stats: GenerationStats,
-        sequence: "_Sequence",
+        sequence: Progress,
         path: RoutedPath,
     ) -> AsyncIterator[TokenEvent]:
         sid, sampling = stats.sid, request.sampling
@@ -243,7 +266,11 @@ class Generator:
             except ValueError as exc:  # a step refused by a backend (bad length, dtype...)
                 raise PipelineError(str(exc)) from exc
             misses = 0
-            sequence.held = len(sequence.ids()) if need_prefill else sequence.held + 1
+            # 1 token, or after a lap with drafts the ones the tail kept and its own: all fed but the last
+            tokens = result.token_ids or (result.token_id,)
+            if not need_prefill and sequence.speculation is not None:
+                sequence.speculation.record(len(sequence.drafts), len(tokens) - 1)
+            sequence.held = len(sequence.ids()) if need_prefill else sequence.held + len(tokens)
             if stats.first_token_at is None:
                 stats.first_token_at = time.perf_counter()
             if result.token_id is None:  # a legacy tail: text only, an empty text ends; prefill every step
@@ -255,13 +282,16 @@ class Generator:
                 need_prefill = True
                 yield TokenEvent(None, result.text)
                 continue
-            if result.token_id in self.eos_ids and not request.ignore_eos:
-                stats.finish_reason = FinishReason.STOP
-                return
-            sequence.tokens.append(result.token_id)
-            stats.completion_tokens += 1
             need_prefill = not self.backend.supports_kv_cache
-            yield TokenEvent(result.token_id)
+            for token in tokens:  # streamed one by one, as without drafts
+                if token in self.eos_ids and not request.ignore_eos:
+                    stats.finish_reason = FinishReason.STOP
+                    return
+                sequence.tokens.append(token)
+                stats.completion_tokens += 1
+                yield TokenEvent(token)
+                if len(sequence) >= request.max_tokens:
+                    break
         stats.finish_reason = FinishReason.LENGTH
 
     @staticmethod
@@ -280,7 +310,7 @@ class Generator:
                     raise
                 failure = again
 
-    async def _lap(self, sid: str, step: int, prefill: bool, sequence: "_Sequence", sampling: SamplingParams,
+    async def _lap(self, sid: str, step: int, prefill: bool, sequence: Progress, sampling: SamplingParams,
                    path: RoutedPath) -> TailTokenResult:
         """One step through the head's layers and the route: a (re-)prefill, or one token's decode.
 
@@ -301,35 +331,17 @@ class Generator:
                 generated_from=prompt_length))
         else:
             history = sequence.ids() if sampling.needs_history else ()
-            result = await self.worker.decode(DecodeStep(sid, token_id=sequence.tokens[-1], sampling=sampling,
-                                                         history=history, generated_from=prompt_length))
+            speculation, last = sequence.speculation, sequence.tokens[-1]
+            room = sequence.max_tokens - len(sequence) - 1  # guesses beyond the answer's end are wasted
+            sequence.drafts = tuple(speculation.propose(sequence.ids(), room)) if speculation else ()
+            if sequence.drafts:  # the last token and the guesses, verified by the tail in one lap
+                result = await self.worker.prefill(PrefillStep(
+                    cached_sid, token_ids=[last, *sequence.drafts], mode="decode", past_len=sequence.held,
+                    sampling=sampling, history=history, generated_from=prompt_length, drafts=sequence.drafts))
+            else:
+                result = await self.worker.decode(DecodeStep(sid, token_id=last, sampling=sampling, history=history,
+                                                             generated_from=prompt_length, past_len=sequence.held))
         if isinstance(result, TailTokenResult):  # a full node: the head is the tail
             return result
         ids = sequence.ids() if prefill and sampling.needs_history else None
-        return await path.step(step, mode if prefill else "decode", result, ids)
-
-
-@dataclass
-class _Sequence:
-    """What a generation holds so far: the prompt, and the token ids (or a legacy tail's texts) after it."""
-
-    prompt: str
-    prompt_ids: list[int]
-    tokens: list[int] = field(default_factory=list)
-    legacy_text: list[str] = field(default_factory=list)
-    first_step: int = 0  # step numbers go on from a conversation's earlier answers
-    reuse: int = 0  # positions the hops' caches keep from before: the next prefill starts after them
-    held: int = 0  # positions every hop's cache holds after the last step that worked
-
-    def __post_init__(self) -> None:
-        self.step = self.first_step
-
-    def __len__(self) -> int:
-        return len(self.tokens) + len(self.legacy_text)
-
-    def ids(self) -> list[int]:
-        return self.prompt_ids + self.tokens
-
-    def prefill_input(self) -> str | list[int]:
-        """What a (re-)prefill runs: the token ids so far, or prompt + text with a legacy tail."""
-        return self.prompt + "".join(self.legacy_text) if self.legacy_text else self.ids()
+        return await path.step(step, mode if prefill else "decode", result, ids, () if prefill else sequence.drafts)

@@ -9,9 +9,10 @@ generations as streams of text. They never see the node.
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from ..mesh.aio import run_uncancelled
 from ..mesh.compute import ComputeWorker
@@ -23,6 +24,13 @@ from .planner import RoutePlanner
 from .prompts import PromptBuilder
 from .routes import NoRoute, Route
 from .text_stream import stream_completion
+
+log = logging.getLogger("meshws.head")
+
+# /ws/chat conversations kept open between turns beyond the running generations and the warm pool; past
+# that the least recently used idle one is closed (its next turn prefills in full). A first hop's link
+# carries at most 256 sessions (--max-link-sessions); idle conversations must never fill it.
+KEPT_CONVERSATIONS = 64
 
 
 class Unavailable(Exception):
@@ -100,22 +108,24 @@ class HeadService:
 
     def stream(self, request: GenerationRequest, stop: Sequence[str], stats: GenerationStats, admission: Admission,
                token_ids: list[int] | None = None, conversation: Conversation | None = None,
-               pooled: bool = True) -> AsyncIterator[str]:
+               owner: str | None = None) -> AsyncIterator[str]:
         """The answer's text as it is decided; stats fill in as it runs. Close it (aclosing) to stop early.
 
         With a `conversation` (a /ws/chat socket's), the answer goes on in its session.
         Without one, and with a warm pool, the request adopts the warm session sharing the
-        longest prefix with its prompt (if any) and leaves its own session in the pool
-        (unless not `pooled`: the request asked for `cache_prompt: false`).
+        longest prefix with its prompt among those of the same `owner` (if any), and leaves
+        its own session in the pool. No `owner` (`cache_prompt: false`): no pool. Sessions
+        never cross owners: a shared prefix's cached length would tell one client what
+        another one sent.
         """
-        if conversation is not None or not self.warm.size or not pooled:
+        if conversation is not None or not self.warm.size or owner is None:
             return stream_completion(self._generator, request, self.decode, stop, stats, token_ids,
                                      admission.route, admission.slot, conversation)
-        return self._pooled(request, stop, stats, admission, token_ids)
+        return self._pooled(request, stop, stats, admission, token_ids, owner)
 
     async def _pooled(self, request: GenerationRequest, stop: Sequence[str], stats: GenerationStats,
-                      admission: Admission, token_ids: list[int] | None) -> AsyncIterator[str]:
-        conversation = self.warm.adopt(request.prompt_ids or []) or Conversation()
+                      admission: Admission, token_ids: list[int] | None, owner: str) -> AsyncIterator[str]:
+        conversation = self.warm.adopt(request.prompt_ids or [], owner) or Conversation(owner=owner)
         try:
             async with aclosing(stream_completion(self._generator, request, self.decode, stop, stats, token_ids,
                                                   admission.route, admission.slot, conversation)) as deltas:
@@ -129,7 +139,10 @@ class HeadService:
         async def sweep() -> None:
             while True:
                 await asyncio.sleep(min(self.warm.ttl / 4, 5.0))
-                await self.warm.sweep()
+                try:
+                    await self.warm.sweep()
+                except Exception:  # the sweep goes on whatever one release raised
+                    log.exception("sweeping the warm pool failed")
 
         task = asyncio.create_task(sweep())
         yield
@@ -153,3 +166,14 @@ class HeadService:
         generator = self._generator
         return {"hits": generator.reuse_hits, "misses": generator.reuse_misses,
                 "reused_tokens": generator.reused_tokens}
+
+
+def build_head(backend: ShardBackend, worker: ComputeWorker, planner: RoutePlanner, settings: Any,
+               on_finish: Callable[[GenerationStats, str], None]) -> HeadService:
+    """A head's service as the node's settings (`config.NodeSettings`) ask for it."""
+    generator = Generator(backend, worker, planner=planner, step_timeout=settings.step_timeout,
+                          compress_min_bytes=settings.compress_min_bytes, on_finish=on_finish,
+                          secret=settings.secret, draft_tokens=settings.draft_tokens if settings.draft == "ngram" else 0,
+                          max_kept=settings.max_generations + settings.warm_sessions + KEPT_CONVERSATIONS)
+    queue = AdmissionQueue(settings.max_generations, settings.max_queue, settings.queue_timeout)
+    return HeadService(backend, worker, generator, planner, queue, settings.warm_sessions, settings.warm_ttl)

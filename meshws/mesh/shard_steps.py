@@ -130,6 +130,8 @@ class ShardSteps:
                 return f"{len(header.ids)} token ids exceed the context of {context} tokens"
             if any(token >= vocab for token in header.ids):
                 return f"a token id is outside the vocabulary [0, {vocab})"
+        if any(token >= self.backend.vocab_size for token in header.drafts):
+            return f"a draft token id is outside the vocabulary [0, {self.backend.vocab_size})"
         return None
 
     # -- the step, as a task ---------------------------------------------------
@@ -173,7 +175,7 @@ class ShardSteps:
         if frame.ids is not None:  # a prefill, or a conversation's next turn: the token ids so far
             session.history = list(frame.ids)
         history = session.history or ()
-        if frame.mode == "decode" and frame.shape[-2:-1] == (1,):
+        if frame.mode == "decode" and frame.shape[-2:-1] == (1,):  # (a step with drafts has more positions)
             step = DecodeStep(session.sid, body=frame.body, shape=frame.shape, dtype=frame.dtype,
                               past_len=frame.past_len, sampling=session.sampling, history=history,
                               generated_from=session.prompt_tokens)
@@ -181,7 +183,7 @@ class ShardSteps:
         return await self.worker.prefill(PrefillStep(
             session.sid, body=frame.body, shape=frame.shape, dtype=frame.dtype, mode=frame.mode,
             past_len=frame.past_len, sampling=session.sampling, history=history,
-            generated_from=session.prompt_tokens,
+            generated_from=session.prompt_tokens, drafts=frame.drafts,
         ))
 
     def _count_step(self, session: InboundSession, frame: ForwardFrame, elapsed: float) -> None:
@@ -201,9 +203,9 @@ class ShardSteps:
         sid, step = session.sid, frame.step
         if isinstance(result, TailTokenResult):
             if session.history is not None and result.token_id is not None:
-                session.history.append(result.token_id)
+                session.history.extend(result.token_ids or (result.token_id,))
             text = result.text if result.text or result.token_id is None else None  # a legacy tail: text only
-            await self._send(link, Token(sid, step, result.token_id, text))
+            await self._send(link, Token(sid, step, result.token_id, text, result.token_ids))
             return
         next_hop = session.next_hop
         if next_hop is None:
@@ -215,7 +217,7 @@ class ShardSteps:
             return
         data = encode_forward(sid, step, frame.mode, result.past_len, result.shape, result.dtype, result.body,
                               ids=list(frame.ids) if frame.ids is not None else None,
-                              compress_min_bytes=self.compress_min_bytes)
+                              compress_min_bytes=self.compress_min_bytes, drafts=frame.drafts)
         try:
             if frame.mode == "decode" and frame.shape[1] == 1:
                 self._expect_answer(link, session, step)

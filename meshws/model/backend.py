@@ -42,6 +42,7 @@ class TailTokenResult:
 
     text: str
     token_id: int | None
+    token_ids: tuple[int, ...] = ()  # after a step with drafts: every token accepted, `token_id` last
 
 
 StepResult = TensorPayload | TailTokenResult
@@ -76,6 +77,7 @@ class PrefillStep:
     sampling: SamplingParams | None = None  # on a tail
     history: Sequence[int] = ()
     generated_from: int | None = None
+    drafts: Sequence[int] = ()  # the step's last positions carry these guesses: a tail verifies them
 
     @property
     def length(self) -> int:
@@ -131,6 +133,7 @@ class ShardBackend(Protocol):
         sampling: SamplingParams | None = None,
         history: Sequence[int] = (),
         generated_from: int | None = None,
+        past_len: int | None = None,  # None: the cache's length; else cut back to it first
     ) -> StepResult: ...
 
     def forward_bytes(
@@ -158,7 +161,8 @@ def decode_alone(backend: ShardBackend, step: DecodeStep) -> StepResult:
     """A decode step on the single-session path (what a batch of one runs)."""
     if step.token_id is not None:
         return backend.encode_next_token(step.token_id, step.session_id, sampling=step.sampling,
-                                         history=step.history, generated_from=step.generated_from)
+                                         history=step.history, generated_from=step.generated_from,
+                                         past_len=step.past_len)
     return backend.forward_bytes(step.body or b"", step.shape, dtype=step.dtype, session_id=step.session_id,
                                  cache_mode="decode", past_len=step.past_len, sampling=step.sampling,
                                  history=step.history, generated_from=step.generated_from)

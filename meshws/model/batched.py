@@ -197,9 +197,10 @@ def _prepare(shard: RowShard, step: DecodeStep) -> tuple[CacheEntry, torch.Tenso
     """The session's cache entry, the step's input hidden state and its past length."""
     if not shard.supports_kv_cache:
         raise KVCacheMiss("caching is off on this shard; re-prefill")
-    if step.token_id is not None:
+    if step.token_id is not None:  # on the head: its own cache says where the step goes, unless told
         hidden = shard.embed([step.token_id])
-        entry = shard.sessions.lookup(step.session_id)
+        entry = shard.sessions.lookup(step.session_id) if step.past_len is None else \
+            cut_back(shard.sessions, step.session_id, step.past_len, shard.start)
     else:
         hidden = shard.tensor_from_bytes(step.body or b"", step.shape, step.dtype)
         if hidden.shape[1] != 1:

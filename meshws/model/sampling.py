@@ -121,6 +121,32 @@ def sample_token(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def verify_drafts(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    position: int,
+    drafts: Sequence[int],
+    history: Sequence[int] = (),
+    generated_from: int | None = None,
+) -> list[int]:
+    """The tokens a step with drafts yields: the longest agreeing prefix of `drafts`, plus one of our own.
+
+    `logits` has a row per position of the step's last `len(drafts) + 1` positions; the
+    first row chooses the token at `position`. Each position is sampled exactly as a
+    one-token step would sample it (same random stream per (seed, position), penalties
+    over the tokens before it); a draft is kept only if it is that choice. So the
+    tokens are those of decoding one by one, whatever the drafts were.
+    """
+    accepted: list[int] = []
+    for index in range(len(drafts) + 1):
+        before = [*history, *accepted] if params.needs_history else history
+        token = sample_token(logits[index], params, position + index, before, generated_from)
+        accepted.append(token)
+        if index == len(drafts) or token != drafts[index]:
+            break
+    return accepted
+
+
 def _apply_penalties(
     logits: torch.Tensor,
     params: SamplingParams,

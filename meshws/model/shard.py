@@ -25,7 +25,7 @@ from .lean import LeanLayers, lean_layers
 from .packed import int8_kernel_runs
 from .memory import default_cache_budget, process_memory, tensor_bytes
 from .sampling import DEFAULT as GREEDY
-from .sampling import SamplingParams, sample_token
+from .sampling import SamplingParams, sample_token, verify_drafts
 from .session_layers import SessionLayers
 from .settings import ShardLayout, ShardSettings
 from .source import ResolvedModel, locate_model, model_cache
@@ -192,11 +192,13 @@ class ModelShard:
         return self.run_tokens(ids, session_id, "prefill" if session_id else None, 0, sampling, ids, generated_from)
 
     def encode_next_token(self, token_id: int, session_id: str, *, sampling: SamplingParams | None = None,
-                          history: Sequence[int] = (), generated_from: int | None = None) -> StepResult:
-        """One decode step on the head: a single token against the session's cache."""
+                          history: Sequence[int] = (), generated_from: int | None = None,
+                          past_len: int | None = None) -> StepResult:
+        """One decode step on the head: a single token against the session's cache (cut back to `past_len`)."""
         if not self.supports_kv_cache:
             raise KVCacheMiss("caching is off on this shard; re-prefill")
-        past_len = self.sessions.lookup(session_id).seq_len
+        if past_len is None:
+            past_len = self.sessions.lookup(session_id).seq_len
         return self.run_tokens([int(token_id)], session_id, "decode", past_len, sampling, history, generated_from)
 
     def forward_bytes(self, body: bytes, shape: Sequence[int], *, dtype: str = "bfloat16",
@@ -209,6 +211,11 @@ class ModelShard:
         extends it at `past_len` (one token, or a chunk). With no session the step
         runs stateless over the whole sequence.
         """
+        return self._forward(body, shape, dtype, session_id, cache_mode, past_len, sampling, history, generated_from)
+
+    def _forward(self, body: bytes, shape: Sequence[int], dtype: str, session_id: str | None, cache_mode: str | None,
+                 past_len: int | None, sampling: SamplingParams | None, history: Sequence[int],
+                 generated_from: int | None, drafts: Sequence[int] = ()) -> StepResult:
         if cache_mode not in (None, "prefill", "decode"):
             raise ValueError(f"unknown cache mode {cache_mode!r}")
         hidden = self.tensor_from_bytes(body, shape, dtype)
@@ -216,19 +223,19 @@ class ModelShard:
         with torch.inference_mode():
             hidden = self.layers.run(hidden, positions(past, hidden.shape[1]), session_id,
                                      cache_mode if session_id else None, past)
-            return self.finish(hidden, past, sampling, history, generated_from)
+            return self.finish(hidden, past, sampling, history, generated_from, drafts)
 
     def release_session(self, session_id: str) -> bool:
         return self.sessions.drop(session_id)
 
     def run_tokens(self, ids: list[int], session_id: str | None, mode: str | None, past_len: int,
                    sampling: SamplingParams | None = None, history: Sequence[int] = (),
-                   generated_from: int | None = None) -> StepResult:
+                   generated_from: int | None = None, drafts: Sequence[int] = ()) -> StepResult:
         """Embed `ids` at `past_len` and run them through (a prefill, a decode step or a chunk)."""
         with torch.inference_mode():
             hidden = self.embed(ids)
             hidden = self.layers.run(hidden, positions(past_len, len(ids)), session_id, mode, past_len)
-            return self.finish(hidden, past_len, sampling, history, generated_from)
+            return self.finish(hidden, past_len, sampling, history, generated_from, drafts)
 
     # -- continuous batching ------------------------------------------------
 
@@ -248,7 +255,7 @@ class ModelShard:
         start = step.past_len if step.mode == "decode" else 0
         if step.mode not in ("prefill", "decode"):
             raise ValueError(f"unknown cache mode {step.mode!r}")
-        if not step.session_id or count <= chunk_tokens or not self.supports_kv_cache:
+        if not step.session_id or count <= chunk_tokens or not self.supports_kv_cache or step.drafts:
             return self._prefill_whole(step)
         if step.token_ids is not None:
             self._check_ids(step.token_ids)
@@ -278,10 +285,10 @@ class ModelShard:
         if step.token_ids is not None:
             start = step.past_len if step.mode == "decode" else 0
             return self.run_tokens([int(t) for t in step.token_ids], step.session_id, step.mode, start,
-                                   step.sampling, step.history or list(step.token_ids), step.generated_from)
-        return self.forward_bytes(step.body or b"", step.shape, dtype=step.dtype, session_id=step.session_id,
-                                  cache_mode=step.mode, past_len=step.past_len, sampling=step.sampling,
-                                  history=step.history, generated_from=step.generated_from)
+                                   step.sampling, step.history or list(step.token_ids), step.generated_from,
+                                   step.drafts)
+        return self._forward(step.body or b"", step.shape, step.dtype, step.session_id, step.mode, step.past_len,
+                             step.sampling, step.history, step.generated_from, step.drafts)
 
     def _check_ids(self, ids: Sequence[int]) -> None:
         for token in ids:
@@ -299,17 +306,25 @@ class ModelShard:
         return tensor_from_bytes(body, shape, dtype, self.hidden_size, self.compute_dtype)
 
     def finish(self, hidden: torch.Tensor, past_len: int, sampling: SamplingParams | None,
-                history: Sequence[int], generated_from: int | None) -> StepResult:
+               history: Sequence[int], generated_from: int | None, drafts: Sequence[int] = ()) -> StepResult:
         if not self.is_tail:
             return payload_from_tensor(hidden, past_len, self.settings.wire_dtype)
-        logits = self.last_logits(hidden)
         position = past_len + hidden.shape[1]
-        token_id = sample_token(logits, sampling or GREEDY, position, history, generated_from)
+        if drafts:  # the last len(drafts) + 1 positions each choose a token: keep those the drafts guessed
+            if len(drafts) >= hidden.shape[1]:
+                raise ValueError(f"{len(drafts)} drafts need more than the step's {hidden.shape[1]} positions")
+            logits = self.last_logits(hidden, len(drafts) + 1)
+            tokens = verify_drafts(logits, sampling or GREEDY, position - len(drafts), drafts, history,
+                                   generated_from)
+            return TailTokenResult(text="", token_id=tokens[-1], token_ids=tuple(tokens))
+        token_id = sample_token(self.last_logits(hidden), sampling or GREEDY, position, history, generated_from)
         return TailTokenResult(text="", token_id=token_id)
 
-    def last_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def last_logits(self, hidden: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """Logits of the last position (`[vocab]`), or of the last `rows` positions (`[rows, vocab]`)."""
         packed = self.lean is not None and self.lean.lm_head is not None
-        logits = self.lean.logits(hidden[0, -1, :]) if packed else self.model.lm_head(hidden[0, -1, :])
+        last = hidden[0, -1, :] if rows is None else hidden[0, -rows:, :]
+        logits = self.lean.logits(last) if packed else self.model.lm_head(last)
         softcap = getattr(self.config, "final_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap

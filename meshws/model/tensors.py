@@ -58,12 +58,14 @@ def crop_cache(cache: Any, length: int) -> None:
     if hasattr(cache, "crop_to"):  # a lean cache: positions beyond `length` are simply overwritten later
         cache.crop_to(length)
         return
-    for layer in getattr(cache, "layers", ()):
+    layers = list(getattr(cache, "layers", ()))
+    for layer in layers:  # a sliding window's buffer may be shorter than `length` and still hold later positions
+        if type(layer).__name__ != "DynamicLayer" and isinstance(getattr(layer, "keys", None), torch.Tensor):
+            raise ValueError(f"a {type(layer).__name__} cannot be cut back")
+    for layer in layers:
         keys = getattr(layer, "keys", None)
         if not isinstance(keys, torch.Tensor) or keys.dim() < 2 or keys.shape[-2] <= length:
             continue
-        if type(layer).__name__ != "DynamicLayer":
-            raise ValueError(f"a {type(layer).__name__} cannot be cut back")
         layer.crop(length - keys.shape[-2])  # a negative count: positions to drop
 
 

@@ -34,6 +34,49 @@ async def test_adopt_takes_the_longest_shared_prefix_once():
     assert pool.adopt([7, 7, 7, 1]) is None, "3 shared tokens are below the minimum of 4"
 
 
+async def test_a_warm_session_serves_its_owner_only_and_not_once_expired():
+    ended, clock = [], Clock()
+
+    async def end(conversation):
+        ended.append(conversation)
+
+    pool = WarmPool(4, 30.0, end, min_tokens=4, clock=clock)
+    alice = Conversation(path=object(), held=list(range(40)), owner="10.0.0.1\nalice")
+    await pool.put(alice)
+    prompt = list(range(50))
+    assert pool.adopt(prompt, "10.0.0.2\nalice") is None, "another address: its cached length would leak the prompt"
+    assert pool.adopt(prompt, "10.0.0.1\nbob") is None, "another user at the same address"
+    clock.now += 31
+    assert pool.adopt(prompt, "10.0.0.1\nalice") is None, "expired, even before the sweep ran"
+    await pool.sweep()
+    await pool.sweep()  # a second sweep (or one running meanwhile) finds nothing left to evict
+    assert ended == [alice] and pool.evictions["ttl"] == 1
+
+
+async def test_concurrent_sweeps_never_evict_twice():
+    import asyncio
+
+    ended, clock = [], Clock()
+
+    async def end(conversation):
+        await asyncio.sleep(0.01)  # a release takes a moment: another sweep runs meanwhile
+        ended.append(conversation)
+
+    pool = WarmPool(4, 30.0, end, clock=clock)
+    for index in range(3):
+        await pool.put(_warm([index] * 20))
+    clock.now += 31
+    await asyncio.gather(pool.sweep(), pool.sweep(), pool.put(Conversation()))
+    assert len(ended) == 3 and len(set(map(id, ended))) == 3 and len(pool) == 0
+
+
+def test_a_renewed_conversation_has_a_new_session():
+    conversation = _warm([1] * 20)
+    conversation.steps, old = 7, conversation.sid
+    conversation.renew()
+    assert conversation.sid != old and conversation.steps == 0 and not conversation.warm and not conversation.held
+
+
 async def test_a_prompt_equal_to_the_cache_keeps_all_but_its_last_token():
     conversation = _warm(range(10))
     assert conversation.reusable(list(range(10))) == 9

@@ -113,7 +113,8 @@ async def test_large_prefill_activation_survives_zstd_compressed_hop():
                 self._seq[session_id] = 2000
             return TensorPayload(body=b"\x00" * (1 * 2000 * 32 * 2), shape=[1, 2000, 32])  # 125 KiB (and one decode step still fits the context)
 
-        def encode_next_token(self, token_id, session_id, *, sampling=None, history=(), generated_from=None):
+        def encode_next_token(self, token_id, session_id, *, sampling=None, history=(), generated_from=None,
+                              past_len=None):
             past = self._seq[session_id]
             self._seq[session_id] = past + 1
             return TensorPayload(body=b"\x00" * 64, shape=[1, 1, 32], past_len=past)

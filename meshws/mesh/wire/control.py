@@ -13,6 +13,7 @@ from .fields import (
     MAX_TEXT_LENGTH,
     FrameError,
     int_field,
+    is_int,
     layers_field,
     list_field,
     name_field,
@@ -22,6 +23,7 @@ from .fields import (
 
 PROTOCOL_VERSION = 3  # 3: `past_len` cuts a longer cache back; `open` may resume a session
 MAX_CONTROL_BYTES = 256 * 1024
+MAX_TOKEN_IDS = 17  # tokens one step may yield: its drafts (at most 16) and one more
 
 
 @dataclass(frozen=True)
@@ -140,18 +142,25 @@ class Open:
 
 @dataclass(frozen=True)
 class Token:
-    """The tail's answer to a step: the sampled token id (a legacy tail sends only text)."""
+    """The tail's answer to a step: the sampled token id (a legacy tail sends only text).
+
+    After a step with drafts, `token_ids` lists every token it yields in order (the drafts
+    the tail agreed with, then its own choice, which is also `token_id`).
+    """
 
     type: ClassVar[str] = "token"
     sid: str
     step: int
     token_id: int | None
     text: str | None = None
+    token_ids: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         message: dict[str, Any] = {"type": self.type, "sid": self.sid, "step": self.step, "token_id": self.token_id}
         if self.text is not None:
             message["text"] = self.text
+        if self.token_ids:
+            message["token_ids"] = list(self.token_ids)
         return message
 
     @classmethod
@@ -162,7 +171,11 @@ class Token:
             text = text_field(data, "text")
             if token_id is None and text is None:
                 raise FrameError("a token frame needs a token_id or a text")
-            return cls(sid, int_field(data, "step", 0), token_id, text)
+            raw = data.get("token_ids") or []
+            if not isinstance(raw, list) or len(raw) > MAX_TOKEN_IDS or not all(is_int(t) and t >= 0 for t in raw) \
+                    or (raw and raw[-1] != token_id):
+                raise FrameError(f"token_ids must be at most {MAX_TOKEN_IDS} token ids ending with token_id")
+            return cls(sid, int_field(data, "step", 0), token_id, text, tuple(raw))
         except FrameError as exc:
             raise FrameError(str(exc), sid) from None
 

@@ -1,8 +1,11 @@
 """Tensor frames (`fwd`): hidden states between shards, as raw bytes behind a JSON header.
 
 A 4-byte big-endian header length, a JSON header `{type: "fwd", sid, step, mode,
-past_len, shape, dtype, enc, ids?}`, then the raw little-endian tensor bytes, zstd
+past_len, shape, dtype, enc, ids?, drafts?}`, then the raw little-endian tensor bytes, zstd
 compressed when `enc` says so. The header is checked and the body's size derived from
+the shape before anything is inflated. `drafts`: the step's last positions carry guessed
+tokens (speculative decoding); the tail answers with every one it agrees with. The
+header is checked and the body's size derived from
 the shape before anything is inflated: `read_forward_header` reads only the header
 (a receiver checks it against its session and its model first), `inflate_forward`
 then inflates and checks the body (off the event loop when it is large).
@@ -21,6 +24,7 @@ from ...model.backend import DTYPE_SIZES
 from .fields import FrameError, int_field, is_int, sid_field
 
 MODES = ("prefill", "decode")
+MAX_DRAFTS = 16  # guessed tokens one step may carry
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 DEFAULT_COMPRESS_MIN_BYTES = 64 * 1024
@@ -39,11 +43,13 @@ class ForwardFrame:
     body: bytes  # raw tensor bytes, already decompressed
     ids: tuple[int, ...] | None = None  # token ids so far, sent on prefill when sampling needs them
     wire_bytes: int = field(default=0, compare=False)  # size of the frame as it travelled
+    drafts: tuple[int, ...] = ()  # guessed tokens the step's last positions carry, for the tail to verify
 
 
 def encode_forward(sid: str, step: int, mode: str, past_len: int, shape: list[int] | tuple[int, ...], dtype: str,
                    body: bytes, ids: list[int] | None = None,
-                   compress_min_bytes: int = DEFAULT_COMPRESS_MIN_BYTES) -> bytes:
+                   compress_min_bytes: int = DEFAULT_COMPRESS_MIN_BYTES, drafts: tuple[int, ...] | list[int] = ()
+                   ) -> bytes:
     enc = None
     if len(body) >= compress_min_bytes:
         packed = zstandard.ZstdCompressor(level=1).compress(body)
@@ -53,6 +59,8 @@ def encode_forward(sid: str, step: int, mode: str, past_len: int, shape: list[in
                               "shape": list(shape), "dtype": dtype, "enc": enc}
     if ids is not None:
         header["ids"] = ids
+    if drafts:
+        header["drafts"] = list(drafts)
     head = orjson.dumps(header)
     return b"".join((_HEADER_LENGTH.pack(len(head)), head, body))
 
@@ -72,6 +80,7 @@ class ForwardHeader:
     body_offset: int  # where the body starts in the frame
     body_bytes: int  # the body's size once inflated (from shape x dtype)
     wire_bytes: int
+    drafts: tuple[int, ...] = ()
 
     @property
     def positions(self) -> int:
@@ -95,7 +104,7 @@ def inflate_forward(header: ForwardHeader, data: bytes) -> ForwardFrame:
     except FrameError as exc:
         raise FrameError(str(exc), header.sid) from None
     return ForwardFrame(header.sid, header.step, header.mode, header.past_len, header.shape, header.dtype,
-                        bytes(body), header.ids, header.wire_bytes)
+                        bytes(body), header.ids, header.wire_bytes, header.drafts)
 
 
 def read_forward_header(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> ForwardHeader:
@@ -137,6 +146,11 @@ def _checked(header: dict[str, Any], offset: int, sid: str, size: int, max_frame
     ids = header.get("ids")
     if ids is not None and (not isinstance(ids, list) or not all(is_int(t) and t >= 0 for t in ids)):
         raise FrameError("ids must be a list of non-negative integers")
+    drafts = header.get("drafts", [])
+    if not isinstance(drafts, list) or len(drafts) > MAX_DRAFTS or not all(is_int(t) and t >= 0 for t in drafts):
+        raise FrameError(f"drafts must be a list of at most {MAX_DRAFTS} non-negative integers")
+    if drafts and (mode != "decode" or len(drafts) >= shape[-2] if len(shape) >= 2 else True):
+        raise FrameError("drafts ride on a decode step with more positions than drafts")
     expected = DTYPE_SIZES[dtype]
     for dim in shape:
         expected *= dim
@@ -146,7 +160,7 @@ def _checked(header: dict[str, Any], offset: int, sid: str, size: int, max_frame
     if enc not in (None, "zstd"):
         raise FrameError(f"unknown encoding {enc!r}")
     return ForwardHeader(sid, step, mode, past_len, tuple(shape), dtype, enc, tuple(ids) if ids is not None else None,
-                         offset, expected, size)
+                         offset, expected, size, tuple(drafts))
 
 
 def _decompress(body: bytes, expected: int) -> bytes:

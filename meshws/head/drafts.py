@@ -1,0 +1,102 @@
+"""Speculative decoding's head side: guessing the next tokens, and how many to guess.
+
+Across a real network the link delay sets the pace of one token per lap. A lap can
+carry several positions: the last token plus up to K guesses ("drafts"); the tail
+keeps the guesses its own choices agree with and adds one more, so a lap yields 1 to
+K+1 tokens, exactly those of decoding one by one (`sampling.verify_drafts`).
+
+`NgramDrafter` is prompt lookup: the tokens that followed the latest earlier occurrence
+of the text's last 3 (else 2, else 1) tokens, from the prompt and the answer so far —
+no second model; strong where the answer quotes, edits or repeats. A drafter is
+anything with `propose(ids, count)`, so a small draft model can plug in later.
+`Speculation` keeps one generation's drafter state and adapts K to what the tail
+accepted: more after a lap that kept every guess, fewer after one that kept few, and
+none for a while after guesses keep failing, so plain chat pays (almost) nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+MAX_NGRAM = 3
+COOL_DOWN_LAPS = 8  # laps without drafts after three laps in a row kept none
+
+
+class Drafter(Protocol):
+    def propose(self, ids: Sequence[int], count: int) -> list[int]:
+        """Up to `count` guesses of the tokens after `ids`."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt lookup over one sequence, indexed as it grows (a lookup is O(1), not a scan)."""
+
+    def __init__(self, max_ngram: int = MAX_NGRAM) -> None:
+        self.max_ngram = max_ngram
+        self._latest: dict[tuple[int, ...], int] = {}  # n-gram -> where the token after its latest occurrence is
+        self._indexed = 0  # positions whose following token is indexed
+        self._ids: list[int] = []
+
+    def propose(self, ids: Sequence[int], count: int) -> list[int]:
+        if count <= 0 or len(ids) < 2:
+            return []
+        self._index(ids)
+        for size in range(min(self.max_ngram, len(ids) - 1), 0, -1):
+            follow = self._latest.get(tuple(ids[-size:]))
+            if follow is not None:
+                return list(ids[follow : follow + count])
+        return []
+
+    def _index(self, ids: Sequence[int]) -> None:
+        if len(ids) < self._indexed or list(ids[: self._indexed]) != self._ids:
+            self._latest, self._indexed = {}, 0  # another sequence (a re-prefilled one): start again
+        for end in range(max(self._indexed, 1), len(ids)):  # the token at `end` follows the n-grams before it
+            for size in range(1, min(self.max_ngram, end) + 1):
+                self._latest[tuple(ids[end - size : end])] = end
+        self._indexed, self._ids = len(ids), list(ids)
+
+
+@dataclass
+class Speculation:
+    """One generation's drafts: the drafter, the current number of guesses, and what the tail kept."""
+
+    drafter: Drafter
+    max_tokens: int  # the most guesses per lap (--draft-tokens)
+    k: int = field(init=False)
+    laps: int = 0  # decode laps
+    drafted: int = 0  # guesses sent
+    accepted: int = 0  # guesses the tail kept
+    _misses: int = 0  # laps in a row whose guesses were all refused
+    _cool_down: int = 0
+
+    def __post_init__(self) -> None:
+        self.k = min(2, self.max_tokens)
+
+    def propose(self, ids: Sequence[int], room: int) -> list[int]:
+        """Guesses for the next lap; at most `room` (tokens the answer may still take, less one)."""
+        if self._cool_down:
+            self._cool_down -= 1
+            return []
+        return self.drafter.propose(ids, min(self.k, room))
+
+    def record(self, drafted: int, kept: int) -> None:
+        """A decode lap carried `drafted` guesses; the tail kept `kept` of them."""
+        self.laps += 1
+        self.drafted += drafted
+        self.accepted += kept
+        if not drafted:
+            return
+        if kept == drafted:
+            self.k, self._misses = min(self.max_tokens, self.k + 2), 0
+        elif kept == 0:
+            self.k, self._misses = max(1, self.k // 2), self._misses + 1
+            if self._misses >= 3:
+                self._cool_down, self._misses = COOL_DOWN_LAPS, 0
+        else:
+            self.k, self._misses = max(1, kept + 1), 0
+
+    def describe(self, tokens: int) -> dict[str, float | int]:
+        """Per answer: laps, guesses sent and kept, tokens per lap (the usage extension)."""
+        return {"laps": self.laps, "draft_tokens": self.drafted, "accepted_draft_tokens": self.accepted,
+                "tokens_per_lap": round(tokens / self.laps, 3) if self.laps else 0.0}

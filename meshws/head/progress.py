@@ -1,0 +1,36 @@
+"""What one generation holds so far, as its loop (`generation.Generator`) sees it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .drafts import Speculation
+
+
+@dataclass
+class Progress:
+    """What a generation holds so far: the prompt, and the token ids (or a legacy tail's texts) after it."""
+
+    prompt: str
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    legacy_text: list[str] = field(default_factory=list)
+    first_step: int = 0  # step numbers go on from a conversation's earlier answers
+    reuse: int = 0  # positions the hops' caches keep from before: the next prefill starts after them
+    held: int = 0  # positions every hop's cache holds after the last step that worked
+    max_tokens: int = 0
+    speculation: Speculation | None = None  # drafts for the decode laps (None: one token per lap)
+    drafts: tuple[int, ...] = ()  # the guesses the last lap carried
+
+    def __post_init__(self) -> None:
+        self.step = self.first_step
+
+    def __len__(self) -> int:
+        return len(self.tokens) + len(self.legacy_text)
+
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.tokens
+
+    def prefill_input(self) -> str | list[int]:
+        """What a (re-)prefill runs: the token ids so far, or prompt + text with a legacy tail."""
+        return self.prompt + "".join(self.legacy_text) if self.legacy_text else self.ids()
