@@ -86,6 +86,11 @@ class NodeReports:
     def _generation_finished(self, stats: GenerationStats, outcome: str) -> None:
         self.metrics.generations.labels(outcome).inc()
         self.metrics.generated_tokens.inc(stats.completion_tokens)
+        drafts = stats.speculation
+        if drafts is not None:
+            self.metrics.laps.inc(drafts.laps)
+            self.metrics.draft_tokens.labels("accepted").inc(drafts.accepted)
+            self.metrics.draft_tokens.labels("rejected").inc(drafts.drafted - drafts.accepted)
         ttft = stats.time_to_first_token
         log.info(
             "generation %s %s: %d prompt + %d completion tokens, ttft %s, %.1f tok/s, %d prefill(s), %d cache misses",

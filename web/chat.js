@@ -109,7 +109,10 @@ function onMessage(event) {
     const why = data.finish_reason === "stopped" ? "stopped · " : data.finish_reason === "length" ? "max tokens · " : "";
     // cached: prompt tokens this conversation's session held already (not prefilled again)
     const cached = data.cached_tokens ? ` · ${data.cached_tokens} of ${data.usage.prompt_tokens} prompt tokens cached` : "";
-    addMeta(turn.node, `${why}${data.usage.completion_tokens} tokens${cached} · first token ${t.ttft_ms ?? "–"} ms · ` +
+    // speculation: tokens per lap through the mesh, and how many guessed tokens the tail kept
+    const spec = data.usage.speculation;
+    const laps = spec && spec.draft_tokens ? ` · ${spec.tokens_per_lap} tokens/lap (${spec.accepted_draft_tokens}/${spec.draft_tokens} guesses kept)` : "";
+    addMeta(turn.node, `${why}${data.usage.completion_tokens} tokens${cached}${laps} · first token ${t.ttft_ms ?? "–"} ms · ` +
       `${t.tokens_per_second} tok/s · route ${routeText(data.route)}`);
     finishTurn(true);
   } else if (data.type === "error") {

@@ -70,12 +70,15 @@ def unavailable(exc: Unavailable) -> ApiError:
 
 
 def usage(stats: GenerationStats) -> dict[str, Any]:
-    return {
+    counts: dict[str, Any] = {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
         "total_tokens": stats.prompt_tokens + stats.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},  # not prefilled again: a kept session held them
     }
+    if stats.speculation is not None and stats.speculation.laps:  # an extension: how the drafts fared
+        counts["speculation"] = stats.speculation.describe()
+    return counts
 
 
 def run_spec(head: HeadService, spec: CompletionSpec, stats: GenerationStats, admission: Admission,

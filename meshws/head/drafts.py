@@ -96,7 +96,7 @@ class Speculation:
         else:
             self.k, self._misses = max(1, kept + 1), 0
 
-    def describe(self, tokens: int) -> dict[str, float | int]:
-        """Per answer: laps, guesses sent and kept, tokens per lap (the usage extension)."""
+    def describe(self) -> dict[str, float | int]:
+        """Per answer: decode laps, guesses sent and kept, tokens per decode lap (the usage extension)."""
         return {"laps": self.laps, "draft_tokens": self.drafted, "accepted_draft_tokens": self.accepted,
-                "tokens_per_lap": round(tokens / self.laps, 3) if self.laps else 0.0}
+                "tokens_per_lap": round((self.laps + self.accepted) / self.laps, 3) if self.laps else 0.0}

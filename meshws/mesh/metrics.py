@@ -53,6 +53,10 @@ class NodeMetrics:
             "meshws_generations", "Generations finished on the head, by outcome", ["outcome"], registry=self.registry
         )
         self.generated_tokens = Counter("meshws_generated_tokens", "Tokens generated on the head", registry=self.registry)
+        self.laps = Counter("meshws_decode_laps", "Decode laps through the mesh (each yields 1 token + drafts kept)",
+                            registry=self.registry)
+        self.draft_tokens = Counter("meshws_draft_tokens", "Guessed tokens sent for verification, by what the tail "
+                                    "did with them", ["result"], registry=self.registry)
 
     def watch_admission(self, running: Callable[[], int], queued: Callable[[], int]) -> None:
         """A head's admission: generations holding a slot, requests queued, their waits and refusals."""

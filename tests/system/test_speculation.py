@@ -1,0 +1,127 @@
+"""More than one token per lap (issue 16): drafts verified by the tail, exact for greedy and seeded sampling.
+
+One tail, reached through a relay that delays every byte by 25 ms each way (a long
+link), and two heads on it: one guessing (`--draft ngram`, the default), one not
+(`--draft none`). Their texts must be identical — and greedy, `generate()`'s — while
+the guessing head needs fewer laps (decode frames reaching the tail) than tokens.
+"""
+
+import asyncio
+import os
+
+import aiohttp
+import pytest
+
+from helpers import EXACT, MODEL, golden
+from meshws.tools.launch import NodeProcess
+from meshws.tools.relay import RelayThread
+
+pytestmark = [pytest.mark.real_model, pytest.mark.processes]
+
+THREADS = ("--threads", str(max(1, (os.cpu_count() or 1) // 3)))
+REPEAT = ("Copy this list exactly, one item per line: red apple, green pear, yellow banana, purple plum, "
+          "orange mango, red apple, green pear, yellow banana.")
+
+
+@pytest.fixture(scope="module")
+def nodes(embedded_model):
+    tail = NodeProcess("--role", "tail", "--layers", "15-29", *EXACT, *THREADS, name="tail").wait_started()
+    relay = RelayThread(tail.port, 0.025)
+    heads = {}
+    try:
+        for draft in ("ngram", "none"):
+            heads[draft] = NodeProcess("--role", "head", "--layers", "0-14", *EXACT, *THREADS, "--draft", draft,
+                                       "--peer", f"ws://127.0.0.1:{relay.port}", name=f"head {draft}").wait_started()
+        for head in heads.values():
+            head.wait_ready(60)
+        yield heads, tail
+    finally:
+        for head in heads.values():
+            head.stop()
+        relay.stop()
+        tail.stop()
+
+
+async def _decode_frames(tail):
+    async with aiohttp.ClientSession() as client:
+        async with client.get(f"{tail.url}/metrics") as response:
+            text = await response.text()
+    lines = [line for line in text.splitlines()
+             if line.startswith('meshws_frames_total{direction="in",type="fwd_decode"}')]
+    return float(lines[0].split()[-1]) if lines else 0.0  # none yet
+
+
+async def _ask(head, tail, **fields):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": REPEAT}], "max_tokens": 48, **fields}
+    before = await _decode_frames(tail)
+    async with aiohttp.ClientSession() as client:
+        async with client.post(f"{head.url}/v1/chat/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            answer = await response.json()
+    await asyncio.sleep(0.2)
+    return answer, await _decode_frames(tail) - before
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(embedded_model.folder))
+
+
+async def test_greedy_with_drafts_is_generate_in_fewer_laps(nodes, tokenizer, reference_model):
+    heads, tail = nodes
+    guessing, laps = await _ask(heads["ngram"], tail, temperature=0, return_token_ids=True)
+    plain, plain_laps = await _ask(heads["none"], tail, temperature=0, return_token_ids=True)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": REPEAT}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    want = golden(reference_model, ids, 48)
+    assert guessing["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"] == want
+    tokens = guessing["usage"]["completion_tokens"]
+    eos = guessing["choices"][0]["finish_reason"] == "stop"  # the end of answer took a lap, and is no token
+    assert plain_laps == tokens - 1 + eos  # one lap per token after the prefill's
+    assert laps < 0.75 * plain_laps, (laps, plain_laps)  # the list repeats: most laps keep guesses
+    spec = guessing["usage"]["speculation"]
+    assert spec["laps"] == laps and spec["accepted_draft_tokens"] > 0
+    assert spec["tokens_per_lap"] == round((spec["laps"] + spec["accepted_draft_tokens"]) / spec["laps"], 3)
+    assert "speculation" not in plain["usage"]
+    for head in heads.values():
+        assert head.wait_sessions(0)["sessions"] == 0
+    assert tail.wait_sessions(0)["sessions"] == 0
+
+
+@pytest.mark.parametrize("fields", [
+    {"temperature": 0.8, "top_p": 0.9, "seed": 7},
+    {"temperature": 0.7, "top_k": 20, "seed": 11, "frequency_penalty": 0.4, "presence_penalty": 0.2},
+], ids=["seeded", "seeded-penalties"])
+async def test_seeded_sampling_with_drafts_returns_the_same_text(nodes, fields):
+    heads, tail = nodes
+    guessing, laps = await _ask(heads["ngram"], tail, **fields)
+    plain, plain_laps = await _ask(heads["none"], tail, **fields)
+    assert guessing["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert guessing["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+    assert guessing["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+    assert laps <= plain_laps
+
+
+async def test_stop_strings_and_streaming_behave_as_without_drafts(nodes):
+    heads, tail = nodes
+    texts = {}
+    for draft, head in heads.items():
+        body = {"model": MODEL, "messages": [{"role": "user", "content": REPEAT}], "max_tokens": 48,
+                "temperature": 0, "stream": True, "stop": ["plum"]}
+        chunks = []
+        async with aiohttp.ClientSession() as client:
+            async with client.post(f"{head.url}/v1/chat/completions", json=body) as response:
+                async for line in response.content:
+                    if line.startswith(b"data: {"):
+                        chunks.append(line)
+        texts[draft] = b"".join(chunks)
+        assert b'"finish_reason":"stop"' in chunks[-1]
+    import json
+
+    def content(stream):
+        return "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                       for line in stream.split(b"\n") if line.startswith(b"data: {"))
+
+    assert content(texts["ngram"]) == content(texts["none"]) and "plum" not in content(texts["ngram"])
