@@ -6,7 +6,7 @@ keeps the guesses its own choices agree with and adds one more, so a lap yields 
 K+1 tokens, exactly those of decoding one by one (`sampling.verify_drafts`).
 
 `NgramDrafter` is prompt lookup: the tokens that followed the latest earlier occurrence
-of the text's last 3 (else 2, else 1) tokens, from the prompt and the answer so far —
+of the text's last 3 (else 2) tokens, from the prompt and the answer so far —
 no second model; strong where the answer quotes, edits or repeats. A drafter is
 anything with `propose(ids, count)`, so a small draft model can plug in later.
 `Speculation` keeps one generation's drafter state and adapts K to what the tail
@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 MAX_NGRAM = 3
-COOL_DOWN_LAPS = 8  # laps without drafts after three laps in a row kept none
+MIN_NGRAM = 2  # a single matching token guesses badly in ordinary text (measured: most such laps kept nothing)
+COOL_DOWN_LAPS = 16  # laps without drafts after two laps in a row kept none
+MISSES_BEFORE_COOL_DOWN = 2
 
 
 class Drafter(Protocol):
@@ -32,8 +34,8 @@ class Drafter(Protocol):
 class NgramDrafter:
     """Prompt lookup over one sequence, indexed as it grows (a lookup is O(1), not a scan)."""
 
-    def __init__(self, max_ngram: int = MAX_NGRAM) -> None:
-        self.max_ngram = max_ngram
+    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._latest: dict[tuple[int, ...], int] = {}  # n-gram -> where the token after its latest occurrence is
         self._indexed = 0  # positions whose following token is indexed
         self._ids: list[int] = []
@@ -42,7 +44,7 @@ class NgramDrafter:
         if count <= 0 or len(ids) < 2:
             return []
         self._index(ids)
-        for size in range(min(self.max_ngram, len(ids) - 1), 0, -1):
+        for size in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
             follow = self._latest.get(tuple(ids[-size:]))
             if follow is not None:
                 return list(ids[follow : follow + count])
@@ -91,7 +93,7 @@ class Speculation:
             self.k, self._misses = min(self.max_tokens, self.k + 2), 0
         elif kept == 0:
             self.k, self._misses = max(1, self.k // 2), self._misses + 1
-            if self._misses >= 3:
+            if self._misses >= MISSES_BEFORE_COOL_DOWN:
                 self._cool_down, self._misses = COOL_DOWN_LAPS, 0
         else:
             self.k, self._misses = max(1, kept + 1), 0

@@ -16,6 +16,8 @@ For each dtype it measures, on the embedded model:
   * a six-turn conversation with a ~500-token system prompt: time to first token of
     turns 2-6 with the session reused (/ws/chat; the OpenAI API's warm pool) over the
     same turns prefilled in full (`bench_turns`);
+  * speculative decoding: tokens per lap and time per token with prompt-lookup drafts over
+    none, through a relay delaying each way by 25 ms and on loopback (`bench_laps`);
   * memory: peak and steady resident memory of a node holding all, half or a third of
     the layers, each a fresh process with a fresh cache (`memory_bench`; off with --short).
 It prints a table and writes JSON. Timing on shared machines is noisy: compare the
@@ -38,6 +40,7 @@ from typing import Any
 from .bench_compute import (gguf_of, measure_bandwidth, measure_decode_step, measure_generate_sessions,
                             measure_llama_cpp)
 from .bench_plot import write_plot
+from .bench_laps import measure_laps
 from .bench_turns import measure_conversation
 from .memory_bench import measure_memory, print_memory, write_report
 from .streams import joining_run, sessions_run, stream_once
@@ -183,7 +186,7 @@ def _over(value: float | None, base: float | None) -> float | None:
 
 
 def targets(result: dict[str, Any]) -> dict[str, Any]:
-    mesh = result["mesh"]
+    mesh, spec = result["mesh"], result.get("speculation", {})
     checks = {
         "mesh_one_session_ge_1x_generate": mesh.get("1", {}).get("per_session_ratio_to_generate"),
         "mesh_16_sessions_ge_6x_one": mesh.get("16", {}).get("aggregate_over_one_session"),
@@ -197,13 +200,19 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
         "joining_ttft_le_2x_idle": _over(result.get("joining", {}).get("ttft_s"), mesh.get("1", {}).get("ttft_p50_s")),
         **{f"conversation_{name}_ttft_le_0_3x_fresh": result.get("conversation", {}).get(name, {}).get(
             "later_turns_ttft_ratio") for name in ("ws_chat", "openai_api")},
+        "drafts_delayed_repeat_ge_2_tokens_per_lap": spec.get("delayed_repeat_ngram", {}).get("tokens_per_lap"),
+        "drafts_delayed_repeat_time_le_0_55x_none": spec.get("delayed_repeat_time_ratio"),
+        "drafts_delayed_ordinary_time_le_1_05x_none": spec.get("delayed_ordinary_time_ratio"),
+        "drafts_loopback_ordinary_time_le_1x_none": spec.get("loopback_ordinary_time_ratio"),
     }
     limits = {"mesh_one_session_ge_1x_generate": 1.0, "mesh_16_sessions_ge_6x_one": 6.0,
               "decode_frame_le_1400_bytes": 1400, "cached_ge_15x_stateless_at_1024": 15.0,
               "full_node_ge_2x_generate": 2.0, "full_node_int8_ge_3x_generate": 3.0,
               "mesh_one_session_ge_1_5x_generate": 1.5, "full_node_ge_0_5x_llama_cpp": 0.5,
               "mesh_16_p95_itl_le_3x_one": 3.0, "joining_ttft_le_2x_idle": 2.0,
-              "conversation_ws_chat_ttft_le_0_3x_fresh": 0.3, "conversation_openai_api_ttft_le_0_3x_fresh": 0.3}
+              "conversation_ws_chat_ttft_le_0_3x_fresh": 0.3, "conversation_openai_api_ttft_le_0_3x_fresh": 0.3,
+              "drafts_delayed_repeat_ge_2_tokens_per_lap": 2.0, "drafts_delayed_repeat_time_le_0_55x_none": 0.55,
+              "drafts_delayed_ordinary_time_le_1_05x_none": 1.05, "drafts_loopback_ordinary_time_le_1x_none": 1.0}
     report = {}
     for name, value in checks.items():
         if value is None:
@@ -254,6 +263,11 @@ def print_table(report: dict[str, Any]) -> None:
                     f"{t * 1000:.0f}" for t in turns["ttft_reuse_s"]) + " ms, fresh " + " ".join(
                     f"{t * 1000:.0f}" for t in turns["ttft_fresh_s"]) + f" ms; later turns "
                     f"{turns['later_turns_ttft_ratio']:.2f}x; cached tokens {turns['cached_tokens']}")
+        spec = result.get("speculation")
+        if spec:
+            print("drafts vs none, time per token: " + ", ".join(
+                f"{key[:-11].replace('_', ' ')} {value:.2f}x" for key, value in spec.items() if key.endswith("time_ratio"))
+                + f"; tokens per lap (delayed, repeat) {spec['delayed_repeat_ngram']['tokens_per_lap']}")
         wire = result["wire"]
         print(f"frames: decode {wire.get('decode_frame_bytes')} B, prefill {wire.get('prefill_frame_bytes')} B "
               f"({wire['prefill_tokens']} tokens)")
@@ -318,6 +332,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
         result.update(measure_processes(args, dtype, prompt_ids, resolved.model_id))
         result["conversation"] = measure_conversation(args.model, args.layers, dtype, resolved.model_id,
                                                       args.tokens, 3 if args.short else 6)
+        result["speculation"] = measure_laps(args.model, args.layers, dtype, resolved.model_id,
+                                             16 if args.short else 64, tokenizer)
         result["stateless"] = measure_cached_vs_stateless(resolved, dtype, args.contexts, args.repeats)
         if args.tls:
             from .bench_tls import measure_tls

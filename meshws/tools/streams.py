@@ -10,11 +10,11 @@ from typing import Any
 
 
 async def stream_once(url: str, model: str, prompt_ids: list[int], tokens: int, ssl: Any = True,
-                      first_token: asyncio.Event | None = None) -> dict[str, Any]:
+                      first_token: asyncio.Event | None = None, ignore_eos: bool = True) -> dict[str, Any]:
     import aiohttp
 
     body = {"model": model, "prompt": prompt_ids, "max_tokens": tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first = last = None
     completion = 0

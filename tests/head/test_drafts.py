@@ -1,6 +1,6 @@
 """Prompt-lookup drafts and how many the head sends: the rules, without a model."""
 
-from meshws.head.drafts import COOL_DOWN_LAPS, NgramDrafter, Speculation
+from meshws.head.drafts import COOL_DOWN_LAPS, MISSES_BEFORE_COOL_DOWN, NgramDrafter, Speculation
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
@@ -9,7 +9,8 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert drafter.propose(ids, 3) == [4, 5, 1]  # "1 2 3" was followed by "4 5 1"
     assert drafter.propose(ids + [9], 3) == []  # "2 3 9", "3 9" and "9" never occurred before
     assert drafter.propose([7, 8, 7, 8, 6, 7, 8], 2) == [6, 7]  # the latest occurrence of "7 8" wins
-    assert drafter.propose([4, 4], 5) == [4]  # what there is, up to the end
+    assert drafter.propose([4, 4, 4], 5) == [4]  # what there is, up to the end
+    assert drafter.propose([3, 9, 5, 3], 2) == [], "one matching token is too little to guess from"
     assert drafter.propose(ids, 0) == [] and drafter.propose([1], 3) == []
 
 
@@ -19,7 +20,7 @@ def test_the_index_follows_a_growing_sequence_and_starts_again_for_another():
     assert drafter.propose(ids, 2) == []
     ids += [10, 11]
     assert drafter.propose(ids, 2) == [12, 13]
-    assert drafter.propose([50, 51, 50], 2) == [51, 50], "a different sequence is indexed afresh"
+    assert drafter.propose([50, 51, 52, 50, 51], 2) == [52, 50], "a different sequence is indexed afresh"
 
 
 class Fixed:
@@ -41,9 +42,9 @@ def test_guesses_grow_when_kept_shrink_when_refused_and_pause_after_misses():
     assert speculation.propose([1], room=3) == [0, 1, 2], "never guesses past the answer's end"
     speculation.record(8, 3)
     assert speculation.k == 4  # kept 3: the next lap guesses one more than that
-    for _ in range(3):
+    for _ in range(MISSES_BEFORE_COOL_DOWN):
         speculation.record(speculation.k, 0)
     assert [speculation.propose([1], 10) for _ in range(COOL_DOWN_LAPS)] == [[]] * COOL_DOWN_LAPS
     assert speculation.propose([1], 10) == [0]  # after the pause, guessing starts small again
-    assert speculation.describe() == {"laps": 7, "draft_tokens": 2 + 4 + 6 + 8 + 4 + 2 + 1,
-                                      "accepted_draft_tokens": 15, "tokens_per_lap": round(22 / 7, 3)}
+    assert speculation.describe() == {"laps": 6, "draft_tokens": 2 + 4 + 6 + 8 + 4 + 2,
+                                      "accepted_draft_tokens": 15, "tokens_per_lap": round(21 / 6, 3)}

@@ -58,7 +58,17 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
                                          "mesh_one_session_ge_1_5x_generate", "full_node_ge_0_5x_llama_cpp",
                                          "mesh_16_p95_itl_le_3x_one", "joining_ttft_le_2x_idle",
                                          "conversation_ws_chat_ttft_le_0_3x_fresh",
-                                         "conversation_openai_api_ttft_le_0_3x_fresh"}
+                                         "conversation_openai_api_ttft_le_0_3x_fresh",
+                                         "drafts_delayed_repeat_ge_2_tokens_per_lap",
+                                         "drafts_delayed_repeat_time_le_0_55x_none",
+                                         "drafts_delayed_ordinary_time_le_1_05x_none",
+                                         "drafts_loopback_ordinary_time_le_1x_none"}
+        spec = entry["speculation"]  # 16 tokens in --short: the repeated text already takes fewer laps with drafts
+        for link in ("delayed", "loopback"):
+            for prompt in ("repeat", "ordinary"):
+                assert 0.9 < spec[f"{link}_{prompt}_none"]["tokens_per_lap"] <= 1.0  # (an end-of-answer lap is no token)
+                assert spec[f"{link}_{prompt}_ngram"]["token_s"] > 0 and spec[f"{link}_{prompt}_time_ratio"] > 0
+        assert spec["delayed_repeat_ngram"]["laps"] < spec["delayed_repeat_none"]["laps"]
         for name in ("ws_chat", "openai_api"):  # three turns in --short: the later ones reuse the session
             turns = entry["conversation"][name]
             assert len(turns["ttft_reuse_s"]) == len(turns["ttft_fresh_s"]) == 3
