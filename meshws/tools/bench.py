@@ -331,9 +331,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
                                   "decode_step": measure_decode_step(resolved, dtype, bandwidth)}
         result.update(measure_processes(args, dtype, prompt_ids, resolved.model_id))
         result["conversation"] = measure_conversation(args.model, args.layers, dtype, resolved.model_id,
-                                                      args.tokens, 3 if args.short else 6)
+                                                      args.tokens, 2 if args.short else 6)
         result["speculation"] = measure_laps(args.model, args.layers, dtype, resolved.model_id,
-                                             16 if args.short else 64, tokenizer)
+                                             16 if args.short else 64, tokenizer,
+                                             ("delayed",) if args.short else ("delayed", "loopback"))
         result["stateless"] = measure_cached_vs_stateless(resolved, dtype, args.contexts, args.repeats)
         if args.tls:
             from .bench_tls import measure_tls

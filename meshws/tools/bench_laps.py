@@ -34,7 +34,8 @@ def _decode_frames(url: str) -> float:
     return 0.0
 
 
-def measure_laps(model: str, layers: int, dtype: str, model_id: str, tokens: int, tokenizer: Any) -> dict[str, Any]:
+def measure_laps(model: str, layers: int, dtype: str, model_id: str, tokens: int, tokenizer: Any,
+                 links: tuple[str, ...] = ("delayed", "loopback")) -> dict[str, Any]:
     from .launch import NodeProcess
     from .relay import RelayThread
 
@@ -45,6 +46,8 @@ def measure_laps(model: str, layers: int, dtype: str, model_id: str, tokens: int
     heads: dict[tuple[str, str], Any] = {}
     try:
         for link, port in (("delayed", relay.port), ("loopback", tail.port)):
+            if link not in links:
+                continue
             for draft in ("ngram", "none"):
                 heads[(link, draft)] = NodeProcess("--role", "head", "--layers", f"0-{split - 1}", *common, "--draft",
                                                    draft, "--peer", f"ws://127.0.0.1:{port}", name=f"head {draft}")
@@ -63,7 +66,7 @@ def measure_laps(model: str, layers: int, dtype: str, model_id: str, tokens: int
                 result[f"{link}_{name}_{draft}"] = {
                     "token_s": round(1 / run["decode_tok_s"], 5), "laps": laps,
                     "tokens_per_lap": round((run["tokens"] - 1) / laps, 3) if laps else None}
-        for link in ("delayed", "loopback"):
+        for link in links:
             for name in PROMPTS:
                 drafted, plain = result[f"{link}_{name}_ngram"], result[f"{link}_{name}_none"]
                 result[f"{link}_{name}_time_ratio"] = round(drafted["token_s"] / plain["token_s"], 3)

@@ -138,3 +138,26 @@ def test_the_default_cache_budget_is_half_the_memory_free_capped_by_the_cgroup(t
     assert default_cache_budget(2 * 2**30) == 2**30
     assert default_cache_budget(1000) == MIN_CACHE_BUDGET
     assert available_memory(str(tmp_path / "none"), str(tmp_path / "none")) is None
+
+
+def test_under_pressure_an_idle_kept_session_goes_before_a_live_one():
+    """A conversation kept warm between answers is idle; a generating session is touched every step."""
+    clock = _Clock()
+    store = SessionCacheStore(max_sessions=8, ttl_seconds=600.0, clock=clock, max_bytes=300)
+    store.store("warm", cache=object(), seq_len=10, effective_start=0, nbytes=100)  # its answer ended
+    clock.now += 1
+    store.store("live", cache=object(), seq_len=10, effective_start=0, nbytes=100)
+    for step in range(5):  # the live session decodes; the warm one waits for its next turn
+        clock.now += 1
+        store.lookup("live", expected_seq_len=10 + step).seq_len += 1
+    store.store("new", cache=object(), seq_len=10, effective_start=0, nbytes=150)  # over the budget
+    assert "warm" not in store and "live" in store and "new" in store
+
+
+def test_a_longer_cache_is_returned_for_cutting_back_only_when_asked():
+    store = SessionCacheStore(max_sessions=4, ttl_seconds=100.0)
+    store.store("s", cache=object(), seq_len=9, effective_start=0)
+    assert store.lookup("s", expected_seq_len=5, longer_ok=True).seq_len == 9
+    with pytest.raises(KVCacheMiss):
+        store.lookup("s", expected_seq_len=12, longer_ok=True)  # shorter than asked: a miss, and dropped
+    assert "s" not in store

@@ -125,3 +125,39 @@ async def test_stop_strings_and_streaming_behave_as_without_drafts(nodes):
                        for line in stream.split(b"\n") if line.startswith(b"data: {"))
 
     assert content(texts["ngram"]) == content(texts["none"]) and "plum" not in content(texts["ngram"])
+
+
+QUOTES = ["The river bends twice before the old mill, then runs straight to the sea past the church.",
+          "Seven ships left the harbour at dawn, and only three came back before the winter storms began.",
+          "Bread, butter, two apples, a jar of honey and a map of the northern hills were all she carried."]
+
+
+async def test_three_shards_with_drafts_give_generate_in_fewer_laps(tokenizer, reference_model):
+    """Head -> middle -> tail, drafts on, three sessions at once: every answer is `generate()`'s, in fewer laps,
+    and the middle forwards each lap's drafts to the tail."""
+    from meshws.tools.launch import Mesh
+
+    mesh = Mesh([("head", "0-9"), ("middle", "10-19"), ("tail", "20-29")], common=EXACT)
+    try:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Repeat exactly: {quote}"}],
+                                                 add_generation_prompt=True, tokenize=True, return_dict=False)
+                   for quote in QUOTES]
+        before = await _decode_frames(mesh.tail)
+
+        async def one(ids):
+            body = {"model": MODEL, "prompt": ids, "max_tokens": 40, "temperature": 0, "return_token_ids": True}
+            async with aiohttp.ClientSession() as client:
+                async with client.post(f"{mesh.head.url}/v1/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
+                    return await response.json()
+
+        answers = await asyncio.gather(*(one(ids) for ids in prompts))
+        for ids, answer in zip(prompts, answers):
+            assert answer["choices"][0]["token_ids"] == golden(reference_model, ids, 40)
+        tokens = sum(answer["usage"]["completion_tokens"] for answer in answers)
+        assert all(answer["usage"]["speculation"]["accepted_draft_tokens"] > 0 for answer in answers)
+        assert await _decode_frames(mesh.tail) - before < 0.75 * tokens
+        for node in mesh.nodes:
+            assert node.wait_sessions(0)["sessions"] == 0, node.name
+    finally:
+        mesh.stop()
