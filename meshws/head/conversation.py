@@ -78,7 +78,7 @@ class WarmPool:
         self.evictions: dict[str, int] = {"ttl": 0, "lru": 0, "shutdown": 0}
 
     def __len__(self) -> int:
-        return len(self._idle)
+        return sum(conversation.warm for conversation in self._idle)  # (one ended elsewhere waits for a sweep)
 
     def adopt(self, prompt_ids: Sequence[int], owner: str = "") -> Conversation | None:
         """`owner`'s warm conversation sharing the longest prefix with `prompt_ids`, taken out of the pool."""
@@ -104,6 +104,7 @@ class WarmPool:
     async def sweep(self) -> None:
         """End sessions idle beyond the TTL, then the least recently used beyond the bound."""
         now = self._clock()
+        self._idle = [c for c in self._idle if c.warm]  # ended elsewhere (the head's bound on kept sessions)
         for conversation in [c for c in self._idle if now - c.last_used > self.ttl]:
             await self._evict(conversation, "ttl")
         while len(self._idle) > self.size:  # (`_idle` shrinks before each await: no sweep sees it twice)

@@ -38,7 +38,7 @@ class NgramDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._latest: dict[tuple[int, ...], int] = {}  # n-gram -> where the token after its latest occurrence is
         self._indexed = 0  # positions whose following token is indexed
-        self._ids: list[int] = []
+        self._last: int | None = None  # the token at position `_indexed - 1`: a cheap check of the same sequence
 
     def propose(self, ids: Sequence[int], count: int) -> list[int]:
         if count <= 0 or len(ids) < 2:
@@ -51,12 +51,12 @@ class NgramDrafter:
         return []
 
     def _index(self, ids: Sequence[int]) -> None:
-        if len(ids) < self._indexed or list(ids[: self._indexed]) != self._ids:
-            self._latest, self._indexed = {}, 0  # another sequence (a re-prefilled one): start again
+        if len(ids) < self._indexed or (self._indexed and ids[self._indexed - 1] != self._last):
+            self._latest, self._indexed = {}, 0  # another sequence: start again
         for end in range(max(self._indexed, 1), len(ids)):  # the token at `end` follows the n-grams before it
-            for size in range(1, min(self.max_ngram, end) + 1):
+            for size in range(self.min_ngram, min(self.max_ngram, end) + 1):
                 self._latest[tuple(ids[end - size : end])] = end
-        self._indexed, self._ids = len(ids), list(ids)
+        self._indexed, self._last = len(ids), ids[-1]
 
 
 @dataclass

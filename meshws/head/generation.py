@@ -76,7 +76,7 @@ class GenerationStats:
     cache_misses: int = 0
     failovers: int = 0
     cached_tokens: int = 0  # prompt tokens a conversation's caches already held
-    speculation: Any = None  # the answer's drafts (`drafts.Speculation`), when the head guesses
+    speculation: Speculation | None = None  # the answer's drafts, when the head guesses
     route: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -144,7 +144,7 @@ class Generator:
             route.release()  # the conversation goes on along its own route
         speculation = Speculation(NgramDrafter(), self.draft_tokens) \
             if self.draft_tokens and self.backend.supports_kv_cache else None
-        sequence = Progress(request.prompt, [], first_step=conversation.steps if conversation else 0,
+        sequence = Progress(request.prompt, [], step=conversation.steps if conversation else 0,
                              max_tokens=request.max_tokens, speculation=speculation)
         stats.speculation = speculation
         outcome, clean = "error", False
@@ -171,6 +171,7 @@ class Generator:
             raise
         finally:
             stats.finished_at = time.perf_counter()
+            stats.cached_tokens = sequence.reuse  # 0 once a cache miss or a re-route meant a full prefill
             self.active.pop(sid, None)
             try:
                 if conversation is not None and clean and sequence.held and self.backend.supports_kv_cache \
@@ -242,7 +243,6 @@ class Generator:
         path: RoutedPath,
     ) -> AsyncIterator[TokenEvent]:
         sid, sampling = stats.sid, request.sampling
-        stats.cached_tokens = sequence.reuse
         need_prefill, misses = True, 0
         while len(sequence) < request.max_tokens:
             sequence.step += 1
@@ -255,13 +255,13 @@ class Generator:
                 if misses > MAX_CONSECUTIVE_CACHE_MISSES:
                     raise PipelineError(f"{misses} cache misses in a row: {exc}") from exc
                 log.debug("session %s: cache miss (%s); re-prefilling", sid[:12], exc)
-                need_prefill, sequence.reuse, stats.cached_tokens = True, 0, 0
+                need_prefill, sequence.reuse = True, 0
                 continue
             except PipelineError as exc:
                 if not exc.lost or stats.failovers >= MAX_FAILOVERS or path.channel is None:
                     raise
                 await self._reroute(path, exc, sampling, len(sequence.prompt_ids), stats)
-                need_prefill, sequence.reuse, stats.cached_tokens = True, 0, 0
+                need_prefill, sequence.reuse = True, 0
                 continue
             except ValueError as exc:  # a step refused by a backend (bad length, dtype...)
                 raise PipelineError(str(exc)) from exc

@@ -15,15 +15,12 @@ class Progress:
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)
     legacy_text: list[str] = field(default_factory=list)
-    first_step: int = 0  # step numbers go on from a conversation's earlier answers
+    step: int = 0  # the last step's number; they go on from a conversation's earlier answers
     reuse: int = 0  # positions the hops' caches keep from before: the next prefill starts after them
     held: int = 0  # positions every hop's cache holds after the last step that worked
     max_tokens: int = 0
     speculation: Speculation | None = None  # drafts for the decode laps (None: one token per lap)
     drafts: tuple[int, ...] = ()  # the guesses the last lap carried
-
-    def __post_init__(self) -> None:
-        self.step = self.first_step
 
     def __len__(self) -> int:
         return len(self.tokens) + len(self.legacy_text)

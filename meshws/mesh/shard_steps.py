@@ -124,14 +124,14 @@ class ShardSteps:
         context = self.backend.context_length
         if start + header.positions > context:
             return f"past_len {start} + {header.positions} positions exceed the context of {context} tokens"
+        vocab = self.backend.vocab_size
         if header.ids is not None:
-            vocab = self.backend.vocab_size
             if len(header.ids) > context:
                 return f"{len(header.ids)} token ids exceed the context of {context} tokens"
             if any(token >= vocab for token in header.ids):
                 return f"a token id is outside the vocabulary [0, {vocab})"
-        if any(token >= self.backend.vocab_size for token in header.drafts):
-            return f"a draft token id is outside the vocabulary [0, {self.backend.vocab_size})"
+        if any(token >= vocab for token in header.drafts):
+            return f"a draft token id is outside the vocabulary [0, {vocab})"
         return None
 
     # -- the step, as a task ---------------------------------------------------

@@ -149,7 +149,7 @@ def _checked(header: dict[str, Any], offset: int, sid: str, size: int, max_frame
     drafts = header.get("drafts", [])
     if not isinstance(drafts, list) or len(drafts) > MAX_DRAFTS or not all(is_int(t) and t >= 0 for t in drafts):
         raise FrameError(f"drafts must be a list of at most {MAX_DRAFTS} non-negative integers")
-    if drafts and (mode != "decode" or len(drafts) >= shape[-2] if len(shape) >= 2 else True):
+    if drafts and (mode != "decode" or len(shape) < 2 or len(drafts) >= shape[-2]):
         raise FrameError("drafts ride on a decode step with more positions than drafts")
     expected = DTYPE_SIZES[dtype]
     for dim in shape:
