@@ -18,6 +18,8 @@ from .model.memory import process_memory
 
 log = logging.getLogger("meshws.node")
 
+MAX_HOP_LABELS = 16  # hops of a route /metrics names one by one (the label's values stay few)
+
 
 class NodeReports:
     """/health, /metrics and generation logs of a node (mixed into `Node`, which owns every attribute used)."""
@@ -86,6 +88,11 @@ class NodeReports:
     def _generation_finished(self, stats: GenerationStats, outcome: str) -> None:
         self.metrics.generations.labels(outcome).inc()
         self.metrics.generated_tokens.inc(stats.completion_tokens)
+        times = stats.times
+        self.metrics.lap_seconds.labels("head").inc(times.head_ms / 1000)
+        self.metrics.lap_seconds.labels("network").inc(times.network_ms / 1000)
+        for index, ms in enumerate(list(times.hop_ms.values())[:MAX_HOP_LABELS], 1):
+            self.metrics.lap_seconds.labels(f"hop{index}").inc(ms / 1000)
         drafts = stats.speculation
         if drafts is not None:
             self.metrics.laps.inc(drafts.laps)

@@ -40,11 +40,34 @@ function addMessage(role, text) {
   return { node, body };
 }
 
-function addMeta(node, text) {
+function addMeta(node, text, className = "meta") {
   const meta = document.createElement("div");
-  meta.className = "meta";
+  meta.className = className;
   meta.textContent = text;
   node.appendChild(meta);
+}
+
+// Where an answer's time went, per lap: the head's layers, each shard (as it reports), the links (the rest).
+function addLapBar(node, hops) {
+  if (!hops || !hops.laps) return;
+  const parts = [["head", hops.head_ms, "head"]];
+  hops.hops.forEach((hop, index) => parts.push([String(hop.node).split("@")[0], hop.ms, `hop${index % 4 + 1}`]));
+  parts.push(["links", hops.network_ms, "links"]);
+  const total = parts.reduce((sum, part) => sum + part[1], 0) || 1;
+  const bar = document.createElement("div");
+  bar.className = "lap-bar";
+  bar.setAttribute("role", "img");
+  const words = parts.map(([name, ms]) => `${name} ${(ms / hops.laps).toFixed(1)} ms`).join(" · ");
+  bar.setAttribute("aria-label", `per lap: ${words}`);
+  for (const [name, ms, kind] of parts) {
+    const piece = document.createElement("span");
+    piece.className = `lap-part lap-${kind}`;
+    piece.style.width = `${(100 * ms / total).toFixed(2)}%`;
+    piece.title = `${name}: ${(ms / hops.laps).toFixed(1)} ms per lap`;
+    bar.appendChild(piece);
+  }
+  node.appendChild(bar);
+  addMeta(node, `per lap (${hops.laps} laps): ${words}`, "lap-meta");
 }
 
 function showError(text) {
@@ -114,6 +137,7 @@ function onMessage(event) {
     const laps = spec && spec.draft_tokens ? ` · ${spec.tokens_per_lap} tokens/lap (${spec.accepted_draft_tokens}/${spec.draft_tokens} guesses kept)` : "";
     addMeta(turn.node, `${why}${data.usage.completion_tokens} tokens${cached}${laps} · first token ${t.ttft_ms ?? "–"} ms · ` +
       `${t.tokens_per_second} tok/s · route ${routeText(data.route)}`);
+    addLapBar(turn.node, data.hops);
     finishTurn(true);
   } else if (data.type === "error") {
     const partial = turn.text;

@@ -2,15 +2,19 @@
 
 Client -> server (JSON text frames):
   {"type": "chat", "messages": [...], "max_tokens"?, "temperature"?, "top_p"?, "top_k"?,
-   "seed"?, "stop"?, "id"?}                 start a chat turn; one runs at a time per socket,
-                                            and a new one stops the running one first
+   "seed"?, "stop"?, "id"?, "trace"?}       start a chat turn; one runs at a time per socket,
+                                            and a new one stops the running one first;
+                                            `trace: true` adds every lap to `hops` in `done`
   {"type": "stop"}                          stop the running turn
   {"type": "reset"}                         a new conversation: stop the running turn, release the session
 Server -> client:
   {"type": "start", "id", "model", "prompt_tokens"}
   {"type": "delta", "id", "text"}           text as it is generated
   {"type": "done", "id", "finish_reason": "stop"|"length"|"stopped", "text",
-   "usage": {...}, "cached_tokens", "timing": {"ttft_ms", "tokens_per_second", "total_ms"}, "route": [...]}
+   "usage": {...}, "cached_tokens", "timing": {"ttft_ms", "tokens_per_second", "total_ms"}, "route": [...],
+   "hops": {"laps", "head_ms", "hops": [{"node", "ms"}], "network_ms", "per_lap_ms", "trace"?}}
+                                            where the answer's time went: the head's layers, each
+                                            shard (as it reports), the links (the rest)
   {"type": "reset", "id"?}                  the conversation's session is released
   {"type": "error", "id"?, "message"}       a bad message, or the mesh failed
 
@@ -129,7 +133,7 @@ class ChatSocket:
     async def _run_turn(self, send: "_Sender", data: dict[str, Any], detailed: bool,
                         conversation: Conversation) -> None:
         turn_id = data.get("id") if isinstance(data.get("id"), (str, int)) else uuid.uuid4().hex[:12]
-        body = {key: value for key, value in data.items() if key not in ("type", "id", "stream")}
+        body = {key: value for key, value in data.items() if key not in ("type", "id", "stream", "trace")}
         body.setdefault("model", self.head.model_id)
         body.setdefault("temperature", 0.7)
         try:  # admission before any work on the prompt
@@ -145,6 +149,8 @@ class ChatSocket:
         except asyncio.CancelledError:
             return  # stopped (or replaced, or the socket closed) while waiting in line
         stats = GenerationStats(sid=uuid.uuid4().hex)
+        if data.get("trace") is True:  # every lap: what it carried, each hop's time and cache length
+            stats.times.trace = []
         parts: list[str] = []
         try:
             spec = await complete_spec(draft, self.head)
@@ -186,12 +192,18 @@ class ChatSocket:
                 "total_ms": round((stats.finished_at - stats.started) * 1000, 1),
             },
             "route": stats.route if detailed else public_route(stats.route),
+            "hops": stats.times.view(str if detailed else public_name),
         })
 
 
 def public_route(route: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The route for people who may not see the mesh's insides: roles and layers, no names or URLs."""
-    return [{"node": str(hop.get("node", "")).split("@")[0], "layers": hop.get("layers")} for hop in route]
+    return [{"node": public_name(hop.get("node", "")), "layers": hop.get("layers")} for hop in route]
+
+
+def public_name(node: Any) -> str:
+    """A node as the public sees it: its role, not its name or address."""
+    return str(node).split("@")[0]
 
 
 class _SlowClient(Exception):

@@ -80,7 +80,8 @@ class HopChannel:
             if reply.step not in (None, step):
                 continue  # a late answer to an earlier step
             if isinstance(reply, Token):
-                return TailTokenResult(text=reply.text or "", token_id=reply.token_id, token_ids=reply.token_ids)
+                return TailTokenResult(text=reply.text or "", token_id=reply.token_id, token_ids=reply.token_ids,
+                                       hops=reply.hops)
             if isinstance(reply, CacheMiss):
                 raise KVCacheMiss(reply.reason)
             if isinstance(reply, Error):

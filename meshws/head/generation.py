@@ -31,6 +31,7 @@ from .channel import PipelineError, RoutedPath
 from .conversation import Conversation
 from .drafts import NgramDrafter, Speculation
 from .progress import Progress
+from .timing import LapTimes
 from .planner import RoutePlanner
 from .routes import Route
 
@@ -77,6 +78,7 @@ class GenerationStats:
     failovers: int = 0
     cached_tokens: int = 0  # prompt tokens a conversation's caches already held
     speculation: Speculation | None = None  # the answer's drafts, when the head guesses
+    times: LapTimes = field(default_factory=LapTimes)  # where the laps' time went
     route: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -248,18 +250,21 @@ class Generator:
             sequence.step += 1
             stats.prefills += 1 if need_prefill else 0
             try:
-                result = await self._lap(sid, sequence.step, need_prefill, sequence, sampling, path)
+                result = await self._lap(sid, sequence.step, need_prefill, sequence, sampling, path, stats.times)
             except KVCacheMiss as exc:
                 misses += 1
                 stats.cache_misses += 1
                 if misses > MAX_CONSECUTIVE_CACHE_MISSES:
                     raise PipelineError(f"{misses} cache misses in a row: {exc}") from exc
-                log.debug("session %s: cache miss (%s); re-prefilling", sid[:12], exc)
+                log.info("session %s: cache miss on a lap with %d drafts (%s); re-prefilling", sid[:12],
+                         0 if need_prefill else len(sequence.drafts), exc)
                 need_prefill, sequence.reuse = True, 0
                 continue
             except PipelineError as exc:
                 if not exc.lost or stats.failovers >= MAX_FAILOVERS or path.channel is None:
                     raise
+                log.warning("session %s: lost a lap with %d drafts", sid[:12],
+                            0 if need_prefill else len(sequence.drafts))
                 await self._reroute(path, exc, sampling, len(sequence.prompt_ids), stats)
                 need_prefill, sequence.reuse = True, 0
                 continue
@@ -311,37 +316,46 @@ class Generator:
                 failure = again
 
     async def _lap(self, sid: str, step: int, prefill: bool, sequence: Progress, sampling: SamplingParams,
-                   path: RoutedPath) -> TailTokenResult:
+                   path: RoutedPath, times: LapTimes) -> TailTokenResult:
         """One step through the head's layers and the route: a (re-)prefill, or one token's decode.
 
         A prefill after `sequence.reuse` kept positions runs only the tokens after them, as a
         multi-position "decode" at that length: every hop cuts its cache back to it first.
         """
+        began = time.perf_counter()
+        result = await self._head_part(sid, prefill, sequence, sampling)
+        head_ms = (time.perf_counter() - began) * 1000
+        positions = len(sequence.ids()) - sequence.reuse if prefill else 1 + len(sequence.drafts)
+        if not isinstance(result, TailTokenResult):  # hidden states for the route (a full node has sampled)
+            mode = "decode" if prefill and sequence.reuse else "prefill"
+            ids = sequence.ids() if prefill and sampling.needs_history else None
+            result = await path.step(step, mode if prefill else "decode", result, ids,
+                                     () if prefill else sequence.drafts)
+        times.record(positions=positions, tokens=len(result.token_ids) or 1, head_ms=head_ms, hops=result.hops,
+                     lap_ms=(time.perf_counter() - began) * 1000, head_cache=self.backend.sessions.held(sid))
+        return result
+
+    async def _head_part(self, sid: str, prefill: bool, sequence: Progress, sampling: SamplingParams) -> Any:
+        """The lap's step through the head's own layers: the hidden states to send on (a full node: the token)."""
         prompt_length = len(sequence.prompt_ids)
         cached_sid = sid if self.backend.supports_kv_cache else None
         prefill_input = sequence.prefill_input() if prefill else None
         mode = "decode" if prefill and sequence.reuse else "prefill"
         if isinstance(prefill_input, str):  # prompt + text for a legacy tail: tokenized and run whole
-            result = await self.worker.call(self.backend.encode_prompt, prefill_input, cached_sid,
+            return await self.worker.call(self.backend.encode_prompt, prefill_input, cached_sid,
                                             sampling=sampling, generated_from=prompt_length)
-        elif prefill_input is not None:  # in chunks, with other sessions' decode steps in between
-            result = await self.worker.prefill(PrefillStep(
+        if prefill_input is not None:  # in chunks, with other sessions' decode steps in between
+            return await self.worker.prefill(PrefillStep(
                 cached_sid, token_ids=prefill_input[sequence.reuse:], mode=mode, past_len=sequence.reuse,
                 sampling=sampling, history=prefill_input if sampling.needs_history else (),
                 generated_from=prompt_length))
-        else:
-            history = sequence.ids() if sampling.needs_history else ()
-            speculation, last = sequence.speculation, sequence.tokens[-1]
-            room = sequence.max_tokens - len(sequence) - 1  # guesses beyond the answer's end are wasted
-            sequence.drafts = tuple(speculation.propose(sequence.ids(), room)) if speculation else ()
-            if sequence.drafts:  # the last token and the guesses, verified by the tail in one lap
-                result = await self.worker.prefill(PrefillStep(
-                    cached_sid, token_ids=[last, *sequence.drafts], mode="decode", past_len=sequence.held,
-                    sampling=sampling, history=history, generated_from=prompt_length, drafts=sequence.drafts))
-            else:
-                result = await self.worker.decode(DecodeStep(sid, token_id=last, sampling=sampling, history=history,
-                                                             generated_from=prompt_length, past_len=sequence.held))
-        if isinstance(result, TailTokenResult):  # a full node: the head is the tail
-            return result
-        ids = sequence.ids() if prefill and sampling.needs_history else None
-        return await path.step(step, mode if prefill else "decode", result, ids, () if prefill else sequence.drafts)
+        history = sequence.ids() if sampling.needs_history else ()
+        speculation, last = sequence.speculation, sequence.tokens[-1]
+        room = sequence.max_tokens - len(sequence) - 1  # guesses beyond the answer's end are wasted
+        sequence.drafts = tuple(speculation.propose(sequence.ids(), room)) if speculation else ()
+        if sequence.drafts:  # the last token and the guesses, verified by the tail in one lap
+            return await self.worker.prefill(PrefillStep(
+                cached_sid, token_ids=[last, *sequence.drafts], mode="decode", past_len=sequence.held,
+                sampling=sampling, history=history, generated_from=prompt_length, drafts=sequence.drafts))
+        return await self.worker.decode(DecodeStep(sid, token_id=last, sampling=sampling, history=history,
+                                                   generated_from=prompt_length, past_len=sequence.held))

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from ..model.sampling import SamplingParams
 from .link import Link
-from .wire import RouteHop
+from .wire import HopReport, RouteHop
 
 DECODE_LOG_INTERVAL = 5.0  # seconds between one session's decode summary lines
 LINK_SESSIONS = 256  # sessions one inbound link may carry at once
@@ -63,6 +63,7 @@ class InboundSession:
     decodes: int = 0
     cache_misses: int = 0
     compute_seconds: float = 0.0
+    report: tuple[int, HopReport] | None = None  # (step, this shard's part of it) for the answer coming back
     opened: float = field(default_factory=time.monotonic)
 
 

@@ -55,6 +55,9 @@ class NodeMetrics:
         self.generated_tokens = Counter("meshws_generated_tokens", "Tokens generated on the head", registry=self.registry)
         self.laps = Counter("meshws_decode_laps", "Decode laps through the mesh (each yields 1 token + drafts kept)",
                             registry=self.registry)
+        self.lap_seconds = Counter("meshws_lap_seconds", "Time of the head's laps by part: its own layers "
+                                   "(head), each shard on the route in order (hop1, hop2, ...; as they report it), "
+                                   "and what is left: the links (network)", ["part"], registry=self.registry)
         self.draft_tokens = Counter("meshws_draft_tokens", "Guessed tokens sent for verification, by what the tail "
                                     "did with them", ["result"], registry=self.registry)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Callable, Coroutine
 
 from aiohttp import WSMsgType, web
@@ -34,7 +35,9 @@ from .log_limit import LogLimiter
 from .metrics import NodeMetrics
 from .next_hops import NextHops
 from .shard_steps import ShardSteps
-from .wire import Close, ControlMessage, Error, FrameError, Hello, Open, SessionReply, decode_control, encode_control
+from .wire import (Close, ControlMessage, Error, FrameError, Hello, Open, SessionReply, Token, decode_control,
+                   encode_control)
+from .wire.fields import MAX_CHAIN
 
 log = logging.getLogger("meshws.shard_service")
 
@@ -238,6 +241,8 @@ class ShardService:
             session = self.sessions.get(message.sid)
             if session is not None:
                 self.steps.answered(session, getattr(message, "step", None))
+                if isinstance(message, Token) and len(message.hops) < MAX_CHAIN:  # our part goes in front
+                    message = replace(message, hops=self.steps.own_report(session, message.step) + message.hops)
             if isinstance(message, Error) and message.lost:
                 message = Error(f"{self.node_name}: {message.message}", message.sid, message.step, True, message.url)
             self._spawn(self._send(link, message))

@@ -34,6 +34,7 @@ from .wire import (
     ForwardFrame,
     ForwardHeader,
     FrameError,
+    HopReport,
     Token,
     encode_forward,
     inflate_forward,
@@ -188,6 +189,8 @@ class ShardSteps:
 
     def _count_step(self, session: InboundSession, frame: ForwardFrame, elapsed: float) -> None:
         session.compute_seconds += elapsed
+        held = self.backend.sessions.held(session.sid)
+        session.report = (frame.step, HopReport(self.node_name, elapsed * 1000, held))
         self.metrics.steps.labels(frame.mode).inc()
         self.metrics.step_seconds.labels(frame.mode).observe(elapsed)
         if frame.mode == "prefill":
@@ -205,7 +208,8 @@ class ShardSteps:
             if session.history is not None and result.token_id is not None:
                 session.history.extend(result.token_ids or (result.token_id,))
             text = result.text if result.text or result.token_id is None else None  # a legacy tail: text only
-            await self._send(link, Token(sid, step, result.token_id, text, result.token_ids))
+            await self._send(link, Token(sid, step, result.token_id, text, result.token_ids,
+                                         self.own_report(session, step)))
             return
         next_hop = session.next_hop
         if next_hop is None:
@@ -228,6 +232,12 @@ class ShardSteps:
         except LinkDown as exc:
             self.answered(session)
             await self._lost(link, sid, step, f"{self.node_name}: next hop unreachable: {exc}", next_hop.url)
+
+    @staticmethod
+    def own_report(session: InboundSession, step: int | None) -> tuple[HopReport, ...]:
+        """This shard's part of `step`, for the answer on its way back (none if it did not run it)."""
+        report, session.report = session.report, None
+        return (report[1],) if report is not None and report[0] == step else ()
 
     # -- waiting for the next hop ------------------------------------------------
 

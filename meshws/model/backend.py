@@ -43,6 +43,7 @@ class TailTokenResult:
     text: str
     token_id: int | None
     token_ids: tuple[int, ...] = ()  # after a step with drafts: every token accepted, `token_id` last
+    hops: tuple[Any, ...] = ()  # each shard's part of the step (`wire.HopReport`), as the answer brought them
 
 
 StepResult = TensorPayload | TailTokenResult

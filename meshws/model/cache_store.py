@@ -38,8 +38,10 @@ class SessionCacheStore:
         ttl_seconds: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
         max_bytes: int | None = None,
+        measure: Callable[[Any], int] | None = None,
     ) -> None:
         self.max_sessions = max_sessions
+        self._measure = measure  # a cache's positions, read from the cache itself
         self.ttl_seconds = ttl_seconds
         self.max_bytes = max_bytes
         self._clock = clock
@@ -64,6 +66,14 @@ class SessionCacheStore:
     def session_ids(self) -> list[str]:
         with self._lock:
             return list(self._entries)
+
+    def held(self, session_id: str) -> int:
+        """Positions the session's cache holds (0 without one): measured on the cache when the store can."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None:
+                return 0
+            return self._measure(entry.cache) if self._measure is not None else entry.seq_len
 
     def store(
         self,

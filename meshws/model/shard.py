@@ -29,7 +29,7 @@ from .sampling import SamplingParams, sample_token, verify_drafts
 from .session_layers import SessionLayers
 from .settings import ShardLayout, ShardSettings
 from .source import ResolvedModel, locate_model, model_cache
-from .tensors import TORCH_DTYPES, payload_from_tensor, positions, tensor_from_bytes
+from .tensors import TORCH_DTYPES, cache_length, payload_from_tensor, positions, tensor_from_bytes
 from .weights import eos_ids, load_shard_model, shard_config
 
 log = logging.getLogger("meshws.shard")
@@ -84,6 +84,7 @@ class ModelShard:
             max_sessions=self.settings.max_sessions,
             ttl_seconds=self.settings.cache_ttl,
             max_bytes=budget,
+            measure=cache_length,
         )
         if self.lean is not None:
             self.layers = SessionLayers(self.lean.run, self.lean.new_cache, self.sessions, start,

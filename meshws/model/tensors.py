@@ -49,6 +49,13 @@ def cache_nbytes(cache: Any) -> int:
     return total
 
 
+def cache_length(cache: Any) -> int:
+    """Positions a cache holds, read from its tensors (a lean cache says)."""
+    if isinstance(getattr(cache, "length", None), int):
+        return cache.length
+    return int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
+
+
 def crop_cache(cache: Any, length: int) -> None:
     """Cut every layer of a transformers cache back to `length` positions (undo a failed step).
 

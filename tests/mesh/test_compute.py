@@ -193,6 +193,10 @@ async def test_live_sessions_split_into_micro_batches_and_a_lone_session_never_w
         await blocker
         # Eight live sessions in two groups: two batches of four, in arrival order (no session's steps reordered).
         assert backend.batches == [["s0", "s1", "s2", "s3"], ["s4", "s5", "s6", "s7"]]
+        for _ in range(100):  # the worker thread notes a job just after its callers hear the result
+            if len(worker.recent) == 8:
+                break
+            await asyncio.sleep(0.01)
         assert worker.busy_seconds >= 0.2 and len(worker.recent) == 8
         assert all(end >= start for start, end, _ in worker.recent)
     finally:

@@ -120,6 +120,14 @@ def test_frame_above_the_size_limit_is_refused():
         ('{"type": "open", "sid": "a", "route": {}}', "route"),
         ('{"type": "open", "sid": "a", "sampling": 3}', "sampling"),
         ('{"type": "open", "sid": "a", "resume": "yes"}', "resume"),
+        ('{"type": "token", "sid": "a", "token_id": 3, "hops": {}}', "hops"),
+        ('{"type": "token", "sid": "a", "token_id": 3, "hops": [3]}', "hop report"),
+        ('{"type": "token", "sid": "a", "token_id": 3, "hops": [{"node": "t", "ms": -1, "cache_len": 4}]}', "ms"),
+        ('{"type": "token", "sid": "a", "token_id": 3, "hops": [{"node": "t", "ms": 1e300, "cache_len": 4}]}', "ms"),
+        ('{"type": "token", "sid": "a", "token_id": 3, "hops": [{"node": "t", "ms": true, "cache_len": 4}]}', "ms"),
+        ('{"type": "token", "sid": "a", "token_id": 3, "hops": [{"node": "t", "ms": 1, "cache_len": 4.5}]}',
+         "cache_len"),
+        ('{"type": "token", "sid": "a", "token_id": 3, "hops": [{"node": "", "ms": 1, "cache_len": 4}]}', "node"),
     ],
 )
 def test_bad_control_frames_raise_named_errors(text, needle):
@@ -136,6 +144,7 @@ def test_every_message_round_trips():
         wire.Open("c", SamplingParams(temperature=0), 40, resume=True),
         wire.Token("a", 2, 17),
         wire.Token("a", 3, None, ""),
+        wire.Token("a", 4, 9, None, (5, 9), (wire.HopReport("middle@h:1", 3.25, 40), wire.HopReport("t", 0.0, 0))),
         wire.CacheMiss("a", 4, "evicted"),
         wire.Error("boom", "a", 5, lost=True, url="ws://h:1"),
         wire.Error("bad frame"),

@@ -92,6 +92,10 @@ def test_message_streams_an_answer_with_timing_and_route(page, mesh):
     meta = answer.locator(".meta").text_content()
     assert "tok/s" in meta and "first token" in meta
     assert "[0-14]" in meta and "[15-29]" in meta  # the route: which node served which layers
+    # Where each lap's time went: the head, the tail (as it reported), the link; one piece of the bar each.
+    laps = answer.locator(".lap-meta").text_content()
+    assert re.fullmatch(r"per lap \(\d+ laps\): head [\d.]+ ms · tail [\d.]+ ms · links [\d.]+ ms", laps), laps
+    expect(answer.locator(".lap-bar .lap-part")).to_have_count(3)
     expect(page.locator("#mesh-nodes li")).to_have_count(2)
     assert "layers 15-29" in page.locator("#mesh-nodes").text_content()
     SHOTS.mkdir(parents=True, exist_ok=True)

@@ -159,5 +159,32 @@ async def test_three_shards_with_drafts_give_generate_in_fewer_laps(tokenizer, r
         assert await _decode_frames(mesh.tail) - before < 0.75 * tokens
         for node in mesh.nodes:
             assert node.wait_sessions(0)["sessions"] == 0, node.name
+        await _caches_hold_prompt_and_accepted_tokens_after_every_lap(mesh)
     finally:
         mesh.stop()
+
+
+async def _caches_hold_prompt_and_accepted_tokens_after_every_lap(mesh):
+    """Every hop reports its cache's length after each lap (measured on the cache): a lap at `past_len` =
+    prompt + accepted tokens - 1 (the last is fed now) leaves exactly that plus the lap's positions, so the
+    drafts a lap's tail rejected are gone from every cache by the next lap."""
+    async with aiohttp.ClientSession() as client:
+        async with client.ws_connect(f"{mesh.head.url}/ws/chat") as ws:
+            await ws.send_json({"type": "chat", "messages": [{"role": "user", "content": REPEAT}], "max_tokens": 48,
+                                "temperature": 0, "trace": True})
+            start = await ws.receive_json(timeout=120)
+            while (message := await ws.receive_json(timeout=120))["type"] == "delta":
+                pass
+    assert start["type"] == "start" and message["type"] == "done", message
+    hops, prompt = message["hops"], start["prompt_tokens"]
+    trace, generated, rejected_then_checked = hops["trace"], 0, 0
+    assert hops["laps"] == len(trace) and [hop["node"].split("@")[0] for hop in hops["hops"]] == ["middle", "tail"]
+    for number, lap in enumerate(trace):
+        past_len = 0 if number == 0 else prompt + generated - 1
+        assert [hop["cache_len"] for hop in lap["hops"]] == [past_len + lap["positions"]] * 3, (number, lap)
+        assert all(hop["ms"] > 0 for hop in lap["hops"]) and lap["ms"] >= sum(hop["ms"] for hop in lap["hops"])
+        rejected_then_checked += number + 1 < len(trace) and lap["tokens"] < lap["positions"]
+        generated += lap["tokens"]
+    assert trace[0]["positions"] == prompt and message["usage"]["completion_tokens"] <= generated
+    assert rejected_then_checked > 0  # some lap's drafts were rejected, and the next lap saw them dropped
+    assert max(lap["positions"] for lap in trace) > 1

@@ -6,7 +6,8 @@ Control frames (`control`) are websocket text frames holding one JSON object:
              total_layers, chain: [{node, layers}]}                 both ways, first
   Open      {type: "open", sid, sampling?, prompt_tokens?, route?: [{url, layers?}], route_mac?}
                                                                      head -> tail
-  Token     {type: "token", sid, step, token_id, text?}             tail -> head
+  Token     {type: "token", sid, step, token_id, text?, token_ids?,
+             hops?: [{node, ms, cache_len}]}                         tail -> head
   CacheMiss {type: "cache_miss", sid, step, reason}                 any shard -> head
   Error     {type: "error", sid?, step?, message, lost?, url?}      any node -> previous
   Close     {type: "close", sid}                                    head -> tail
@@ -25,6 +26,7 @@ from .control import (
     ControlMessage,
     Error,
     Hello,
+    HopReport,
     Open,
     RouteHop,
     SessionReply,
@@ -46,7 +48,7 @@ from .tensors import (
 )
 
 __all__ = [
-    "PROTOCOL_VERSION", "CacheMiss", "ChainHop", "Close", "ControlMessage", "Error", "Hello", "Open", "RouteHop",
+    "PROTOCOL_VERSION", "CacheMiss", "ChainHop", "Close", "ControlMessage", "Error", "Hello", "HopReport", "Open", "RouteHop",
     "SessionReply", "Token", "decode_control", "encode_control", "MAX_SID_LENGTH", "FrameError",
     "DEFAULT_COMPRESS_MIN_BYTES", "DEFAULT_MAX_FRAME_BYTES", "MAX_HEADER_BYTES", "ForwardFrame", "ForwardHeader", "decode_forward",
     "encode_forward", "inflate_forward", "read_forward_header",

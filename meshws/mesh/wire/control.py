@@ -24,6 +24,7 @@ from .fields import (
 PROTOCOL_VERSION = 3  # 3: `past_len` cuts a longer cache back; `open` may resume a session
 MAX_CONTROL_BYTES = 256 * 1024
 MAX_TOKEN_IDS = 17  # tokens one step may yield: its drafts (at most 16) and one more
+MAX_STEP_MS = 86_400_000.0  # a day: no step of a hop's report takes longer
 
 
 @dataclass(frozen=True)
@@ -141,11 +142,39 @@ class Open:
 
 
 @dataclass(frozen=True)
+class HopReport:
+    """One shard's part of a step, added to the answer on its way back to the head.
+
+    `ms` is the time the step spent on the shard (from its frame's arrival to its result:
+    waiting for the compute worker included), `cache_len` the positions the session's cache
+    holds after it. A shard that keeps no cache for the session says 0.
+    """
+
+    node: str
+    ms: float
+    cache_len: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"node": self.node, "ms": round(self.ms, 3), "cache_len": self.cache_len}
+
+    @classmethod
+    def parse(cls, data: Any) -> "HopReport":
+        if not isinstance(data, dict):
+            raise FrameError("each hop report must be an object")
+        ms = data.get("ms")
+        if not isinstance(ms, (int, float)) or isinstance(ms, bool) or not 0 <= ms <= MAX_STEP_MS:
+            raise FrameError(f"a hop report's ms must be a number in [0, {MAX_STEP_MS:.0f}]")
+        return cls(name_field(data, "node"), float(ms), int_field(data, "cache_len", 0))
+
+
+@dataclass(frozen=True)
 class Token:
     """The tail's answer to a step: the sampled token id (a legacy tail sends only text).
 
     After a step with drafts, `token_ids` lists every token it yields in order (the drafts
-    the tail agreed with, then its own choice, which is also `token_id`).
+    the tail agreed with, then its own choice, which is also `token_id`). `hops` reports
+    each shard's part of the step in route order: the tail starts it, and every shard the
+    answer passes on the way back puts its own report in front.
     """
 
     type: ClassVar[str] = "token"
@@ -154,6 +183,7 @@ class Token:
     token_id: int | None
     text: str | None = None
     token_ids: tuple[int, ...] = ()
+    hops: tuple[HopReport, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         message: dict[str, Any] = {"type": self.type, "sid": self.sid, "step": self.step, "token_id": self.token_id}
@@ -161,6 +191,8 @@ class Token:
             message["text"] = self.text
         if self.token_ids:
             message["token_ids"] = list(self.token_ids)
+        if self.hops:
+            message["hops"] = [hop.to_wire() for hop in self.hops]
         return message
 
     @classmethod
@@ -175,7 +207,8 @@ class Token:
             if not isinstance(raw, list) or len(raw) > MAX_TOKEN_IDS or not all(is_int(t) and t >= 0 for t in raw) \
                     or (raw and raw[-1] != token_id):
                 raise FrameError(f"token_ids must be at most {MAX_TOKEN_IDS} token ids ending with token_id")
-            return cls(sid, int_field(data, "step", 0), token_id, text, tuple(raw))
+            hops = tuple(HopReport.parse(hop) for hop in list_field(data, "hops"))
+            return cls(sid, int_field(data, "step", 0), token_id, text, tuple(raw), hops)
         except FrameError as exc:
             raise FrameError(str(exc), sid) from None
 

@@ -1,0 +1,57 @@
+"""Where an answer's time goes: the head's layers, each shard's part, and the links between.
+
+Every shard reports its part of a step on the answer's way back (`wire.HopReport`: time
+on the shard, positions its cache holds after the step); the head times its own layers
+and the whole lap, so the links' share (network, frames, queueing on the wire) is what
+is left. `trace`, when asked for, keeps every lap: what it carried and each cache's
+length after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+MAX_TRACE_LAPS = 4096
+
+
+@dataclass
+class LapTimes:
+    laps: int = 0
+    head_ms: float = 0.0
+    hop_ms: dict[str, float] = field(default_factory=dict)  # node -> time on it, in route order
+    network_ms: float = 0.0
+    trace: list[dict[str, Any]] | None = None  # per lap, when asked for
+
+    def record(self, *, positions: int, tokens: int, lap_ms: float, head_ms: float, head_cache: int,
+               hops: Sequence[Any]) -> None:
+        """One lap that worked: `positions` sent through, `tokens` it yielded, `hops` the shards' reports."""
+        self.laps += 1
+        self.head_ms += head_ms
+        shards_ms = 0.0
+        for hop in hops:
+            self.hop_ms[hop.node] = self.hop_ms.get(hop.node, 0.0) + hop.ms
+            shards_ms += hop.ms
+        self.network_ms += max(0.0, lap_ms - head_ms - shards_ms)
+        if self.trace is not None and len(self.trace) < MAX_TRACE_LAPS:
+            self.trace.append({
+                "positions": positions, "tokens": tokens, "ms": round(lap_ms, 3),
+                "hops": [{"node": "head", "ms": round(head_ms, 3), "cache_len": head_cache}]
+                + [hop.to_wire() for hop in hops],
+            })
+
+    def view(self, name: Any = str) -> dict[str, Any]:
+        """The breakdown as `/ws/chat` and the page show it; `name` maps node names for the public."""
+        per_lap = 1 / self.laps if self.laps else 0.0
+        view: dict[str, Any] = {
+            "laps": self.laps,
+            "head_ms": round(self.head_ms, 2),
+            "hops": [{"node": name(node), "ms": round(ms, 2)} for node, ms in self.hop_ms.items()],
+            "network_ms": round(self.network_ms, 2),
+            "per_lap_ms": {"head": round(self.head_ms * per_lap, 3), "network": round(self.network_ms * per_lap, 3),
+                           "shards": round(sum(self.hop_ms.values()) * per_lap, 3)},
+        }
+        if self.trace is not None:
+            view["trace"] = [{**lap, "hops": [{**hop, "node": name(hop["node"])} for hop in lap["hops"]]}
+                             for lap in self.trace]
+        return view
