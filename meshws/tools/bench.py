@@ -293,6 +293,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
                         help="measure memory per span in fresh processes (default: on unless --short)")
     parser.add_argument("--out", default="bench-results/bench.json", help="where to write the JSON")
     parser.add_argument("--tls", action="store_true", help="also measure a head + tail over wss:// (needs trustme)")
+    parser.add_argument("--link-delay", nargs=2, type=float, default=[25.0, 25.0], metavar=("TO_TAIL_MS", "TO_HEAD_MS"),
+                        help="the speculation scenario's delayed link, each direction (default 25 25)")
     args = parser.parse_args(argv)
     if args.short:
         args.tokens, args.repeats = min(args.tokens, 4), 1
@@ -334,7 +336,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
                                                       args.tokens, 2 if args.short else 6)
         result["speculation"] = measure_laps(args.model, args.layers, dtype, resolved.model_id,
                                              16 if args.short else 64, tokenizer,
-                                             ("delayed",) if args.short else ("delayed", "loopback"))
+                                             ("delayed",) if args.short else ("delayed", "loopback"),
+                                             (args.link_delay[0] / 1000, args.link_delay[1] / 1000))
         result["stateless"] = measure_cached_vs_stateless(resolved, dtype, args.contexts, args.repeats)
         if args.tls:
             from .bench_tls import measure_tls

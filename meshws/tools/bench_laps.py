@@ -1,7 +1,7 @@
 """The benchmark's speculative-decoding scenario: tokens per lap and time per token, drafts against none.
 
 One tail and four heads on it: two reach it through a relay that delays every byte by
-25 ms each way (a long link), two directly (loopback); of each pair one guesses
+25 ms each way (a long link; `--link-delay UP DOWN` sets each direction), two directly (loopback); of each pair one guesses
 (`--draft ngram`) and one does not (`--draft none`). Each head answers a prompt that
 asks to repeat a text and an ordinary one, greedy, up to a number of tokens or the end
 of the answer (past it, the model's text no longer repeats anything). Laps are
@@ -18,7 +18,7 @@ from typing import Any
 
 from .streams import stream_once
 
-DELAY = 0.025  # seconds each way
+DELAY = (0.025, 0.025)  # seconds head -> tail, tail -> head
 QUOTE = ("The lighthouse stood on the northern cliff for two hundred years. Every night its keeper climbed the "
          "spiral stairs, trimmed the wick, polished the lens and watched the ships pass safely into the harbour.")
 PROMPTS = {"repeat": f"Repeat the following text exactly, word for word:\n\n{QUOTE}",
@@ -35,14 +35,14 @@ def _decode_frames(url: str) -> float:
 
 
 def measure_laps(model: str, layers: int, dtype: str, model_id: str, tokens: int, tokenizer: Any,
-                 links: tuple[str, ...] = ("delayed", "loopback")) -> dict[str, Any]:
+                 links: tuple[str, ...] = ("delayed", "loopback"), delay: tuple[float, float] = DELAY) -> dict[str, Any]:
     from .launch import NodeProcess
     from .relay import RelayThread
 
     split = layers // 2
     common = ("--model", model, "--dtype", dtype)
     tail = NodeProcess("--role", "tail", "--layers", f"{split}-{layers - 1}", *common, name="tail").wait_started()
-    relay = RelayThread(tail.port, DELAY)
+    relay = RelayThread(tail.port, delay[0], delay_back=delay[1])
     heads: dict[tuple[str, str], Any] = {}
     try:
         for link, port in (("delayed", relay.port), ("loopback", tail.port)):
@@ -54,7 +54,7 @@ def measure_laps(model: str, layers: int, dtype: str, model_id: str, tokens: int
         for head in heads.values():
             head.wait_started()
             head.wait_ready(60)
-        result: dict[str, Any] = {"delay_each_way_s": DELAY, "tokens": tokens}
+        result: dict[str, Any] = {"delay_s": {"to_tail": delay[0], "to_head": delay[1]}, "tokens": tokens}
         for (link, draft), head in heads.items():
             for name, prompt in PROMPTS.items():
                 ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,

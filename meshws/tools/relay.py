@@ -1,8 +1,9 @@
 """A TCP relay that delays every byte by a fixed time each way: a long link on one machine.
 
 `tc netem` is not available everywhere; this stands in for it in the benchmark and
-the tests. Each connection to the relay is piped to `target`; what arrives on either
-side is delivered `delay` seconds later, in order (a link's latency, not its bandwidth).
+the tests. Each connection to the relay is piped to `target`; what arrives from the
+client is delivered `delay` seconds later, what comes back `delay_back` seconds later
+(the same unless given), in order (a link's latency, not its bandwidth).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import time
 
 
 class DelayRelay:
-    def __init__(self, target_host: str, target_port: int, delay: float) -> None:
+    def __init__(self, target_host: str, target_port: int, delay: float, delay_back: float | None = None) -> None:
         self.target = (target_host, target_port)
         self.delay = delay
+        self.delay_back = delay if delay_back is None else delay_back
         self.port = 0
         self.connections = 0
         self._server: asyncio.base_events.Server | None = None
@@ -46,14 +48,15 @@ class DelayRelay:
             writer.close()
             return
         try:
-            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+            await asyncio.gather(self._pipe(reader, up_writer, self.delay),
+                                 self._pipe(up_reader, writer, self.delay_back))
         finally:
             for side in (writer, up_writer):
                 side.close()
             if task is not None:
                 self._tasks.discard(task)
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
         """Copy `reader` to `writer`, each chunk `delay` seconds after it arrived."""
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
@@ -73,7 +76,7 @@ class DelayRelay:
         try:
             while True:
                 data = await reader.read(65536)
-                await queue.put((time.monotonic() + self.delay, data))
+                await queue.put((time.monotonic() + delay, data))
                 if not data:
                     break
             await sender
@@ -88,10 +91,11 @@ class DelayRelay:
 class RelayThread:
     """A `DelayRelay` on its own event loop thread, for code that is not async (the benchmark)."""
 
-    def __init__(self, target_port: int, delay: float, target_host: str = "127.0.0.1") -> None:
+    def __init__(self, target_port: int, delay: float, target_host: str = "127.0.0.1",
+                 delay_back: float | None = None) -> None:
         import threading
 
-        self.relay = DelayRelay(target_host, target_port, delay)
+        self.relay = DelayRelay(target_host, target_port, delay, delay_back)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()

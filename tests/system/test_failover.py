@@ -85,6 +85,21 @@ async def stream_text(url, messages, max_tokens, on_chunk=None):
     return "".join(parts)
 
 
+def serving_tail_killer(tails, at_chunk):
+    """A stream callback that SIGKILLs the one replica serving the session once `at_chunk` chunks came; and
+    the list of what it killed."""
+    killed = []
+
+    def kill_serving_tail(chunks):
+        if chunks >= at_chunk and not killed:
+            serving = [tail for tail in tails if tail.health()["sessions"] == 1]
+            assert len(serving) == 1, "exactly one replica serves the session"
+            serving[0].kill()
+            killed.append(serving[0])
+
+    return kill_serving_tail, killed
+
+
 async def test_killing_the_serving_tail_mid_answer_keeps_the_answer(tokenizer):
     cluster = Cluster("0-14")
     try:
@@ -95,15 +110,7 @@ async def test_killing_the_serving_tail_mid_answer_keeps_the_answer(tokenizer):
         fault_free = await stream_text(cluster.head.url, messages, 90)
         assert len(fault_free) > 200
 
-        killed = []
-
-        def kill_serving_tail(chunks):
-            if chunks == 25 and not killed:
-                serving = [tail for tail in tails if tail.health()["sessions"] == 1]
-                assert len(serving) == 1, "exactly one replica serves the session"
-                serving[0].kill()
-                killed.append(serving[0])
-
+        kill_serving_tail, killed = serving_tail_killer(tails, at_chunk=25)
         started = time.monotonic()
         with_fault = await stream_text(cluster.head.url, messages, 90, on_chunk=kill_serving_tail)
         assert killed, "the tail was never killed"
@@ -267,5 +274,29 @@ async def test_a_draining_replica_finishes_its_answer_while_new_ones_go_to_the_o
         assert await asyncio.to_thread(drained[0].proc.wait, 60) == 0
         assert other.wait_sessions(0)["sessions"] == 0
         assert closed_sessions(other) == before + 3  # every new answer ran on the other replica
+    finally:
+        cluster.stop()
+
+
+REPEAT = ("Copy this list exactly, one item per line: red apple, green pear, yellow banana, purple plum, "
+          "orange mango, red apple, green pear, yellow banana, purple plum, orange mango.")
+
+
+async def test_a_tail_killed_during_a_lap_carrying_drafts_leaves_the_answer_unchanged(tokenizer):
+    """Speculative decoding (the head's default): a repeating answer keeps most laps full of drafts; the tail
+    serving it dies while such a lap is on its way. The head routes around it and re-prefills what was accepted
+    (never the lost drafts): the text is the fault-free one."""
+    cluster = Cluster("0-14")
+    try:
+        tails = cluster.replica_tails()
+        messages = [{"role": "user", "content": REPEAT}]
+        fault_free = await stream_text(cluster.head.url, messages, 72)
+        kill_serving_tail, killed = serving_tail_killer(tails, at_chunk=30)
+        with_fault = await stream_text(cluster.head.url, messages, 72, on_chunk=kill_serving_tail)
+        assert killed and with_fault == fault_free
+        lost = [line for line in cluster.head.lines if "lost a lap with" in line]
+        assert len(lost) == 1 and int(lost[0].split("lost a lap with ")[1].split()[0]) > 0, lost
+        survivor = next(tail for tail in tails if tail not in killed)
+        assert survivor.wait_sessions(0)["sessions"] == 0
     finally:
         cluster.stop()
