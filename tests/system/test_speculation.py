@@ -188,3 +188,24 @@ async def _caches_hold_prompt_and_accepted_tokens_after_every_lap(mesh):
     assert trace[0]["positions"] == prompt and message["usage"]["completion_tokens"] <= generated
     assert rejected_then_checked > 0  # some lap's drafts were rejected, and the next lap saw them dropped
     assert max(lap["positions"] for lap in trace) > 1
+
+
+async def test_the_links_share_of_a_lap_is_the_relays_delay(nodes):
+    """Through the relay (25 ms each way) every lap spends at least 50 ms on the link: the head's split of a lap
+    into its own layers, the tail's report and the rest finds it there, in `done` and in /metrics."""
+    heads, _ = nodes
+    async with aiohttp.ClientSession() as client:
+        async with client.ws_connect(f"{heads['none'].url}/ws/chat") as ws:
+            await ws.send_json({"type": "chat", "messages": [{"role": "user", "content": "Name three birds."}],
+                                "max_tokens": 8, "temperature": 0})
+            while (message := await ws.receive_json(timeout=120))["type"] != "done":
+                assert message["type"] in ("start", "delta"), message
+        async with client.get(f"{heads['none'].url}/metrics") as response:
+            metrics = await response.text()
+    hops = message["hops"]
+    assert hops["laps"] >= 2 and [hop["node"].split("@")[0] for hop in hops["hops"]] == ["tail"]
+    assert hops["network_ms"] >= 0.05 * 1000 * hops["laps"] * 0.95  # the relay's 50 ms a lap (timer slack)
+    assert hops["head_ms"] > 0 and hops["hops"][0]["ms"] > 0
+    for part in ("head", "hop1", "network"):
+        line = next(line for line in metrics.splitlines() if line.startswith(f'meshws_lap_seconds_total{{part="{part}"}}'))
+        assert float(line.split()[-1]) > 0, line
