@@ -11,8 +11,9 @@ from typing import Any
 from ..head.service import HeadService
 from ..model.sampling import SamplingParams
 from .errors import ApiError
+from .fields import check_fields, check_message_fields
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant")  # "tool" messages need tools, which meshws lacks yet
 MAX_MESSAGES = 1024
 CHARS_PER_TOKEN_CAP = 16  # a prompt longer than context x this many characters cannot fit: refused unread
 DEFAULT_MAX_TOKENS = 1024
@@ -102,9 +103,13 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if not isinstance(message, dict):
             raise ApiError(400, f"'{where}' must be an object", param=where, code="invalid_type")
         role = message.get("role")
+        if role == "tool":
+            raise ApiError(400, f"'{where}' is a tool result; meshws does not support tools yet",
+                           param=f"{where}.role", code="unsupported_parameter")
         if role not in ROLES:
             raise ApiError(400, f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}",
                            param=f"{where}.role", code="invalid_value")
+        check_message_fields(message, where)
         plain.append({"role": "system" if role == "developer" else role, "content": _content(message, where)})
     return plain
 
@@ -127,16 +132,8 @@ def _content(message: dict[str, Any], where: str) -> str:
                    param=f"{where}.content", code="invalid_type")
 
 
-def check_common(body: dict[str, Any]) -> None:
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise ApiError(400, "'n' must be 1: meshws returns one choice per request", param="n", code="invalid_value")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise ApiError(400, "'logprobs' is not supported", param="logprobs", code="unsupported_parameter")
-    if body.get("best_of") not in (None, 1):
-        raise ApiError(400, "'best_of' must be 1", param="best_of", code="invalid_value")
-    if body.get("echo") not in (None, False):
-        raise ApiError(400, "'echo' is not supported", param="echo", code="unsupported_parameter")
+def check_common(body: dict[str, Any], chat: bool) -> None:
+    check_fields(body, chat)
     for name in ("stream", "return_token_ids", "ignore_eos", "cache_prompt"):
         if body.get(name) is not None and not isinstance(body.get(name), bool):
             raise ApiError(400, f"'{name}' must be a boolean", param=name, code="invalid_type")
@@ -161,7 +158,7 @@ class RequestDraft:
 
 def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> RequestDraft:
     """Every check that needs no template and no tokenizer: cheap, so it runs before admission."""
-    check_common(body)
+    check_common(body, chat)
     model = body.get("model")
     if model is None:
         raise ApiError(400, "'model' is a required field", param="model", code="missing_required_parameter")

@@ -117,6 +117,24 @@ def test_same_seed_gives_the_same_sampled_text(client):
     assert penalised.choices[0].message.content
 
 
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"logit_bias": {"100": -100}}, "logit_bias"),
+    ({"extra_body": {"max_token": 5}}, "max_token"),  # a typo is refused, not a silent default
+    ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages[0].name"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),
+])
+def test_fields_meshws_does_not_implement_are_refused_by_name(client, fields, param):
+    """The official client's fields that meshws does not implement: a 400 naming the field, not an answer
+    that silently ignored it."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**{"model": MODEL, "messages": QUESTION, "max_tokens": 3, **fields})
+    assert caught.value.body["param"] == param, caught.value.body
+
+
 def test_streaming_client_that_disconnects_leaves_no_sessions(client, mesh):
     stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=300, temperature=0,
                                             stream=True)
