@@ -34,6 +34,7 @@ RUN if [ "$BAKE_MODEL" = "1" ]; then python -c "from meshws.model.source import 
     model_cache(resolve_model(None, tokenizer=True)).ensure_whole()"; fi
 
 EXPOSE 8700
+# /health answers 503 while the node cannot serve (layers missing, next hop down, draining): urlopen raises, unhealthy.
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s \
     CMD python -c "import os,urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('MESHWS_PORT','8700'), timeout=2)"
 ENTRYPOINT ["meshws", "node"]

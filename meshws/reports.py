@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .api.errors import json_response
+from .api.errors import json_response, public_text
 from .head.generation import GenerationStats
 from .model.memory import process_memory
 
@@ -27,8 +27,10 @@ class NodeReports:
     def health(self) -> dict[str, Any]:
         backend = self.shard
         chain, problems = self._chain_state()
+        draining = self.head is not None and self.head.queue.draining
+        reasons = problems + (["draining: the node is stopping and takes no new requests"] if draining else [])
         info: dict[str, Any] = {
-            "status": "ok",
+            "status": "unavailable" if reasons else "ok",
             "role": self.role,
             "node": self.name,
             "model": backend.model_id,
@@ -45,8 +47,8 @@ class NodeReports:
                         "recent_steps": [[round(a, 4), round(b, 4), rows] for a, b, rows in list(self.worker.recent)]},
             "links": [link.describe() for link in self.links.all()],
             "chain": chain,
-            "problems": problems,
-            "ready": not problems,
+            "problems": reasons,
+            "ready": not reasons,
             "uptime_s": round(time.time() - self.started, 1),
         }
         if self.shard_service is not None:
@@ -69,15 +71,18 @@ class NodeReports:
         return info
 
     async def _health(self, request: web.Request) -> web.Response:
+        """200 while the node can serve, 503 with the reasons while it cannot (a gap in the layers, a next hop
+        down, draining): what load balancers and Docker's HEALTHCHECK go by. (Until its model is loaded a node
+        does not listen at all.)"""
+        info = self.health()
+        status = 200 if info["ready"] else 503
         if self.access.detail_allowed(request):
-            return json_response(self.health())
-        backend = self.shard  # the public face: whether it serves, and what
-        ready = not self._chain_state()[1]
-        public = {"status": "ok", "ready": ready, "role": self.role, "model": backend.model_id,
-                  "layers": list(self.span)}
+            return json_response(info, status=status)
+        public = {"status": info["status"], "ready": info["ready"], "problems": [public_text(p) for p in info["problems"]],
+                  "role": self.role, "model": self.shard.model_id, "layers": list(self.span)}
         if self.head is not None:  # what a load balancer weighs heads by
             public.update(generations=self.head.generations, queued=self.head.queued)
-        return json_response(public)
+        return json_response(public, status=status)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 READY = re.compile(r"meshws (\w+) ready: .* on https?://[^ ]+:(\d+)")
@@ -62,8 +63,15 @@ class NodeProcess:
         return f"{'wss' if self.tls else 'ws'}://127.0.0.1:{self.port}"
 
     def health(self) -> dict:
-        with urllib.request.urlopen(f"{self.url}/health", timeout=5, context=self.ssl_context) as response:
-            return json.loads(response.read())
+        """The node's /health, whether it answers 200 (ready) or 503 (not yet, or draining)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5, context=self.ssl_context) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503:
+                raise
+            with exc:
+                return json.loads(exc.read())
 
     def wait_ready(self, timeout: float = 60.0) -> dict:
         deadline = time.monotonic() + timeout

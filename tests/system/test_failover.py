@@ -208,8 +208,14 @@ async def test_missing_layers_get_503_until_a_node_joins():
                 assert response.headers.get("Retry-After")
                 assert "layers 15-29 are not served" in (await response.json())["error"]["message"]
             assert "layers 15-29 are not served" in cluster.head.health()["problems"][0]
+            async with client.get(f"{cluster.head.url}/health") as response:  # what a load balancer sees
+                health = await response.json()
+                assert response.status == 503 and health["status"] == "unavailable" and not health["ready"]
+                assert "layers 15-29 are not served" in health["problems"][0]
             cluster.join("tail", "15-29").wait_started()
             cluster.wait_nodes(1)
+            async with client.get(f"{cluster.head.url}/health") as response:
+                assert response.status == 200 and (await response.json())["status"] == "ok"
             async with client.post(f"{cluster.head.url}/v1/chat/completions", json=body) as response:
                 assert response.status == 200
                 assert (await response.json())["usage"]["completion_tokens"] >= 1
