@@ -65,6 +65,7 @@ class NodeSettings:
     # -- speculative decoding (issue 16) --
     draft: str = "ngram"  # how the head guesses next tokens: ngram (prompt lookup) or none
     draft_tokens: int = 4  # the most guesses one decode lap carries
+    served_model_name: tuple[str, ...] = ()  # names the API also answers to (and lists) besides the model's id
 
 
 _HELP = {
@@ -123,6 +124,7 @@ _HELP = {
     "prefill_chunk": "tokens of a long prefill computed at a time, with other sessions' decode steps in between",
     "warm_sessions": "on a head: finished API answers whose sessions (caches on every shard) stay open for a "
                      "next request with the same prompt prefix; 0 closes each session when its answer ends",
+    "served_model_name": "on a head: another name for the model in the API (repeatable, or comma-separated)",
     "warm_ttl": "on a head: seconds a warm session (--warm-sessions) waits for a request before it is closed",
     "draft": "on a head: speculative decoding's guesses of the next tokens: ngram (prompt lookup: what followed "
              "the last few tokens earlier in the prompt or answer; no second model) or none (one token per lap)",
@@ -238,6 +240,7 @@ _TYPES = {
     "warm_ttl": float,
     "draft": str,
     "draft_tokens": int,
+    "served_model_name": _names,
 }
 
 _CHOICES = {
@@ -269,6 +272,8 @@ def build_parser(prog: str = "python -m meshws.node") -> argparse.ArgumentParser
         help_text = f"{_HELP[name]} [env {env_name(name)}; default {default}]"
         if kind is _flag:
             parser.add_argument(flag, dest=name, action="store_const", const=True, default=None, help=help_text)
+        elif kind is _names:  # repeatable, each a comma-separated list
+            parser.add_argument(flag, dest=name, type=kind, action="append", default=None, help=help_text)
         else:
             parser.add_argument(flag, dest=name, type=kind, default=None, choices=_CHOICES.get(name), help=help_text)
     return parser
@@ -283,6 +288,8 @@ def parse_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | 
     values: dict[str, Any] = {}
     for name, kind in _TYPES.items():
         value = getattr(args, name)
+        if kind is _names and value is not None:
+            value = tuple(item for names in value for item in names)
         if value is None and environ.get(env_name(name), "") != "":
             raw = environ[env_name(name)]
             try:

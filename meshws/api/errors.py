@@ -61,13 +61,18 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     return body
 
 
+def is_api_path(path: str) -> bool:
+    """The OpenAI-style API and its neighbours: guarded by the API key, open to --cors-origins."""
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+
 def error_middleware(api_key: Callable[[], str | None]) -> Any:
     """OpenAI-shaped 401/404/405 for the API routes; the API key check."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         path = request.path
-        guarded = path.startswith("/v1/") or path == "/ws/chat"
+        guarded = is_api_path(path) or path == "/ws/chat"
         key = api_key()
         if guarded and key:
             given = request.headers.get("Authorization", "")
@@ -78,7 +83,7 @@ def error_middleware(api_key: Callable[[], str | None]) -> Any:
         try:
             return await handler(request)
         except web.HTTPException as exc:
-            if not path.startswith("/v1/") or exc.status < 400:
+            if not is_api_path(path) or exc.status < 400:
                 raise
             message = f"no route {request.method} {path}" if exc.status in (404, 405) else exc.reason
             return ApiError(exc.status, message, code="not_found" if exc.status == 404 else None).response()

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from .errors import ApiError, json_response
+from .errors import ApiError, is_api_path, json_response
 
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -43,7 +43,7 @@ def _is_mesh_path(path: str) -> bool:
 def _is_browser_path(path: str) -> bool:
     # /health and /metrics are not here: load balancers probe them under names of their own, and a
     # foreign Host only ever gets the public view of /health (`access.direct_loopback`).
-    return path == "/" or path.startswith(("/static/", "/v1/")) or path == "/ws/chat"
+    return path == "/" or path.startswith("/static/") or is_api_path(path) or path == "/ws/chat"
 
 
 def host_name(host: str) -> str:
@@ -88,7 +88,7 @@ class RequestGuard:
                 return refusal
             origin = request.headers.get("Origin")
             cors = origin is not None and origin.rstrip("/").lower() in self.cors_origins \
-                and request.path.startswith("/v1/")
+                and is_api_path(request.path)
             if cors and request.method == "OPTIONS":
                 return web.Response(status=204, headers=self._cors_headers(origin, preflight=True))
             response = await handler(request)
@@ -116,7 +116,7 @@ class RequestGuard:
         if not self.origin_allowed(headers.get("Origin"), request.host):
             return ApiError(403, "this origin may not call the API; start the node with --cors-origins to allow it",
                             code="origin_not_allowed").response()
-        if request.method == "POST" and path.startswith("/v1/") and request.content_type != "application/json":
+        if request.method == "POST" and is_api_path(path) and request.content_type != "application/json":
             return ApiError(415, "send the body as application/json", code="unsupported_media_type").response()
         return None
 

@@ -27,6 +27,7 @@ from ..head.generation import GenerationRequest, GenerationStats, PipelineError
 from ..head.service import Admission, HeadService, Unavailable
 from .errors import ApiError, json_response, public_text, read_json
 from .requests import CompletionSpec, check_request, complete_spec
+from .tokens import TokenRoutes
 
 log = logging.getLogger("meshws.api")
 
@@ -102,12 +103,30 @@ class OpenAIApi:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{name:.+}", self.model)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        tokens = TokenRoutes(self.head)
+        for path in ("/tokenize", "/v1/tokenize"):
+            app.router.add_post(path, tokens.tokenize)
+        for path in ("/detokenize", "/v1/detokenize"):
+            app.router.add_post(path, tokens.detokenize)
+
+    def _describe(self, name: str) -> dict[str, Any]:
+        """A model entry as OpenAI lists it, with the context length as vLLM (`max_model_len`) and others name it."""
+        context = self.head.context_length
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "meshws",
+                "root": self.head.model_id, "parent": None, "max_model_len": context, "context_length": context}
 
     async def models(self, request: web.Request) -> web.Response:
-        model = {"id": self.head.model_id, "object": "model", "created": self.created, "owned_by": "meshws"}
-        return json_response({"object": "list", "data": [model]})
+        return json_response({"object": "list", "data": [self._describe(name) for name in self.head.served_names]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in self.head.served_names:
+            return ApiError(404, f"the model '{name[:200]}' does not exist", param="model",
+                            code="model_not_found").response()
+        return json_response(self._describe(name))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
@@ -162,7 +181,7 @@ class OpenAIApi:
             "id": answer_id,
             "object": kind,
             "created": int(time.time()),
-            "model": self.head.model_id,
+            "model": spec.model,
             "choices": [choice],
             "usage": usage(stats),
             "system_fingerprint": None,
@@ -183,7 +202,7 @@ class OpenAIApi:
 
         def chunk(choice: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> bytes:
             data: dict[str, Any] = {
-                "id": answer_id, "object": chunk_kind, "created": created, "model": self.head.model_id,
+                "id": answer_id, "object": chunk_kind, "created": created, "model": spec.model,
                 "choices": [choice] if choice is not None else [],
             }
             if extra:

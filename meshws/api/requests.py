@@ -35,6 +35,7 @@ class CompletionSpec:
     ignore_eos: bool = False
     cache_prompt: bool = True  # llama-server's field: false keeps the request out of the warm pool
     owner: str = ""  # who may adopt this request's warm session later: the same client address and `user`
+    model: str = ""  # the name the request called the model by (answers echo it)
 
 
 # -- validation ---------------------------------------------------------------
@@ -164,9 +165,9 @@ def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> Reques
         raise ApiError(400, "'model' is a required field", param="model", code="missing_required_parameter")
     if not isinstance(model, str):
         raise ApiError(400, "'model' must be a string", param="model", code="invalid_type")
-    if model != head.model_id:
-        raise ApiError(404, f"the model '{model}' does not exist; this mesh serves '{head.model_id}'",
-                       param="model", code="model_not_found")
+    if model not in head.served_names:
+        raise ApiError(404, f"the model '{model}' does not exist; this mesh serves "
+                       f"{' or '.join(repr(name) for name in head.served_names)}", param="model", code="model_not_found")
     draft = RequestDraft(body, chat, parse_sampling(body), parse_stop(body))
     if chat:
         draft.messages = parse_messages(body)
@@ -233,6 +234,7 @@ async def complete_spec(draft: RequestDraft, head: HeadService) -> CompletionSpe
         return_token_ids=bool(body.get("return_token_ids")),
         ignore_eos=bool(body.get("ignore_eos")),
         cache_prompt=body.get("cache_prompt") is not False,
+        model=body["model"],
     )
 
 

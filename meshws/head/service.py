@@ -56,7 +56,8 @@ class Admission:
 
 class HeadService:
     def __init__(self, backend: ShardBackend, worker: ComputeWorker, generator: Generator, planner: RoutePlanner,
-                 queue: AdmissionQueue, warm_sessions: int = 0, warm_ttl: float = 300.0) -> None:
+                 queue: AdmissionQueue, warm_sessions: int = 0, warm_ttl: float = 300.0,
+                 aliases: Sequence[str] = ()) -> None:
         self._backend = backend
         self._worker = worker
         self._generator = generator
@@ -64,6 +65,7 @@ class HeadService:
         self.queue = queue
         self.max_generations = queue.slots
         self.model_id = backend.model_id
+        self.served_names = tuple(dict.fromkeys((backend.model_id, *aliases)))  # what requests may call it
         self.context_length = backend.context_length
         self.vocab_size = backend.vocab_size
         self.prompts = PromptBuilder(backend.tokenizer)
@@ -176,4 +178,5 @@ def build_head(backend: ShardBackend, worker: ComputeWorker, planner: RoutePlann
                           secret=settings.secret, draft_tokens=settings.draft_tokens if settings.draft == "ngram" else 0,
                           max_kept=settings.max_generations + settings.warm_sessions + KEPT_CONVERSATIONS)
     queue = AdmissionQueue(settings.max_generations, settings.max_queue, settings.queue_timeout)
-    return HeadService(backend, worker, generator, planner, queue, settings.warm_sessions, settings.warm_ttl)
+    return HeadService(backend, worker, generator, planner, queue, settings.warm_sessions, settings.warm_ttl,
+                       settings.served_model_name)

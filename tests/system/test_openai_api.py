@@ -20,7 +20,8 @@ QUESTION = [{"role": "user", "content": "Explain in detail how a bicycle works."
 
 @pytest.fixture(scope="module")
 def mesh(embedded_model):
-    mesh = Mesh([("head", "0-14"), ("tail", "15-29")])
+    mesh = Mesh([("head", "0-14"), ("tail", "15-29")],
+                extra={"head": ("--served-model-name", "smol", "--served-model-name", "gpt-4o-mini,assistant")})
     yield mesh
     mesh.stop()
 
@@ -37,9 +38,47 @@ def tokenizer(embedded_model):
     return AutoTokenizer.from_pretrained(str(embedded_model.folder))
 
 
-def test_models_list(client):
+def test_models_list_names_the_aliases_and_the_context_length(client):
     models = client.models.list()
-    assert [model.id for model in models.data] == [MODEL]
+    assert [model.id for model in models.data] == [MODEL, "smol", "gpt-4o-mini", "assistant"]
+    assert {model.max_model_len for model in models.data} == {8192}  # SmolLM2's context, as vLLM names it
+    assert client.models.retrieve("smol").id == "smol" and client.models.retrieve(MODEL).context_length == 8192
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_an_alias_serves_the_same_model_and_is_echoed(client):
+    by_alias = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=8, temperature=0)
+    by_id = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
+    assert by_alias.model == "smol" and by_id.model == MODEL
+    assert by_alias.choices[0].message.content == by_id.choices[0].message.content
+
+
+async def test_tokenize_and_detokenize_as_vllm_and_llama_server_shape_them(mesh, client, tokenizer):
+    text = "The quick brown fox jumps over the lazy dog."
+    async with aiohttp.ClientSession() as session:
+        async def post(path, body):
+            async with session.post(f"{mesh.head.url}{path}", json=body) as response:
+                return response.status, await response.json()
+
+        status, vllm = await post("/tokenize", {"model": MODEL, "prompt": text})
+        assert status == 200 and vllm["tokens"] == tokenizer(text)["input_ids"] and vllm["count"] == len(vllm["tokens"])
+        assert vllm["max_model_len"] == 8192
+        status, llama = await post("/tokenize", {"content": text, "with_pieces": True})
+        assert llama["tokens"] == vllm["tokens"] and "".join(p["piece"] for p in llama["pieces"]) == text
+        status, back = await post("/detokenize", {"tokens": vllm["tokens"]})
+        assert status == 200 and back["prompt"] == back["content"] == text
+        # Chat messages: the ids a chat request prefills, as its usage counts them.
+        status, chat = await post("/v1/tokenize", {"messages": QUESTION})
+        answer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1)
+        assert chat["count"] == answer.usage.prompt_tokens
+        assert chat["tokens"] == tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
+                                                               return_dict=False)
+        for path, body, param in (("/tokenize", {"prompt": text, "add_special_tokens": False}, "add_special_tokens"),
+                                  ("/tokenize", {"prompt": 5}, "prompt"), ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                                  ("/tokenize", {"model": "nope", "prompt": "x"}, "model")):
+            status, error = await post(path, body)
+            assert status in (400, 404) and error["error"]["param"] == param, error
 
 
 def test_chat_streaming_equals_non_streaming_for_greedy(client, mesh):
@@ -259,6 +298,9 @@ async def test_api_key_guards_the_api_but_not_health():
                 async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as response:
                     assert response.status == 401
                     assert (await response.json())["error"]["code"] == "invalid_api_key"
+            for path in ("/tokenize", "/detokenize", "/v1/tokenize"):  # the tokenizer is the API's too
+                async with session.post(f"{url}{path}", json={"prompt": "hi", "tokens": [1]}) as response:
+                    assert response.status == 401, path
             async with session.get(f"{url}/health") as response:
                 assert response.status == 200
         keyed = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="sekrit", max_retries=0)

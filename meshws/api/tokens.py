@@ -1,0 +1,97 @@
+"""`POST /tokenize` and `POST /detokenize` (also under `/v1/`), shaped as vLLM and llama-server shape them.
+
+`/tokenize` takes a `prompt` (vLLM) or `content` (llama-server) string, or chat
+`messages`, and answers the token ids a completion (or chat) request with that input
+would prefill: `{"tokens", "count", "max_model_len"}`, and with `with_pieces` (llama-
+server) or `return_token_strs` (vLLM) each token's text too. `/detokenize` takes
+`tokens` and answers the text as `prompt` (vLLM) and `content` (llama-server). Both are
+guarded like `/v1/*` (API key, Host, Origin) and bounded like a completion's prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from ..head.service import HeadService
+from .errors import ApiError, json_response, read_json
+from .requests import CHARS_PER_TOKEN_CAP, parse_messages
+
+TOKENIZE_FIELDS = {"model", "prompt", "content", "messages", "with_pieces", "return_token_strs"}
+DETOKENIZE_FIELDS = {"model", "tokens"}
+
+
+class TokenRoutes:
+    def __init__(self, head: HeadService) -> None:
+        self.head = head
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = self._body(await read_json(request), TOKENIZE_FIELDS)
+            ids = await self._ids(body)
+        except ApiError as exc:
+            return exc.response()
+        answer: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": self.head.context_length}
+        if body.get("with_pieces") or body.get("return_token_strs"):
+            pieces = [self.head.decode([token]) for token in ids]
+            answer["token_strs"] = pieces
+            answer["pieces"] = [{"id": token, "piece": piece} for token, piece in zip(ids, pieces)]
+        return json_response(answer)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = self._body(await read_json(request), DETOKENIZE_FIELDS)
+            tokens = body.get("tokens")
+            vocab = self.head.vocab_size or 2**31
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                       for t in tokens):
+                raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens",
+                               code="invalid_value")
+            if len(tokens) > self.head.context_length:
+                raise ApiError(400, f"at most {self.head.context_length} tokens (the context length)",
+                               param="tokens", code="invalid_value")
+        except ApiError as exc:
+            return exc.response()
+        text = await asyncio.to_thread(self.head.decode, tokens)
+        return json_response({"prompt": text, "content": text})
+
+    def _body(self, body: dict[str, Any], fields: set[str]) -> dict[str, Any]:
+        for name in body:
+            if name not in fields:
+                raise ApiError(400, f"unknown field '{name}'; this endpoint reads {', '.join(sorted(fields))}",
+                               param=name, code="unknown_parameter")
+        model = body.get("model")
+        if model is not None and model not in self.head.served_names:
+            raise ApiError(404, f"the model '{str(model)[:200]}' does not exist", param="model",
+                           code="model_not_found")
+        for name in ("with_pieces", "return_token_strs"):
+            if body.get(name) is not None and not isinstance(body[name], bool):
+                raise ApiError(400, f"'{name}' must be a boolean", param=name, code="invalid_type")
+        return body
+
+    async def _ids(self, body: dict[str, Any]) -> list[int]:
+        """The ids a completion (`prompt`, `content`) or chat (`messages`) request would prefill."""
+        limit = self.head.context_length * CHARS_PER_TOKEN_CAP
+        if body.get("messages") is not None:
+            messages = parse_messages(body)
+            if sum(len(message["content"]) for message in messages) > limit:
+                raise ApiError(400, "the messages are longer than the context could hold", param="messages",
+                               code="context_length_exceeded")
+            try:
+                text = await asyncio.to_thread(self.head.prompts.chat_prompt, messages)
+            except Exception as exc:  # a model's Jinja template may raise on messages it does not expect
+                raise ApiError(400, f"the model's chat template cannot render these messages: {str(exc)[:200]}",
+                               param="messages", code="invalid_value") from None
+        else:
+            name = "prompt" if "prompt" in body else "content"
+            text = body.get(name)
+            if not isinstance(text, str):
+                raise ApiError(400, "send 'prompt' (or 'content') as a string, or 'messages'", param=name,
+                               code="invalid_type")
+            if len(text) > limit:
+                raise ApiError(400, "the prompt is longer than the context could hold", param=name,
+                               code="context_length_exceeded")
+        return await self.head.tokenize(text) if text else []
+
