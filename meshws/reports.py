@@ -91,8 +91,16 @@ class NodeReports:
         self.metrics.admission_refused.labels(reason).inc()
 
     def _generation_finished(self, stats: GenerationStats, outcome: str) -> None:
-        self.metrics.generations.labels(outcome).inc()
-        self.metrics.generated_tokens.inc(stats.completion_tokens)
+        metrics = self.metrics
+        metrics.generations.labels(outcome).inc()
+        metrics.generated_tokens.inc(stats.completion_tokens)
+        metrics.prompt_tokens.inc(stats.prompt_tokens)
+        if stats.time_to_first_token is not None:
+            metrics.first_token_seconds.observe(stats.time_to_first_token)
+        for gap in stats.token_gaps:
+            metrics.inter_token_seconds.observe(gap)
+        if stats.finished_at is not None:
+            metrics.request_seconds.observe(stats.finished_at - stats.started)
         times = stats.times
         self.metrics.lap_seconds.labels("head").inc(times.head_ms / 1000)
         self.metrics.lap_seconds.labels("network").inc(times.network_ms / 1000)

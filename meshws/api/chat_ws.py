@@ -136,6 +136,7 @@ class ChatSocket:
         body = {key: value for key, value in data.items() if key not in ("type", "id", "stream", "trace")}
         body.setdefault("model", self.head.model_id)
         body.setdefault("temperature", 0.7)
+        stats = GenerationStats(sid=uuid.uuid4().hex)  # its clock starts now: time in the queue counts
         try:  # admission before any work on the prompt
             draft = check_request(body, True, self.head)
             admission = await self.head.admit()
@@ -148,7 +149,6 @@ class ChatSocket:
             return
         except asyncio.CancelledError:
             return  # stopped (or replaced, or the socket closed) while waiting in line
-        stats = GenerationStats(sid=uuid.uuid4().hex)
         if data.get("trace") is True:  # every lap: what it carried, each hop's time and cache length
             stats.times.trace = []
         parts: list[str] = []

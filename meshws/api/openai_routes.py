@@ -135,6 +135,7 @@ class OpenAIApi:
         return await self._serve(request, chat=False)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        stats = GenerationStats(sid=uuid.uuid4().hex)  # its clock starts at the request's arrival
         try:  # admission before any work on the prompt; a client that hangs up meanwhile cancels it
             draft = check_request(await read_json(request), chat, self.head)
             admission = await self.head.admit()
@@ -148,16 +149,15 @@ class OpenAIApi:
             spec = await complete_spec(draft, self.head)
             spec.owner = f"{request.remote}\n{draft.body.get('user')}"  # a warm session serves its owner only
             if spec.stream:
-                return await self._stream(request, spec, admission, chat, kind, answer_id)
-            return await self._complete(spec, admission, chat, kind, answer_id)
+                return await self._stream(request, spec, admission, chat, kind, answer_id, stats)
+            return await self._complete(spec, admission, chat, kind, answer_id, stats)
         except ApiError as exc:
             return exc.response()
         finally:
             admission.release()  # the generation released it already, unless it never started
 
     async def _complete(self, spec: CompletionSpec, admission: Admission, chat: bool, kind: str,
-                        answer_id: str) -> web.Response:
-        stats = GenerationStats(sid=uuid.uuid4().hex)
+                        answer_id: str, stats: GenerationStats) -> web.Response:
         token_ids: list[int] = []
         parts: list[str] = []
         try:
@@ -191,7 +191,7 @@ class OpenAIApi:
         return json_response(answer)
 
     async def _stream(self, request: web.Request, spec: CompletionSpec, admission: Admission, chat: bool,
-                      kind: str, answer_id: str) -> web.StreamResponse:
+                      kind: str, answer_id: str, stats: GenerationStats) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
@@ -234,7 +234,6 @@ class OpenAIApi:
                     request.transport.abort()  # nothing more will reach this client
                 raise SlowClient(f"the client read nothing for {self.write_timeout:g} s") from None
 
-        stats = GenerationStats(sid=uuid.uuid4().hex)
         try:
             if chat:
                 await write(chunk(delta_choice("", role=True)))

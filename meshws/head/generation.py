@@ -17,8 +17,6 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, AsyncIterator, Callable
 
 from ..mesh.aio import run_uncancelled
@@ -30,67 +28,16 @@ from .admission import Slot
 from .channel import PipelineError, RoutedPath
 from .conversation import Conversation
 from .drafts import NgramDrafter, Speculation
-from .progress import Progress
-from .timing import LapTimes
 from .planner import RoutePlanner
+from .progress import Progress
 from .routes import Route
+from .stats import FinishReason, GenerationRequest, GenerationStats, TokenEvent
+from .timing import LapTimes
 
 log = logging.getLogger("meshws.generation")
 
 MAX_CONSECUTIVE_CACHE_MISSES = 8
 MAX_FAILOVERS = 3  # re-routes per generation before its error is reported
-
-
-class FinishReason(str, Enum):
-    """Why an answer ended, in the words OpenAI clients expect."""
-
-    STOP = "stop"  # EOS or a stop string
-    LENGTH = "length"  # max_tokens
-    STOPPED = "stopped"  # the client stopped it (/ws/chat)
-
-
-@dataclass
-class GenerationRequest:
-    prompt: str  # the prompt as text (templated already)
-    max_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    prompt_ids: list[int] | None = None  # token ids of the prompt, if already known
-    ignore_eos: bool = False  # keep going past EOS until max_tokens (benchmarks)
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    token_id: int | None  # None only from a legacy tail, which sends text instead
-    text: str | None = None
-
-
-@dataclass
-class GenerationStats:
-    sid: str
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reason: FinishReason | None = None  # None while running or if cut short
-    started: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    prefills: int = 0
-    cache_misses: int = 0
-    failovers: int = 0
-    cached_tokens: int = 0  # prompt tokens a conversation's caches already held
-    speculation: Speculation | None = None  # the answer's drafts, when the head guesses
-    times: LapTimes = field(default_factory=LapTimes)  # where the laps' time went
-    route: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_at is None else self.first_token_at - self.started
-
-    @property
-    def decode_tokens_per_second(self) -> float | None:
-        if self.first_token_at is None or self.finished_at is None or self.completion_tokens < 2:
-            return None
-        span = self.finished_at - self.first_token_at
-        return (self.completion_tokens - 1) / span if span > 0 else None
 
 
 class Generator:
@@ -276,8 +223,7 @@ class Generator:
             if not need_prefill and sequence.speculation is not None:
                 sequence.speculation.record(len(sequence.drafts), len(tokens) - 1)
             sequence.held = len(sequence.ids()) if need_prefill else sequence.held + len(tokens)
-            if stats.first_token_at is None:
-                stats.first_token_at = time.perf_counter()
+            stats.lap_arrived()
             if result.token_id is None:  # a legacy tail: text only, an empty text ends; prefill every step
                 if not result.text:
                     stats.finish_reason = FinishReason.STOP

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
+                               ProcessCollector, generate_latest)
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..model.memory import process_memory
 
 QUEUE_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+GAP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
 
 
@@ -25,6 +28,8 @@ class NodeMetrics:
     def __init__(self, sessions: Callable[[], int], cache_bytes: Callable[[], int], weight_bytes: int = 0) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, cpu seconds, open fds
+        PlatformCollector(registry=self.registry)  # python_info
+        GCCollector(registry=self.registry)  # python_gc_*
         self.weight_bytes = Gauge("meshws_weight_bytes", "Bytes of the weights this node's shard holds",
                                   registry=self.registry)
         self.weight_bytes.set(weight_bytes)
@@ -72,6 +77,17 @@ class NodeMetrics:
                                             "its slot", buckets=QUEUE_BUCKETS, registry=self.registry)
         self.admission_refused = Counter("meshws_admission_refused", "Requests refused by admission, by reason",
                                          ["reason"], registry=self.registry)
+        # Per request, as vLLM names them (vllm:time_to_first_token_seconds, ...): from the request's arrival.
+        self.first_token_seconds = Histogram("meshws_time_to_first_token_seconds", "From a request's arrival "
+                                             "(queue included) to its first token", buckets=LATENCY_BUCKETS,
+                                             registry=self.registry)
+        self.inter_token_seconds = Histogram("meshws_inter_token_latency_seconds", "Between a request's laps "
+                                             "that brought tokens (one lap may bring several)",
+                                             buckets=GAP_BUCKETS, registry=self.registry)
+        self.request_seconds = Histogram("meshws_e2e_request_latency_seconds", "From a request's arrival to its "
+                                         "answer's end", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter("meshws_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=self.registry)
 
     def watch_reuse(self, reuse: Callable[[], dict[str, int]], evictions: Callable[[], dict[str, int]]) -> None:
         """A head's kept sessions: answers that resumed one (hit: cached positions reused), tokens reused, evictions."""

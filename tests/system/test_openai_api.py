@@ -47,6 +47,35 @@ def test_models_list_names_the_aliases_and_the_context_length(client):
         client.models.retrieve("gpt-4o")
 
 
+def _metrics(mesh):
+    import urllib.request
+
+    with urllib.request.urlopen(f"{mesh.head.url}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line and line[0] != "#"}
+
+
+def test_request_metrics_count_every_request_and_its_tokens(client, mesh):
+    before = _metrics(mesh)
+    answers = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                              max_tokens=6, temperature=0)
+               for question in ("Name a colour.", "Name a fruit.", "Name a bird.")]
+    after = _metrics(mesh)
+
+    def grew(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert grew(f"meshws_{histogram}_count") == 3, histogram
+        assert grew(f"meshws_{histogram}_sum") > 0
+    assert grew("meshws_prompt_tokens_total") == sum(a.usage.prompt_tokens for a in answers)
+    assert grew("meshws_generated_tokens_total") == sum(a.usage.completion_tokens for a in answers)
+    # One gap per lap after the first; a lap brings one token or (with drafts) more.
+    assert 1 <= grew("meshws_inter_token_latency_seconds_count") <= sum(a.usage.completion_tokens - 1 for a in answers)
+    assert after["meshws_generations_running"] == 0 and after["meshws_queue_depth"] == 0
+    assert any(name.startswith("python_info") for name in after) and "process_cpu_seconds_total" in after
+
+
 def test_an_alias_serves_the_same_model_and_is_echoed(client):
     by_alias = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=8, temperature=0)
     by_id = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
