@@ -54,6 +54,7 @@ class NodeSettings:
     max_queue: int = 256  # requests a head lets wait for a generation slot; beyond, 503 with Retry-After
     queue_timeout: float = 60.0  # seconds a request may wait in the queue before a 503
     write_timeout: float = 30.0  # seconds one SSE or /ws/chat write may wait for a client that does not read
+    sse_ping: float = 15.0  # seconds a stream may go silent (queue, long prefill) before a ": ping" comment
     drain_timeout: float = 30.0  # seconds SIGTERM lets running generations finish before closing them
     # -- shard limits and prefill chunks (issue 13, the shard's side) --
     max_link_sessions: int = 256  # sessions one inbound link may carry at once; beyond, an error frame
@@ -125,6 +126,8 @@ _HELP = {
     "warm_sessions": "on a head: finished API answers whose sessions (caches on every shard) stay open for a "
                      "next request with the same prompt prefix; 0 closes each session when its answer ends",
     "served_model_name": "on a head: another name for the model in the API (repeatable, or comma-separated)",
+    "sse_ping": "on a head: seconds an SSE stream may stay silent (waiting in the queue, a long prefill) before "
+    "a ': ping' comment line keeps proxies from cutting it",
     "warm_ttl": "on a head: seconds a warm session (--warm-sessions) waits for a request before it is closed",
     "draft": "on a head: speculative decoding's guesses of the next tokens: ngram (prompt lookup: what followed "
              "the last few tokens earlier in the prompt or answer; no second model) or none (one token per lap)",
@@ -232,6 +235,7 @@ _TYPES = {
     "max_queue": int,
     "queue_timeout": float,
     "write_timeout": float,
+    "sse_ping": float,
     "drain_timeout": float,
     "max_link_sessions": int,
     "max_link_frames": int,
@@ -322,9 +326,6 @@ def read_secret_files(settings: NodeSettings) -> str | None:
     return None
 
 
-
-
-
 def check_settings(settings: NodeSettings) -> str | None:
     if settings.role == "middle" and not (settings.peer or settings.join):
         return "a middle node needs --peer (the next hop) or --join (a head that routes through it)"
@@ -349,7 +350,7 @@ def check_settings(settings: NodeSettings) -> str | None:
                 "or accept that with --insecure")
     if bool(settings.tls_cert) != bool(settings.tls_key):
         return "--tls-cert and --tls-key go together"
-    for name in ("max_link_sessions", "max_link_frames", "prefill_chunk"):
+    for name in ("max_link_sessions", "max_link_frames", "prefill_chunk", "sse_ping"):
         if getattr(settings, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
     if not 0 <= settings.draft_tokens <= 16:

@@ -224,7 +224,7 @@ class Node(NodeReports):
         self.metrics.watch_reuse(lambda: self.head.reuse, lambda: self.head.warm.evictions)
         self.metrics.watch_admission(lambda: queue.running, lambda: queue.waiting)
         queue.on_wait, queue.on_refuse = self.metrics.queue_wait_seconds.observe, self._refused
-        OpenAIApi(self.head, self.settings.write_timeout).add_routes(app)
+        OpenAIApi(self.head, self.settings.write_timeout, self.settings.sse_ping).add_routes(app)
         chat = ChatSocket(self.head, self.access.detail_allowed, self.settings.write_timeout)
         chat.add_routes(app)
         app.on_shutdown.append(lambda app: chat.shutdown())

@@ -46,7 +46,8 @@ from ..head.conversation import Conversation
 from ..head.generation import FinishReason, GenerationStats, PipelineError
 from ..head.service import HeadService, Unavailable
 from .errors import ApiError, public_text
-from .openai_routes import bound_write_buffers, run_spec, until_drained, usage
+from .openai_routes import run_spec, usage
+from .sse import bound_write_buffers, until_drained
 from .requests import check_request, complete_spec
 
 log = logging.getLogger("meshws.chat")

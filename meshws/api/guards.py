@@ -34,6 +34,7 @@ SECURITY_HEADERS = {
 }
 CORS_METHODS = "GET, POST, OPTIONS"
 CORS_HEADERS = "Authorization, Content-Type"
+CORS_KEY = web.RequestKey("meshws_cors", dict)  # the request's CORS answer headers, while it is served
 
 
 def _is_mesh_path(path: str) -> bool:
@@ -91,10 +92,9 @@ class RequestGuard:
                 and is_api_path(request.path)
             if cors and request.method == "OPTIONS":
                 return web.Response(status=204, headers=self._cors_headers(origin, preflight=True))
-            response = await handler(request)
-            if cors and not response.prepared:
-                response.headers.update(self._cors_headers(origin))
-            return response
+            if cors:  # added as the response is prepared (`add_security_headers`): streams too
+                request[CORS_KEY] = self._cors_headers(origin)
+            return await handler(request)
 
         return guard
 
@@ -123,6 +123,8 @@ class RequestGuard:
     @staticmethod
     def _cors_headers(origin: str, preflight: bool = False) -> dict[str, str]:
         headers = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+        if not preflight:
+            headers["Access-Control-Expose-Headers"] = "Retry-After"
         if preflight:
             headers.update({"Access-Control-Allow-Methods": CORS_METHODS,
                             "Access-Control-Allow-Headers": CORS_HEADERS, "Access-Control-Max-Age": "600"})
@@ -133,3 +135,4 @@ async def add_security_headers(request: web.Request, response: web.StreamRespons
     """An `on_response_prepare` signal: every answer carries the security headers."""
     for name, value in SECURITY_HEADERS.items():
         response.headers.setdefault(name, value)
+    response.headers.update(request.get(CORS_KEY, {}))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 import uuid
 from contextlib import aclosing
@@ -27,42 +26,10 @@ from ..head.generation import GenerationRequest, GenerationStats, PipelineError
 from ..head.service import Admission, HeadService, Unavailable
 from .errors import ApiError, json_response, public_text, read_json
 from .requests import CompletionSpec, check_request, complete_spec
+from .sse import EventStream, SlowClient
 from .tokens import TokenRoutes
 
 log = logging.getLogger("meshws.api")
-
-STREAM_BUFFER_BYTES = 8 * 1024  # what a streamed answer may queue for a client before a write waits (~40 tokens)
-
-
-def bound_write_buffers(request: web.Request) -> None:
-    """Keep a streaming connection's buffers small, so a client that stops reading makes writes wait.
-
-    Unbounded, the kernel's send buffer grows to megabytes on loopback and a stalled
-    client goes unnoticed for thousands of tokens; a token stream needs only a few KiB.
-    """
-    transport = request.transport
-    if transport is None:
-        return
-    try:
-        transport.set_write_buffer_limits(high=STREAM_BUFFER_BYTES)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_BUFFER_BYTES)
-    except (AttributeError, NotImplementedError, OSError):
-        pass  # a transport without these knobs: the write timeout still applies, later
-
-
-async def until_drained(request: web.Request) -> None:
-    """Wait while more than STREAM_BUFFER_BYTES wait to be sent to this client.
-
-    aiohttp's writers wait for the socket only every 64 KiB written: hundreds of tokens
-    to a client that reads nothing would otherwise go unnoticed.
-    """
-    transport = request.transport
-    while transport is not None and not transport.is_closing() \
-            and transport.get_write_buffer_size() > STREAM_BUFFER_BYTES:
-        await asyncio.sleep(0.02)
-
 
 def unavailable(exc: Unavailable) -> ApiError:
     """503 with Retry-After: the head has no room or no route now."""
@@ -91,14 +58,11 @@ def run_spec(head: HeadService, spec: CompletionSpec, stats: GenerationStats, ad
                        owner=spec.owner if spec.cache_prompt else None)
 
 
-class SlowClient(ConnectionError):
-    """A write to a client did not finish within the write timeout: it stopped reading."""
-
-
 class OpenAIApi:
-    def __init__(self, head: HeadService, write_timeout: float = 30.0) -> None:
+    def __init__(self, head: HeadService, write_timeout: float = 30.0, sse_ping: float = 15.0) -> None:
         self.head = head
         self.write_timeout = write_timeout  # seconds one write to a client may take
+        self.sse_ping = sse_ping  # seconds a stream may stay silent before a ": ping" comment
         self.created = int(time.time())
 
     def add_routes(self, app: web.Application) -> None:
@@ -136,25 +100,46 @@ class OpenAIApi:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         stats = GenerationStats(sid=uuid.uuid4().hex)  # its clock starts at the request's arrival
+        stream: EventStream | None = None
         try:  # admission before any work on the prompt; a client that hangs up meanwhile cancels it
             draft = check_request(await read_json(request), chat, self.head)
-            admission = await self.head.admit()
+            if draft.body.get("stream"):  # a long wait in the queue: the stream starts and pings
+                stream = EventStream(request, self.sse_ping, self.write_timeout)
+                admission = await stream.waiting(self.head.admit())
+            else:
+                admission = await self.head.admit()
         except ApiError as exc:
             return exc.response()
         except Unavailable as exc:
+            if stream is not None and stream.open:
+                return await self._stream_error(stream, unavailable(exc).body())
             return unavailable(exc).response()
         kind = "chat.completion" if chat else "text_completion"
         answer_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         try:
             spec = await complete_spec(draft, self.head)
             spec.owner = f"{request.remote}\n{draft.body.get('user')}"  # a warm session serves its owner only
-            if spec.stream:
-                return await self._stream(request, spec, admission, chat, kind, answer_id, stats)
+            if stream is not None:
+                return await self._stream(stream, spec, admission, chat, kind, answer_id, stats)
             return await self._complete(spec, admission, chat, kind, answer_id, stats)
         except ApiError as exc:
+            if stream is not None and stream.open:
+                return await self._stream_error(stream, exc.body())
             return exc.response()
         finally:
             admission.release()  # the generation released it already, unless it never started
+            if stream is not None:
+                stream.stop_pings()
+
+    @staticmethod
+    async def _stream_error(stream: EventStream, error: dict[str, Any]) -> web.StreamResponse:
+        """An error after the stream started (the status line is sent): an error event, then [DONE]."""
+        try:
+            await stream.send(b"data: " + orjson.dumps(error) + b"\n\n")
+            await stream.send(b"data: [DONE]\n\n")
+            return await stream.finish()
+        except (SlowClient, ConnectionError):
+            return stream.response
 
     async def _complete(self, spec: CompletionSpec, admission: Admission, chat: bool, kind: str,
                         answer_id: str, stats: GenerationStats) -> web.Response:
@@ -190,13 +175,8 @@ class OpenAIApi:
             answer["prompt_token_ids"] = spec.prompt_ids
         return json_response(answer)
 
-    async def _stream(self, request: web.Request, spec: CompletionSpec, admission: Admission, chat: bool,
+    async def _stream(self, stream: EventStream, spec: CompletionSpec, admission: Admission, chat: bool,
                       kind: str, answer_id: str, stats: GenerationStats) -> web.StreamResponse:
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
-        await response.prepare(request)
-        bound_write_buffers(request)
         created = int(time.time())
         chunk_kind = kind + ".chunk" if chat else kind
 
@@ -219,22 +199,9 @@ class OpenAIApi:
                 return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
 
-        async def send(data: bytes) -> None:
-            await response.write(data)
-            await until_drained(request)
-
-        async def write(data: bytes) -> None:
-            try:  # asyncio.timeout, not wait_for: wait_for (3.11) loses a cancellation that meets a finished write
-                async with asyncio.timeout(self.write_timeout):
-                    await send(data)
-            except TimeoutError:
-                log.warning("generation %s: the client read nothing for %g s; dropped it and released its "
-                            "session", stats.sid[:12], self.write_timeout)
-                if request.transport is not None:
-                    request.transport.abort()  # nothing more will reach this client
-                raise SlowClient(f"the client read nothing for {self.write_timeout:g} s") from None
-
+        write = stream.send
         try:
+            await stream.start()  # headers now: a long prefill is pinged through
             if chat:
                 await write(chunk(delta_choice("", role=True)))
             async with aclosing(run_spec(self.head, spec, stats, admission)) as deltas:
@@ -248,7 +215,9 @@ class OpenAIApi:
                                "code": "pipeline_error"}}
             await write(b"data: " + orjson.dumps(error) + b"\n\n")
         except SlowClient:
-            return response  # aborted already; said in the log above
+            log.warning("generation %s: the client read nothing for %g s; dropped it and released its session",
+                        stats.sid[:12], self.write_timeout)
+            return stream.response  # aborted already
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("client went away mid-stream; generation %s stopped", stats.sid[:12])
             raise
@@ -258,8 +227,7 @@ class OpenAIApi:
                                "param": None, "code": "internal_error"}}
             await write(b"data: " + orjson.dumps(error) + b"\n\n")
         await write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        return await stream.finish()
 
 
 def _finish(stats: GenerationStats) -> str:

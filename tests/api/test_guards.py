@@ -82,6 +82,14 @@ async def test_cors_preflight_and_security_headers():
             async with client.post(f"{url}/v1/chat/completions", json=CHAT,
                                    headers={"Origin": "https://app.example"}) as r:
                 assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "https://app.example"
+            async with client.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": True},
+                                   headers={"Origin": "https://app.example"}) as r:  # a stream, prepared early
+                assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "https://app.example"
+                assert (await r.read()).endswith(b"data: [DONE]\n\n")
+            async with client.options(f"{url}/tokenize", headers=preflight) as r:  # the tokenizer is the API's too
+                assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == "https://app.example"
+            async with client.post(f"{url}/tokenize", json={"prompt": "hi"}, headers={"Origin": "https://evil.example"}) as r:
+                assert r.status == 403
             async with client.get(f"{url}/") as r:
                 assert r.status == 200
                 csp = r.headers["Content-Security-Policy"]
