@@ -2,7 +2,8 @@
 
 Client -> server (JSON text frames):
   {"type": "chat", "messages": [...], "max_tokens"?, "temperature"?, "top_p"?, "top_k"?,
-   "seed"?, "stop"?, "id"?, "trace"?}       start a chat turn; one runs at a time per socket,
+   "seed"?, "stop"?, "id"?, "trace"?,
+   "logprobs"?, "top_logprobs"?}           start a chat turn; one runs at a time per socket,
                                             and a new one stops the running one first;
                                             `trace: true` adds every lap to `hops` in `done`
   {"type": "stop"}                          stop the running turn
@@ -46,6 +47,7 @@ from ..head.conversation import Conversation
 from ..head.generation import FinishReason, GenerationStats, PipelineError
 from ..head.service import HeadService, Unavailable
 from .errors import ApiError, public_text
+from .logprobs import chat_logprobs
 from .openai_routes import run_spec, usage
 from .sse import bound_write_buffers, until_drained
 from .requests import check_request, complete_spec
@@ -152,6 +154,8 @@ class ChatSocket:
             return  # stopped (or replaced, or the socket closed) while waiting in line
         if data.get("trace") is True:  # every lap: what it carried, each hop's time and cache length
             stats.times.trace = []
+        if draft.sampling.logprobs is not None:
+            stats.logprobs = []
         parts: list[str] = []
         try:
             spec = await complete_spec(draft, self.head)
@@ -194,6 +198,7 @@ class ChatSocket:
             },
             "route": stats.route if detailed else public_route(stats.route),
             "hops": stats.times.view(str if detailed else public_name),
+            **({"logprobs": chat_logprobs(stats.logprobs, self.head.decode)} if stats.logprobs is not None else {}),
         })
 
 

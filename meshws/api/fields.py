@@ -1,11 +1,11 @@
 """Which request fields meshws reads: every field is implemented, refused, or a documented extension.
 
-A client that asks for something meshws does not do (JSON output, tools, log
-probabilities, several choices) gets a 400 naming the field, never an answer that
-silently ignored it. A field sent with its "do nothing" value (`n: 1`, `logprobs:
-false`, `tools: []`, `response_format: {"type": "text"}`, null) is accepted: clients
-such as the official one, LangChain or an echoed assistant message send those. An
-unknown field is refused too, so a typo (`max_token`) is not a silent default.
+A client that asks for something meshws does not do (JSON output, tools, several
+choices) gets a 400 naming the field, never an answer that silently ignored it. A
+field sent with its "do nothing" value (`n: 1`, `tools: []`, `response_format:
+{"type": "text"}`, null) is accepted: clients such as the official one, LangChain or an
+echoed assistant message send those. An unknown field is refused too, so a typo
+(`max_token`) is not a silent default.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from .errors import ApiError
 # Fields meshws implements, per endpoint (the OpenAI names) ...
 CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "frequency_penalty",
-    "presence_penalty", "seed", "stop", "stream", "stream_options", "user",
+    "presence_penalty", "seed", "stop", "stream", "stream_options", "user", "logprobs", "top_logprobs",
 }
 COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed",
-    "stop", "stream", "stream_options", "user",
+    "stop", "stream", "stream_options", "user", "logprobs",
 }
 # ... extensions other servers (vLLM, llama-server) have taught clients to send ...
 EXTENSIONS = {
@@ -35,8 +35,6 @@ EXTENSIONS = {
 NO_OP = {
     "n": (1,),
     "best_of": (1,),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "echo": (False,),
     "logit_bias": ({},),
     "tools": ([],),
@@ -53,7 +51,7 @@ NO_OP = {
     "audio": (), "prediction": (), "reasoning_effort": (), "verbosity": (), "web_search_options": (),
     "prompt_cache_key": (), "safety_identifier": (),
 }
-CHAT_ONLY = {"top_logprobs", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+CHAT_ONLY = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
              "response_format", "store", "metadata", "modalities", "audio", "prediction", "reasoning_effort",
              "verbosity", "web_search_options", "prompt_cache_key", "safety_identifier", "service_tier"}
 COMPLETION_ONLY = {"best_of", "echo", "suffix"}

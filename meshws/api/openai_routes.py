@@ -25,6 +25,7 @@ from ..head.conversation import Conversation
 from ..head.generation import GenerationRequest, GenerationStats, PipelineError
 from ..head.service import Admission, HeadService, Unavailable
 from .errors import ApiError, json_response, public_text, read_json
+from .logprobs import chat_logprobs, completion_logprobs
 from .requests import CompletionSpec, check_request, complete_spec
 from .sse import EventStream, SlowClient
 from .tokens import TokenRoutes
@@ -116,6 +117,8 @@ class OpenAIApi:
             return unavailable(exc).response()
         kind = "chat.completion" if chat else "text_completion"
         answer_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if draft.sampling.logprobs is not None:
+            stats.logprobs = []
         try:
             spec = await complete_spec(draft, self.head)
             spec.owner = f"{request.remote}\n{draft.body.get('user')}"  # a warm session serves its owner only
@@ -130,6 +133,15 @@ class OpenAIApi:
             admission.release()  # the generation released it already, unless it never started
             if stream is not None:
                 stream.stop_pings()
+
+    def _logprobs(self, stats: GenerationStats, chat: bool, start: int, end: int,
+                  offset: int = 0) -> dict[str, Any] | None:
+        """The log-probabilities of tokens `start:end` as the endpoint shapes them; None when not asked for."""
+        if stats.logprobs is None:
+            return None
+        entries = stats.logprobs[start:end]
+        return chat_logprobs(entries, self.head.decode) if chat else \
+            completion_logprobs(entries, self.head.decode, offset)
 
     @staticmethod
     async def _stream_error(stream: EventStream, error: dict[str, Any]) -> web.StreamResponse:
@@ -155,7 +167,8 @@ class OpenAIApi:
             return ApiError(502, f"pipeline error: {public_text(str(exc))}", code="pipeline_error",
                             kind="upstream_error").response()
         text = "".join(parts)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(stats), "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(stats),
+                                  "logprobs": self._logprobs(stats, chat, 0, len(stats.logprobs or ()))}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -189,15 +202,22 @@ class OpenAIApi:
                 data.update(extra)
             return b"data: " + orjson.dumps(data) + b"\n\n"
 
+        told = [0, 0]  # log-probabilities sent so far, and the text's length before them (completions' offsets)
+
         def delta_choice(text: str | None, finish: str | None = None, role: bool = False) -> dict[str, Any]:
+            logprobs = None
+            if stats.logprobs is not None and (len(stats.logprobs) > told[0] or finish):  # the tokens since
+                logprobs = self._logprobs(stats, chat, told[0], len(stats.logprobs), told[1])
+                told[0] = len(stats.logprobs)
+            told[1] += len(text or "")
             if chat:
                 delta: dict[str, Any] = {}
                 if role:
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
 
         write = stream.send
         try:

@@ -5,11 +5,11 @@ completions and `/ws/chat`. Every refusal is an `ApiError` naming the field in `
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..head.service import HeadService
-from ..model.sampling import SamplingParams
+from ..model.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from .errors import ApiError
 from .fields import check_fields, check_message_fields
 
@@ -75,6 +75,22 @@ def parse_sampling(body: dict[str, Any]) -> SamplingParams:
         presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
         seed=_integer(body, "seed", -(2**62), None),
     )
+
+
+def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many alternatives each token's log-probability comes with; None: no log-probabilities.
+
+    Chat: `logprobs: true` and `top_logprobs` 0-20; completions: `logprobs` 0-20 (OpenAI's is 0-5).
+    """
+    if not chat:
+        return _integer(body, "logprobs", 0, None, high=MAX_TOP_LOGPROBS)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError(400, "'logprobs' must be a boolean", param="logprobs", code="invalid_type")
+    top = _integer(body, "top_logprobs", 0, None, high=MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+    return (top or 0) if wanted else None
 
 
 def parse_stop(body: dict[str, Any]) -> list[str]:
@@ -168,7 +184,8 @@ def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> Reques
     if model not in head.served_names:
         raise ApiError(404, f"the model '{model}' does not exist; this mesh serves "
                        f"{' or '.join(repr(name) for name in head.served_names)}", param="model", code="model_not_found")
-    draft = RequestDraft(body, chat, parse_sampling(body), parse_stop(body))
+    draft = RequestDraft(body, chat, replace(parse_sampling(body), logprobs=parse_logprobs(body, chat)),
+                         parse_stop(body))
     if chat:
         draft.messages = parse_messages(body)
         _check_size(sum(len(m["content"]) for m in draft.messages), len(draft.messages), head.context_length)

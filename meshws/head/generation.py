@@ -234,13 +234,16 @@ class Generator:
                 yield TokenEvent(None, result.text)
                 continue
             need_prefill = not self.backend.supports_kv_cache
-            for token in tokens:  # streamed one by one, as without drafts
+            for index, token in enumerate(tokens):  # streamed one by one, as without drafts
                 if token in self.eos_ids and not request.ignore_eos:
                     stats.finish_reason = FinishReason.STOP
                     return
                 sequence.tokens.append(token)
                 stats.completion_tokens += 1
-                yield TokenEvent(token)
+                logprob = result.logprobs[index] if index < len(result.logprobs) else None
+                if logprob is not None and stats.logprobs is not None:
+                    stats.logprobs.append((token, logprob))
+                yield TokenEvent(token, logprob=logprob)
                 if len(sequence) >= request.max_tokens:
                     break
         stats.finish_reason = FinishReason.LENGTH

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from ..model.backend import TokenLogprob
 from ..model.sampling import SamplingParams
 from .drafts import Speculation
 from .timing import LapTimes
@@ -35,6 +36,7 @@ class GenerationRequest:
 class TokenEvent:
     token_id: int | None  # None only from a legacy tail, which sends text instead
     text: str | None = None
+    logprob: TokenLogprob | None = None  # when the request asked for log-probabilities
 
 
 @dataclass
@@ -53,6 +55,7 @@ class GenerationStats:
     speculation: Speculation | None = None  # the answer's drafts, when the head guesses
     times: LapTimes = field(default_factory=LapTimes)  # where the laps' time went
     route: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[tuple[int, TokenLogprob]] | None = None  # (token, its logprob) as they come, when asked for
     last_token_at: float | None = None
     token_gaps: list[float] = field(default_factory=list)  # between laps that brought tokens (inter-token latency)
 

@@ -21,6 +21,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI-style: minus count x penalty for generated tokens
     presence_penalty: float = 0.0  # OpenAI-style: minus penalty for tokens generated at least once
     seed: int | None = None  # makes sampled output reproducible
+    logprobs: int | None = None  # report each token's log-probability and this many likeliest alternatives
 
     @property
     def greedy(self) -> bool:
@@ -50,7 +51,7 @@ class SamplingParams:
             if key not in _FIELD_TYPES:
                 raise ValueError(f"unknown sampling field {key!r}")
             kind = _FIELD_TYPES[key]
-            if value is None and key == "seed":
+            if value is None and key in ("seed", "logprobs"):
                 continue
             if isinstance(value, bool) or not isinstance(value, kind):
                 raise ValueError(f"sampling field {key!r} must be a number")
@@ -72,6 +73,8 @@ class SamplingParams:
             raise ValueError("frequency_penalty must be between -2 and 2")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError("presence_penalty must be between -2 and 2")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
 
 
 DEFAULT = SamplingParams()
@@ -83,7 +86,9 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "frequency_penalty": (int, float),
     "presence_penalty": (int, float),
     "seed": int,
+    "logprobs": int,
 }
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's bound)
 
 
 def sample_token(
@@ -145,6 +150,35 @@ def verify_drafts(
         if index == len(drafts) or token != drafts[index]:
             break
     return accepted
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    tokens: Sequence[int],
+    history: Sequence[int] = (),
+    generated_from: int | None = None,
+) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """Each chosen token's log-probability and the `params.logprobs` likeliest alternatives (row i of `logits`
+    chose `tokens[i]`).
+
+    The distribution is the sampler's: penalties over the tokens before, then the
+    temperature (greedy decoding reports temperature 1, the model's own distribution),
+    before top-k and top-p cut it, as OpenAI and vLLM report them.
+    """
+    reported = []
+    for index, token in enumerate(tokens):
+        row = logits[index].float()
+        before = [*history, *tokens[:index]] if params.needs_history else ()
+        if before:
+            row = _apply_penalties(row, params, before, generated_from)
+        if not params.greedy:
+            row = row / params.temperature
+        logp = torch.log_softmax(row, dim=-1)
+        top = torch.topk(logp, params.logprobs) if params.logprobs else None
+        alternatives = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+        reported.append((float(logp[int(token)]), alternatives))
+    return reported
 
 
 def _apply_penalties(

@@ -25,7 +25,7 @@ from .lean import LeanLayers, lean_layers
 from .packed import int8_kernel_runs
 from .memory import default_cache_budget, process_memory, tensor_bytes
 from .sampling import DEFAULT as GREEDY
-from .sampling import SamplingParams, sample_token, verify_drafts
+from .sampling import SamplingParams, sample_token, token_logprobs, verify_drafts
 from .session_layers import SessionLayers
 from .settings import ShardLayout, ShardSettings
 from .source import ResolvedModel, locate_model, model_cache
@@ -310,16 +310,19 @@ class ModelShard:
                history: Sequence[int], generated_from: int | None, drafts: Sequence[int] = ()) -> StepResult:
         if not self.is_tail:
             return payload_from_tensor(hidden, past_len, self.settings.wire_dtype)
-        position = past_len + hidden.shape[1]
+        position, sampling = past_len + hidden.shape[1], sampling or GREEDY
         if drafts:  # the last len(drafts) + 1 positions each choose a token: keep those the drafts guessed
             if len(drafts) >= hidden.shape[1]:
                 raise ValueError(f"{len(drafts)} drafts need more than the step's {hidden.shape[1]} positions")
             logits = self.last_logits(hidden, len(drafts) + 1)
-            tokens = verify_drafts(logits, sampling or GREEDY, position - len(drafts), drafts, history,
-                                   generated_from)
-            return TailTokenResult(text="", token_id=tokens[-1], token_ids=tuple(tokens))
-        token_id = sample_token(self.last_logits(hidden), sampling or GREEDY, position, history, generated_from)
-        return TailTokenResult(text="", token_id=token_id)
+            tokens = verify_drafts(logits, sampling, position - len(drafts), drafts, history, generated_from)
+        else:
+            logits = self.last_logits(hidden, 1)
+            tokens = [sample_token(logits[0], sampling, position, history, generated_from)]
+        reported = () if sampling.logprobs is None else \
+            tuple(token_logprobs(logits, sampling, tokens, history, generated_from))
+        return TailTokenResult(text="", token_id=tokens[-1], token_ids=tuple(tokens) if drafts else (),
+                               logprobs=reported)
 
     def last_logits(self, hidden: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """Logits of the last position (`[vocab]`), or of the last `rows` positions (`[rows, vocab]`)."""

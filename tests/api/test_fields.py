@@ -13,8 +13,6 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ("tools", [{"type": "function", "function": {"name": "f"}}], "unsupported_parameter"),
     ("tool_choice", "required", "unsupported_parameter"),
     ("logit_bias", {"50256": -100}, "unsupported_parameter"),
-    ("logprobs", True, "unsupported_parameter"),
-    ("top_logprobs", 3, "unsupported_parameter"),
     ("n", 2, "unsupported_parameter"),
     ("n", True, "unsupported_parameter"),  # a boolean is not the 1 it equals
     ("store", True, "unsupported_parameter"),
@@ -30,7 +28,7 @@ def test_chat_fields_not_implemented_are_refused_by_name(field, value, code):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("suffix", "and then"), ("echo", True), ("best_of", 3), ("logprobs", 2), ("tools", []), ("messages", []),
+    ("suffix", "and then"), ("echo", True), ("best_of", 3), ("top_logprobs", 2), ("tools", []), ("messages", []),
 ])
 def test_completion_fields_not_implemented_are_refused_by_name(field, value):
     with pytest.raises(ApiError) as caught:
@@ -39,11 +37,11 @@ def test_completion_fields_not_implemented_are_refused_by_name(field, value):
 
 
 def test_do_nothing_values_and_extensions_pass():
-    check_fields({**CHAT, "n": 1, "logprobs": False, "top_logprobs": None, "tools": [], "tool_choice": "none",
+    check_fields({**CHAT, "n": 1, "tools": [], "tool_choice": "none",
                   "response_format": {"type": "text"}, "parallel_tool_calls": True, "store": False,
                   "service_tier": "auto", "logit_bias": {}, "user": "u", "seed": 3,
                   **{name: None for name in EXTENSIONS}}, chat=True)
-    check_fields({"model": "m", "prompt": "x", "logprobs": 0, "echo": False, "suffix": "", "best_of": 1},
+    check_fields({"model": "m", "prompt": "x", "echo": False, "suffix": "", "best_of": 1},
                  chat=False)
 
 

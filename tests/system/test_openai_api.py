@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from fakes import CachedHeadBackend, CachedTailBackend, fake_mesh
-from helpers import ROOT
+from helpers import EXACT, ROOT
 from meshws.tools.launch import Mesh
 
 pytestmark = [pytest.mark.real_model, pytest.mark.processes]
@@ -20,7 +20,7 @@ QUESTION = [{"role": "user", "content": "Explain in detail how a bicycle works."
 
 @pytest.fixture(scope="module")
 def mesh(embedded_model):
-    mesh = Mesh([("head", "0-14"), ("tail", "15-29")],
+    mesh = Mesh([("head", "0-14"), ("tail", "15-29")], common=EXACT,
                 extra={"head": ("--served-model-name", "smol", "--served-model-name", "gpt-4o-mini,assistant")})
     yield mesh
     mesh.stop()
@@ -74,6 +74,51 @@ def test_request_metrics_count_every_request_and_its_tokens(client, mesh):
     assert 1 <= grew("meshws_inter_token_latency_seconds_count") <= sum(a.usage.completion_tokens - 1 for a in answers)
     assert after["meshws_generations_running"] == 0 and after["meshws_queue_depth"] == 0
     assert any(name.startswith("python_info") for name in after) and "process_cpu_seconds_total" in after
+
+
+def _reference_logprobs(reference_model, prompt, tokens, temperature=None):
+    """log_softmax of the whole fp32 model's logits at each generated position (scaled by the temperature)."""
+    import torch
+
+    with torch.inference_mode():
+        logits = reference_model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:].float()
+    return torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.7, "seed": 5}], ids=["greedy", "sampled"])
+def test_logprobs_are_the_samplers_distribution_and_stream_alike(client, tokenizer, reference_model, sampling):
+    """Each token's log-probability and its 3 likeliest alternatives, as the whole fp32 model computes them
+    (within 1e-3), after the temperature; greedy picks the top alternative; a stream carries the same entries."""
+    ask = dict(model=MODEL, messages=QUESTION, max_tokens=5, logprobs=True, top_logprobs=3, **sampling)
+    answer = client.chat.completions.create(**ask, extra_body={"return_token_ids": True})
+    tokens, content = answer.choices[0].token_ids, answer.choices[0].logprobs.content
+    assert len(content) == len(tokens) == 5 and all(len(entry.top_logprobs) == 3 for entry in content)
+    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False)
+    want = _reference_logprobs(reference_model, prompt, tokens, sampling.get("temperature") or None)
+    for position, (token, entry) in enumerate(zip(tokens, content)):
+        assert entry.token == tokenizer.decode([token]) and bytes(entry.bytes) == entry.token.encode()
+        assert abs(entry.logprob - float(want[position, token])) < 1e-3
+        top = want[position].topk(3)
+        assert [alt.token for alt in entry.top_logprobs] == [tokenizer.decode([t]) for t in top.indices.tolist()]
+        assert all(abs(alt.logprob - float(v)) < 1e-3 for alt, v in zip(entry.top_logprobs, top.values.tolist()))
+        if not sampling["temperature"]:
+            assert entry.top_logprobs[0].token == entry.token
+    streamed = [entry for chunk in client.chat.completions.create(**ask, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+
+
+def test_completion_logprobs_in_the_legacy_shape(client):
+    answer = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                       logprobs=2)
+    logprobs = answer.choices[0].logprobs
+    assert "".join(logprobs.tokens) == answer.choices[0].text and len(logprobs.token_logprobs) == 4
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(lp, abs=1e-6)
+               for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))  # greedy: the chosen is the top
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(4)]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, top_logprobs=3)
+    assert caught.value.body["param"] == "top_logprobs"
 
 
 def test_an_alias_serves_the_same_model_and_is_echoed(client):

@@ -104,6 +104,25 @@ async def test_seeded_sampling_with_drafts_returns_the_same_text(nodes, fields):
     assert laps <= plain_laps
 
 
+async def test_logprobs_through_laps_with_drafts_are_those_of_one_token_laps(nodes):
+    """A lap that verifies drafts reports each accepted token's log-probability from its own row, with the
+    penalties over the tokens before it: the same figures as one token per lap."""
+    heads, tail = nodes
+    fields = {"logprobs": True, "top_logprobs": 2, "temperature": 0, "frequency_penalty": 0.3}
+    (guessing, laps), (plain, _) = [await _ask(heads[draft], tail, **fields) for draft in ("ngram", "none")]
+    assert guessing["usage"]["speculation"]["accepted_draft_tokens"] > 0 and laps < plain["usage"]["completion_tokens"]
+
+    def figures(answer):  # (token, logprob, alternatives' logprobs)
+        return [(entry["token"], entry["logprob"], [alt["logprob"] for alt in entry["top_logprobs"]])
+                for entry in answer["choices"][0]["logprobs"]["content"]]
+
+    with_drafts, one_by_one = figures(guessing), figures(plain)
+    assert [f[0] for f in with_drafts] == [f[0] for f in one_by_one]
+    assert len(one_by_one) == plain["usage"]["completion_tokens"]
+    for (_, logprob, top), (_, want, want_top) in zip(with_drafts, one_by_one):  # a k-row step's numerics: 1e-3
+        assert abs(logprob - want) < 1e-3 and all(abs(a - b) < 1e-3 for a, b in zip(top, want_top))
+
+
 async def test_stop_strings_and_streaming_behave_as_without_drafts(nodes):
     heads, tail = nodes
     texts = {}

@@ -7,8 +7,9 @@ from typing import Any, ClassVar, Union
 
 import orjson
 
+from ...model.backend import TokenLogprob
 from ...model.sampling import DEFAULT as DEFAULT_SAMPLING
-from ...model.sampling import SamplingParams
+from ...model.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from .fields import (
     MAX_TEXT_LENGTH,
     FrameError,
@@ -184,6 +185,7 @@ class Token:
     text: str | None = None
     token_ids: tuple[int, ...] = ()
     hops: tuple[HopReport, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         message: dict[str, Any] = {"type": self.type, "sid": self.sid, "step": self.step, "token_id": self.token_id}
@@ -193,6 +195,9 @@ class Token:
             message["token_ids"] = list(self.token_ids)
         if self.hops:
             message["hops"] = [hop.to_wire() for hop in self.hops]
+        if self.logprobs:
+            message["logprobs"] = [[_finite(lp), [[token, _finite(alt)] for token, alt in top]]
+                                   for lp, top in self.logprobs]
         return message
 
     @classmethod
@@ -208,9 +213,42 @@ class Token:
                     or (raw and raw[-1] != token_id):
                 raise FrameError(f"token_ids must be at most {MAX_TOKEN_IDS} token ids ending with token_id")
             hops = tuple(HopReport.parse(hop) for hop in list_field(data, "hops"))
-            return cls(sid, int_field(data, "step", 0), token_id, text, tuple(raw), hops)
+            logprobs = _logprobs_field(data.get("logprobs"), max(1, len(raw)))
+            return cls(sid, int_field(data, "step", 0), token_id, text, tuple(raw), hops, logprobs)
         except FrameError as exc:
             raise FrameError(str(exc), sid) from None
+
+
+MIN_LOGPROB = -1e4  # what a log-probability of -inf (or below) travels as: JSON has no infinity
+
+
+def _finite(value: float) -> float:
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB  # (NaN too)
+
+
+def _is_logprob(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and MIN_LOGPROB <= value <= 0.001
+
+
+def _logprobs_field(raw: Any, tokens: int) -> tuple[TokenLogprob, ...]:
+    """`[[logprob, [[id, logprob], ...]], ...]`: one entry per token the frame yields, if any."""
+    if raw is None:
+        return ()
+    problem = FrameError(f"logprobs must be {tokens} entries [logprob, [[id, logprob], ...at most "
+                         f"{MAX_TOP_LOGPROBS}]]")
+    if not isinstance(raw, list) or len(raw) != tokens:
+        raise problem
+    entries = []
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 2 and _is_logprob(entry[0]) and isinstance(entry[1], list)
+                and len(entry[1]) <= MAX_TOP_LOGPROBS):
+            raise problem
+        top = entry[1]
+        if not all(isinstance(alt, list) and len(alt) == 2 and is_int(alt[0]) and alt[0] >= 0 and _is_logprob(alt[1])
+                   for alt in top):
+            raise problem
+        entries.append((float(min(entry[0], 0.0)), tuple((alt[0], float(min(alt[1], 0.0))) for alt in top)))
+    return tuple(entries)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,41 @@
+"""Log-probabilities in the shapes OpenAI clients read: chat's `content` list, completions' four lists.
+
+The tail computes them (`sampling.token_logprobs`: the sampler's distribution after
+penalties and temperature, before top-k/top-p); here each token id becomes its text (a
+token that is part of a multi-byte character shows U+FFFD, its `bytes` those of that text).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from ..model.backend import TokenLogprob
+
+Decode = Callable[[Sequence[int]], str]
+Entries = Sequence[tuple[int, TokenLogprob]]  # (token id, (its logprob, alternatives))
+
+
+def chat_logprobs(entries: Entries, decode: Decode) -> dict[str, Any]:
+    """`choice.logprobs` of a chat answer (or of one streamed chunk)."""
+
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        text = decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**one(token, logprob), "top_logprobs": [one(alt, value) for alt, value in top]}
+                        for token, (logprob, top) in entries], "refusal": None}
+
+
+def completion_logprobs(entries: Entries, decode: Decode, offset: int = 0) -> dict[str, Any]:
+    """`choice.logprobs` of a completion (or of one streamed chunk); `offset`: where its text starts."""
+    tokens, offsets = [], []
+    for token, _ in entries:
+        tokens.append(decode([token]))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [logprob for _, (logprob, _) in entries],
+        "top_logprobs": [{decode([alt]): value for alt, value in top} for _, (_, top) in entries],
+        "text_offset": offsets,
+    }
