@@ -21,7 +21,7 @@ CHAT_FIELDS = {
 }
 COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed",
-    "stop", "stream", "stream_options", "user", "logprobs",
+    "stop", "stream", "stream_options", "user", "logprobs", "echo",
 }
 # ... extensions other servers (vLLM, llama-server) have taught clients to send ...
 EXTENSIONS = {
@@ -35,7 +35,6 @@ EXTENSIONS = {
 NO_OP = {
     "n": (1,),
     "best_of": (1,),
-    "echo": (False,),
     "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -54,7 +53,7 @@ NO_OP = {
 CHAT_ONLY = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
              "response_format", "store", "metadata", "modalities", "audio", "prediction", "reasoning_effort",
              "verbosity", "web_search_options", "prompt_cache_key", "safety_identifier", "service_tier"}
-COMPLETION_ONLY = {"best_of", "echo", "suffix"}
+COMPLETION_ONLY = {"best_of", "suffix"}
 
 MESSAGE_FIELDS = {"role", "content"}
 MESSAGE_NO_OP = {"tool_calls": ([],), "function_call": (), "tool_call_id": (), "name": (), "refusal": (),

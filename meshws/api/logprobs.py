@@ -39,3 +39,17 @@ def completion_logprobs(entries: Entries, decode: Decode, offset: int = 0) -> di
         "top_logprobs": [{decode([alt]): value for alt, value in top} for _, (_, top) in entries],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(prompt_ids: Sequence[int], reported: Sequence[TokenLogprob], decode: Decode) -> dict[str, Any]:
+    """The echoed prompt's part of a completion's `logprobs`: its first token has none (null), as OpenAI's."""
+    shaped = completion_logprobs(list(zip(prompt_ids[1:], reported)), decode)
+    first = decode(prompt_ids[:1])
+    offsets = [0] + [offset + len(first) for offset in shaped["text_offset"]]
+    return {"tokens": [first, *shaped["tokens"]], "token_logprobs": [None, *shaped["token_logprobs"]],
+            "top_logprobs": [None, *shaped["top_logprobs"]], "text_offset": offsets}
+
+
+def joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two parts of a completion's `logprobs` one after the other (`then`'s offsets already count `first`)."""
+    return {key: [*first[key], *then[key]] for key in first}

@@ -25,7 +25,7 @@ from ..head.conversation import Conversation
 from ..head.generation import GenerationRequest, GenerationStats, PipelineError
 from ..head.service import Admission, HeadService, Unavailable
 from .errors import ApiError, json_response, public_text, read_json
-from .logprobs import chat_logprobs, completion_logprobs
+from .logprobs import chat_logprobs, completion_logprobs, joined, prompt_logprobs
 from .requests import CompletionSpec, check_request, complete_spec
 from .sse import EventStream, SlowClient
 from .tokens import TokenRoutes
@@ -143,6 +143,13 @@ class OpenAIApi:
         return chat_logprobs(entries, self.head.decode) if chat else \
             completion_logprobs(entries, self.head.decode, offset)
 
+    def _echoed(self, spec: CompletionSpec, stats: GenerationStats) -> tuple[str, dict[str, Any] | None]:
+        """`echo`: the prompt's text, and its tokens' log-probabilities if asked for (the tail's, from the prefill)."""
+        text = spec.prompt or self.head.decode(spec.prompt_ids)
+        if stats.logprobs is None:
+            return text, None
+        return text, prompt_logprobs(spec.prompt_ids, stats.prompt_logprobs or (), self.head.decode)
+
     @staticmethod
     async def _stream_error(stream: EventStream, error: dict[str, Any]) -> web.StreamResponse:
         """An error after the stream started (the status line is sent): an error event, then [DONE]."""
@@ -166,13 +173,14 @@ class OpenAIApi:
                 log.warning("generation %s failed after %d tokens: %s", stats.sid[:12], stats.completion_tokens, exc)
             return ApiError(502, f"pipeline error: {public_text(str(exc))}", code="pipeline_error",
                             kind="upstream_error").response()
-        text = "".join(parts)
+        text, echoed = "".join(parts), self._echoed(spec, stats) if spec.echo else ("", None)
+        logprobs = self._logprobs(stats, chat, 0, len(stats.logprobs or ()), len(echoed[0]))
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(stats),
-                                  "logprobs": self._logprobs(stats, chat, 0, len(stats.logprobs or ()))}
+                                  "logprobs": joined(echoed[1], logprobs) if echoed[1] and logprobs else logprobs}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
+            choice["text"] = echoed[0] + text
         if spec.return_token_ids:
             choice["token_ids"] = token_ids
         answer = {
@@ -187,6 +195,14 @@ class OpenAIApi:
         if spec.return_token_ids:
             answer["prompt_token_ids"] = spec.prompt_ids
         return json_response(answer)
+
+    async def _send_echo(self, write: Any, chunk: Any, spec: CompletionSpec, stats: GenerationStats,
+                         told: list[int]) -> bool:
+        """A streamed completion's echoed prompt, as its first chunk; False (no echo left to send)."""
+        text, logprobs = self._echoed(spec, stats)
+        told[1] = len(text)  # the answer's offsets start after it
+        await write(chunk({"index": 0, "text": text, "finish_reason": None, "logprobs": logprobs}))
+        return False
 
     async def _stream(self, stream: EventStream, spec: CompletionSpec, admission: Admission, chat: bool,
                       kind: str, answer_id: str, stats: GenerationStats) -> web.StreamResponse:
@@ -224,9 +240,14 @@ class OpenAIApi:
             await stream.start()  # headers now: a long prefill is pinged through
             if chat:
                 await write(chunk(delta_choice("", role=True)))
+            echo = spec.echo  # the prompt goes first, once its prefill has run (and told its log-probabilities)
             async with aclosing(run_spec(self.head, spec, stats, admission)) as deltas:
                 async for delta in deltas:
+                    if echo:
+                        echo = await self._send_echo(write, chunk, spec, stats, told)
                     await write(chunk(delta_choice(delta)))
+            if echo:
+                await self._send_echo(write, chunk, spec, stats, told)
             await write(chunk(delta_choice(None, _finish(stats))))
             if spec.include_usage:
                 await write(chunk(None, {"usage": usage(stats)}))

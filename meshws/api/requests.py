@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..head.service import HeadService
-from ..model.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from ..model.sampling import MAX_PROMPT_LOGPROBS, MAX_PROMPT_TOP_LOGPROBS, MAX_TOP_LOGPROBS, SamplingParams
 from .errors import ApiError
 from .fields import check_fields, check_message_fields
 
@@ -36,6 +36,7 @@ class CompletionSpec:
     cache_prompt: bool = True  # llama-server's field: false keeps the request out of the warm pool
     owner: str = ""  # who may adopt this request's warm session later: the same client address and `user`
     model: str = ""  # the name the request called the model by (answers echo it)
+    echo: bool = False  # a completion's text starts with its prompt
 
 
 # -- validation ---------------------------------------------------------------
@@ -83,7 +84,11 @@ def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
     Chat: `logprobs: true` and `top_logprobs` 0-20; completions: `logprobs` 0-20 (OpenAI's is 0-5).
     """
     if not chat:
-        return _integer(body, "logprobs", 0, None, high=MAX_TOP_LOGPROBS)
+        wanted = _integer(body, "logprobs", 0, None, high=MAX_TOP_LOGPROBS)
+        if body.get("echo") and wanted is not None and wanted > MAX_PROMPT_TOP_LOGPROBS:
+            raise ApiError(400, f"with 'echo', 'logprobs' is at most {MAX_PROMPT_TOP_LOGPROBS}", param="logprobs",
+                           code="invalid_value")
+        return wanted
     wanted = body.get("logprobs")
     if wanted is not None and not isinstance(wanted, bool):
         raise ApiError(400, "'logprobs' must be a boolean", param="logprobs", code="invalid_type")
@@ -151,7 +156,7 @@ def _content(message: dict[str, Any], where: str) -> str:
 
 def check_common(body: dict[str, Any], chat: bool) -> None:
     check_fields(body, chat)
-    for name in ("stream", "return_token_ids", "ignore_eos", "cache_prompt"):
+    for name in ("stream", "return_token_ids", "ignore_eos", "cache_prompt", "echo"):
         if body.get(name) is not None and not isinstance(body.get(name), bool):
             raise ApiError(400, f"'{name}' must be a boolean", param=name, code="invalid_type")
     options = body.get("stream_options")
@@ -184,8 +189,10 @@ def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> Reques
     if model not in head.served_names:
         raise ApiError(404, f"the model '{model}' does not exist; this mesh serves "
                        f"{' or '.join(repr(name) for name in head.served_names)}", param="model", code="model_not_found")
-    draft = RequestDraft(body, chat, replace(parse_sampling(body), logprobs=parse_logprobs(body, chat)),
-                         parse_stop(body))
+    logprobs = parse_logprobs(body, chat)
+    sampling = replace(parse_sampling(body), logprobs=logprobs,
+                       prompt_logprobs=bool(body.get("echo")) and logprobs is not None)
+    draft = RequestDraft(body, chat, sampling, parse_stop(body))
     if chat:
         draft.messages = parse_messages(body)
         _check_size(sum(len(m["content"]) for m in draft.messages), len(draft.messages), head.context_length)
@@ -227,6 +234,9 @@ async def complete_spec(draft: RequestDraft, head: HeadService) -> CompletionSpe
     if len(prompt_ids) >= context:
         raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the context window is {context}",
                        param="messages" if chat else "prompt", code="context_length_exceeded")
+    if draft.sampling.prompt_logprobs and len(prompt_ids) > MAX_PROMPT_LOGPROBS + 1:
+        raise ApiError(400, f"'echo' with 'logprobs' takes prompts of at most {MAX_PROMPT_LOGPROBS + 1} tokens",
+                       param="echo", code="invalid_value")
     max_tokens = _integer(body, "max_completion_tokens", 1, None)
     name = "max_completion_tokens"
     if max_tokens is None:
@@ -250,7 +260,8 @@ async def complete_spec(draft: RequestDraft, head: HeadService) -> CompletionSpe
         include_usage=bool(options.get("include_usage")),
         return_token_ids=bool(body.get("return_token_ids")),
         ignore_eos=bool(body.get("ignore_eos")),
-        cache_prompt=body.get("cache_prompt") is not False,
+        cache_prompt=body.get("cache_prompt") is not False and not draft.sampling.prompt_logprobs,  # all prefilled
+        echo=bool(body.get("echo")),
         model=body["model"],
     )
 

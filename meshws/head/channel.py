@@ -81,7 +81,8 @@ class HopChannel:
                 continue  # a late answer to an earlier step
             if isinstance(reply, Token):
                 return TailTokenResult(text=reply.text or "", token_id=reply.token_id, token_ids=reply.token_ids,
-                                       hops=reply.hops, logprobs=reply.logprobs)
+                                       hops=reply.hops, logprobs=reply.logprobs,
+                                       prompt_logprobs=reply.prompt_logprobs)
             if isinstance(reply, CacheMiss):
                 raise KVCacheMiss(reply.reason)
             if isinstance(reply, Error):

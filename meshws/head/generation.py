@@ -218,6 +218,8 @@ class Generator:
             except ValueError as exc:  # a step refused by a backend (bad length, dtype...)
                 raise PipelineError(str(exc)) from exc
             misses = 0
+            if need_prefill and not sequence.reuse and stats.prompt_logprobs is None and result.prompt_logprobs:
+                stats.prompt_logprobs = result.prompt_logprobs
             # 1 token, or after a lap with drafts the ones the tail kept and its own: all fed but the last
             tokens = result.token_ids or (result.token_id,)
             if not need_prefill and sequence.speculation is not None:

@@ -56,6 +56,7 @@ class GenerationStats:
     times: LapTimes = field(default_factory=LapTimes)  # where the laps' time went
     route: list[dict[str, Any]] = field(default_factory=list)
     logprobs: list[tuple[int, TokenLogprob]] | None = None  # (token, its logprob) as they come, when asked for
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # the prompt's, from its first full prefill, if asked
     last_token_at: float | None = None
     token_gaps: list[float] = field(default_factory=list)  # between laps that brought tokens (inter-token latency)
 

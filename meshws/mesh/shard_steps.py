@@ -209,7 +209,7 @@ class ShardSteps:
                 session.history.extend(result.token_ids or (result.token_id,))
             text = result.text if result.text or result.token_id is None else None  # a legacy tail: text only
             await self._send(link, Token(sid, step, result.token_id, text, result.token_ids,
-                                         self.own_report(session, step), result.logprobs))
+                                         self.own_report(session, step), result.logprobs, result.prompt_logprobs))
             return
         next_hop = session.next_hop
         if next_hop is None:

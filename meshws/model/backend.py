@@ -45,6 +45,7 @@ class TailTokenResult:
     token_ids: tuple[int, ...] = ()  # after a step with drafts: every token accepted, `token_id` last
     hops: tuple[Any, ...] = ()  # each shard's part of the step (`wire.HopReport`), as the answer brought them
     logprobs: tuple[TokenLogprob, ...] = ()  # asked for (`SamplingParams.logprobs`): one per token, in order
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # after a prefill, asked for: the prompt's 2nd token on
 
 
 TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]  # (the token's log-probability, (id, logprob) alternatives)

@@ -7,7 +7,7 @@ replayed after a cache miss or a failover samples the same token again.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI-style: minus penalty for tokens generated at least once
     seed: int | None = None  # makes sampled output reproducible
     logprobs: int | None = None  # report each token's log-probability and this many likeliest alternatives
+    prompt_logprobs: bool = False  # ... and, from a prefill, each prompt token's (completions' `echo`)
 
     @property
     def greedy(self) -> bool:
@@ -34,6 +35,7 @@ class SamplingParams:
             self.repetition_penalty != 1.0
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
+            or self.prompt_logprobs  # the tail reads each prompt token's log-probability
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -53,7 +55,9 @@ class SamplingParams:
             kind = _FIELD_TYPES[key]
             if value is None and key in ("seed", "logprobs"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, kind):
+            if kind is bool and not isinstance(value, bool):
+                raise ValueError(f"sampling field {key!r} must be true or false")
+            if kind is not bool and (isinstance(value, bool) or not isinstance(value, kind)):
                 raise ValueError(f"sampling field {key!r} must be a number")
             fields[key] = value
         params = cls(**fields)
@@ -75,6 +79,8 @@ class SamplingParams:
             raise ValueError("presence_penalty must be between -2 and 2")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        if self.prompt_logprobs and (self.logprobs is None or self.logprobs > MAX_PROMPT_TOP_LOGPROBS):
+            raise ValueError(f"prompt_logprobs needs logprobs between 0 and {MAX_PROMPT_TOP_LOGPROBS}")
 
 
 DEFAULT = SamplingParams()
@@ -87,8 +93,11 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "presence_penalty": (int, float),
     "seed": int,
     "logprobs": int,
+    "prompt_logprobs": bool,
 }
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's bound)
+MAX_PROMPT_TOP_LOGPROBS = 5  # alternatives per prompt token (OpenAI's completions bound; keeps the answer small)
+MAX_PROMPT_LOGPROBS = 4096  # prompt tokens whose log-probabilities one answer carries
 
 
 def sample_token(
@@ -179,6 +188,25 @@ def token_logprobs(
         alternatives = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
         reported.append((float(logp[int(token)]), alternatives))
     return reported
+
+
+def prompt_token_logprobs(logits_of: Callable[[torch.Tensor, int], torch.Tensor], hidden: torch.Tensor, start: int,
+                          history: Sequence[int], prompt_length: int | None,
+                          top: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """Each prompt token's log-probability under the model (temperature 1, no penalties: a prompt is not
+    sampled) and the `top` likeliest alternatives, from the positions `start...` of `hidden` (position j
+    predicts token j + 1; the first prompt token has none). `logits_of(hidden, rows)`: the LM head."""
+    end = min(start + hidden.shape[1], (prompt_length or len(history)) - 1, MAX_PROMPT_LOGPROBS, len(history) - 1)
+    if end <= start:
+        return []
+    following = history[start + 1 : end + 1]
+    logp = torch.log_softmax(logits_of(hidden[:, : end - start], end - start).float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(list(following), dtype=torch.long).unsqueeze(1))[:, 0].tolist()
+    if not top:
+        return [(value, ()) for value in chosen]
+    best = torch.topk(logp, top, dim=-1)
+    return [(value, tuple(zip(ids, values)))
+            for value, ids, values in zip(chosen, best.indices.tolist(), best.values.tolist())]
 
 
 def _apply_penalties(

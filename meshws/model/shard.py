@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from .backend import DecodeStep, PrefillRun, PrefillStep, StepResult, TailTokenResult, TensorPayload
+from .backend import DecodeStep, PrefillRun, PrefillStep, StepResult, TailTokenResult, TensorPayload, TokenLogprob
 from .batched import RowRunner, Rows, decode_rows
 from .cache_store import KVCacheMiss, SessionCacheStore
 from .compiled import compile_lean
@@ -25,7 +26,7 @@ from .lean import LeanLayers, lean_layers
 from .packed import int8_kernel_runs
 from .memory import default_cache_budget, process_memory, tensor_bytes
 from .sampling import DEFAULT as GREEDY
-from .sampling import SamplingParams, sample_token, token_logprobs, verify_drafts
+from .sampling import SamplingParams, prompt_token_logprobs, sample_token, token_logprobs, verify_drafts
 from .session_layers import SessionLayers
 from .settings import ShardLayout, ShardSettings
 from .source import ResolvedModel, locate_model, model_cache
@@ -264,6 +265,7 @@ class ModelShard:
         else:
             whole = self.tensor_from_bytes(step.body or b"", step.shape, step.dtype)
         outputs: list[torch.Tensor] = []
+        prompt_logprobs: list[TokenLogprob] = []  # on a tail, when the prompt's own are asked for
         for offset in range(0, count, chunk_tokens):
             if offset and not self.supports_kv_cache:  # the cache path failed on this hardware meanwhile
                 return self._prefill_whole(step)
@@ -273,12 +275,15 @@ class ModelShard:
                 piece = self.embed(step.token_ids[offset:end]) if whole is None else whole[:, offset:end]
                 out = self.layers.run(piece, positions(start + offset, end - offset), step.session_id, mode,
                                       start + offset)
+                history = step.history or (list(step.token_ids) if step.token_ids is not None else ())
+                prompt_logprobs += self._prompt_logprobs(out, start + offset, step.sampling, history,
+                                                         step.generated_from)
                 outputs.append(out if not self.is_tail else out[:, -1:])
                 if end == count:
-                    hidden = torch.cat(outputs, dim=1) if not self.is_tail else out
-                    past = start if not self.is_tail else start + count - hidden.shape[1]
-                    history = step.history or (list(step.token_ids) if step.token_ids is not None else ())
-                    return self.finish(hidden, past, step.sampling, history, step.generated_from)
+                    hidden = torch.cat(outputs, dim=1) if not self.is_tail else out[:, -1:]
+                    past = start if not self.is_tail else start + count - 1
+                    result = self.finish(hidden, past, step.sampling, history, step.generated_from)
+                    return replace(result, prompt_logprobs=tuple(prompt_logprobs)) if prompt_logprobs else result
             yield
         raise AssertionError("unreachable: the last chunk returns")
 
@@ -321,8 +326,16 @@ class ModelShard:
             tokens = [sample_token(logits[0], sampling, position, history, generated_from)]
         reported = () if sampling.logprobs is None else \
             tuple(token_logprobs(logits, sampling, tokens, history, generated_from))
+        prompt = () if drafts or past_len else self._prompt_logprobs(hidden, 0, sampling, history, generated_from)
         return TailTokenResult(text="", token_id=tokens[-1], token_ids=tuple(tokens) if drafts else (),
-                               logprobs=reported)
+                               logprobs=reported, prompt_logprobs=tuple(prompt))
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, start: int, sampling: SamplingParams | None,
+                         history: Sequence[int], prompt_length: int | None) -> list[TokenLogprob]:
+        """On a tail asked for them: the prompt tokens' log-probabilities from `hidden`'s positions `start...`."""
+        if not self.is_tail or sampling is None or not sampling.prompt_logprobs:
+            return []
+        return prompt_token_logprobs(self.last_logits, hidden, start, history, prompt_length, sampling.logprobs or 0)
 
     def last_logits(self, hidden: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """Logits of the last position (`[vocab]`), or of the last `rows` positions (`[rows, vocab]`)."""

@@ -19,7 +19,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ("audio", {"voice": "alloy"}, "unsupported_parameter"),
     ("max_token", 5, "unknown_parameter"),  # a typo is not a silent default
     ("suffix", "x", "unknown_parameter"),  # completions only
-    ("echo", True, "unknown_parameter"),
+    ("echo", True, "unknown_parameter"),  # completions only
 ])
 def test_chat_fields_not_implemented_are_refused_by_name(field, value, code):
     with pytest.raises(ApiError) as caught:
@@ -28,7 +28,7 @@ def test_chat_fields_not_implemented_are_refused_by_name(field, value, code):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("suffix", "and then"), ("echo", True), ("best_of", 3), ("top_logprobs", 2), ("tools", []), ("messages", []),
+    ("suffix", "and then"), ("best_of", 3), ("top_logprobs", 2), ("tools", []), ("messages", []),
 ])
 def test_completion_fields_not_implemented_are_refused_by_name(field, value):
     with pytest.raises(ApiError) as caught:

@@ -121,6 +121,34 @@ def test_completion_logprobs_in_the_legacy_shape(client):
     assert caught.value.body["param"] == "top_logprobs"
 
 
+@pytest.mark.parametrize("repeats", [1, 40], ids=["short", "chunked"])  # 40: past the 256-token prefill chunk
+def test_echo_with_logprobs_scores_the_prompt_as_the_whole_model_does(client, tokenizer, reference_model, repeats):
+    """What evaluation harnesses send (echo, logprobs=1, max_tokens=1): the prompt's text first, each prompt
+    token's log-probability (the first has none) as the whole fp32 model computes it, then the answer's."""
+    import torch
+
+    prompt = "The capital of France is Paris. " * repeats + "The capital of Italy is"
+    answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
+                                       echo=True)
+    ids = tokenizer(prompt)["input_ids"]
+    logprobs, text = answer.choices[0].logprobs, answer.choices[0].text
+    assert text.startswith(prompt) and len(logprobs.tokens) == len(ids) + 1 and len(ids) > 256 * (repeats > 1)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    with torch.inference_mode():
+        want = torch.log_softmax(reference_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    got = torch.tensor(logprobs.token_logprobs[1:len(ids)])
+    assert torch.allclose(got, want[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], atol=1e-3)
+    assert "".join(logprobs.tokens) == text and logprobs.text_offset[len(ids)] == len(prompt)
+    assert abs(logprobs.token_logprobs[-1] - float(want[-1].max())) < 1e-3  # the greedy answer's token
+    # Streamed: the prompt (with its log-probabilities) is the first chunk.
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True,
+                                            stream=True))
+    assert chunks[0].choices[0].text == prompt and "".join(c.choices[0].text for c in chunks).startswith(text)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=9)
+    assert caught.value.body["param"] == "logprobs"
+
+
 def test_an_alias_serves_the_same_model_and_is_echoed(client):
     by_alias = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=8, temperature=0)
     by_id = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)

@@ -9,7 +9,7 @@ import orjson
 
 from ...model.backend import TokenLogprob
 from ...model.sampling import DEFAULT as DEFAULT_SAMPLING
-from ...model.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from ...model.sampling import MAX_PROMPT_LOGPROBS, MAX_TOP_LOGPROBS, SamplingParams
 from .fields import (
     MAX_TEXT_LENGTH,
     FrameError,
@@ -23,7 +23,7 @@ from .fields import (
 )
 
 PROTOCOL_VERSION = 3  # 3: `past_len` cuts a longer cache back; `open` may resume a session
-MAX_CONTROL_BYTES = 256 * 1024
+MAX_CONTROL_BYTES = 1024 * 1024  # (a prefill's answer may carry 4096 prompt tokens' log-probabilities)
 MAX_TOKEN_IDS = 17  # tokens one step may yield: its drafts (at most 16) and one more
 MAX_STEP_MS = 86_400_000.0  # a day: no step of a hop's report takes longer
 
@@ -186,6 +186,7 @@ class Token:
     token_ids: tuple[int, ...] = ()
     hops: tuple[HopReport, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         message: dict[str, Any] = {"type": self.type, "sid": self.sid, "step": self.step, "token_id": self.token_id}
@@ -195,9 +196,10 @@ class Token:
             message["token_ids"] = list(self.token_ids)
         if self.hops:
             message["hops"] = [hop.to_wire() for hop in self.hops]
-        if self.logprobs:
-            message["logprobs"] = [[_finite(lp), [[token, _finite(alt)] for token, alt in top]]
-                                   for lp, top in self.logprobs]
+        for name in ("logprobs", "prompt_logprobs"):
+            entries = getattr(self, name)
+            if entries:
+                message[name] = [[_finite(lp), [[token, _finite(alt)] for token, alt in top]] for lp, top in entries]
         return message
 
     @classmethod
@@ -214,7 +216,11 @@ class Token:
                 raise FrameError(f"token_ids must be at most {MAX_TOKEN_IDS} token ids ending with token_id")
             hops = tuple(HopReport.parse(hop) for hop in list_field(data, "hops"))
             logprobs = _logprobs_field(data.get("logprobs"), max(1, len(raw)))
-            return cls(sid, int_field(data, "step", 0), token_id, text, tuple(raw), hops, logprobs)
+            prompt = data.get("prompt_logprobs")
+            if prompt is not None and (not isinstance(prompt, list) or len(prompt) > MAX_PROMPT_LOGPROBS):
+                raise FrameError(f"prompt_logprobs must be a list of at most {MAX_PROMPT_LOGPROBS} entries")
+            prompt_logprobs = _logprobs_field(prompt, len(prompt or ()))
+            return cls(sid, int_field(data, "step", 0), token_id, text, tuple(raw), hops, logprobs, prompt_logprobs)
         except FrameError as exc:
             raise FrameError(str(exc), sid) from None
 
