@@ -1,9 +1,8 @@
 """Which request fields meshws reads: every field is implemented, refused, or a documented extension.
 
-A client that asks for something meshws does not do (JSON output, tools, several
-choices) gets a 400 naming the field, never an answer that silently ignored it. A
-field sent with its "do nothing" value (`n: 1`, `tools: []`, `response_format:
-{"type": "text"}`, null) is accepted: clients such as the official one, LangChain or an
+A client that asks for something meshws does not do (tools, several choices) gets a
+400 naming the field, never an answer that silently ignored it. A field sent with its
+"do nothing" value (`n: 1`, `tools: []`, null) is accepted: clients such as the official one, LangChain or an
 echoed assistant message send those. An unknown field is refused too, so a typo
 (`max_token`) is not a silent default.
 """
@@ -18,6 +17,7 @@ from .errors import ApiError
 CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "frequency_penalty",
     "presence_penalty", "seed", "stop", "stream", "stream_options", "user", "logprobs", "top_logprobs",
+    "response_format",
 }
 COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed",
@@ -41,7 +41,6 @@ NO_OP = {
     "functions": ([],),
     "function_call": ("none",),
     "parallel_tool_calls": (True, False),  # says nothing without tools
-    "response_format": ({"type": "text"},),
     "suffix": ("",),
     "store": (False,),
     "metadata": ({},),
@@ -51,7 +50,7 @@ NO_OP = {
     "prompt_cache_key": (), "safety_identifier": (),
 }
 CHAT_ONLY = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-             "response_format", "store", "metadata", "modalities", "audio", "prediction", "reasoning_effort",
+             "store", "metadata", "modalities", "audio", "prediction", "reasoning_effort",
              "verbosity", "web_search_options", "prompt_cache_key", "safety_identifier", "service_tier"}
 COMPLETION_ONLY = {"best_of", "suffix"}
 

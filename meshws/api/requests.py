@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..head.service import HeadService
+from ..model.constraints import GrammarError, json_grammar
 from ..model.sampling import MAX_PROMPT_LOGPROBS, MAX_PROMPT_TOP_LOGPROBS, MAX_TOP_LOGPROBS, SamplingParams
 from .errors import ApiError
 from .fields import check_fields, check_message_fields
@@ -96,6 +97,31 @@ def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
     if top is not None and not wanted:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
     return (top or 0) if wanted else None
+
+
+def parse_response_format(body: dict[str, Any]) -> str | None:
+    """`response_format` as the grammar the tail samples under (None: free text)."""
+    spec = body.get("response_format")
+    if spec is None:
+        return None
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind == "text":
+        return None
+    schema = None
+    if kind == "json_schema":
+        inner = spec.get("json_schema")
+        schema = inner.get("schema") if isinstance(inner, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "'response_format.json_schema.schema' must be a JSON schema object",
+                           param="response_format", code="invalid_value")
+    elif kind != "json_object":
+        raise ApiError(400, "'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                       param="response_format", code="invalid_value")
+    try:
+        return json_grammar(schema)
+    except GrammarError as exc:
+        raise ApiError(400, f"'response_format': {str(exc)[:300]}", param="response_format",
+                       code="invalid_value") from None
 
 
 def parse_stop(body: dict[str, Any]) -> list[str]:
@@ -191,7 +217,11 @@ def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> Reques
                        f"{' or '.join(repr(name) for name in head.served_names)}", param="model", code="model_not_found")
     logprobs = parse_logprobs(body, chat)
     sampling = replace(parse_sampling(body), logprobs=logprobs,
-                       prompt_logprobs=bool(body.get("echo")) and logprobs is not None)
+                       prompt_logprobs=bool(body.get("echo")) and logprobs is not None,
+                       grammar=parse_response_format(body) if chat else None)
+    if sampling.grammar is not None and body.get("ignore_eos"):
+        raise ApiError(400, "'ignore_eos' cannot go past the end of a structured answer", param="ignore_eos",
+                       code="invalid_value")
     draft = RequestDraft(body, chat, sampling, parse_stop(body))
     if chat:
         draft.messages = parse_messages(body)

@@ -23,6 +23,7 @@ class SamplingParams:
     seed: int | None = None  # makes sampled output reproducible
     logprobs: int | None = None  # report each token's log-probability and this many likeliest alternatives
     prompt_logprobs: bool = False  # ... and, from a prefill, each prompt token's (completions' `echo`)
+    grammar: str | None = None  # an llguidance grammar the answer must follow (structured output)
 
     @property
     def greedy(self) -> bool:
@@ -36,6 +37,7 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
             or self.prompt_logprobs  # the tail reads each prompt token's log-probability
+            or self.grammar is not None  # the grammar's state is the tokens generated so far
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -53,11 +55,13 @@ class SamplingParams:
             if key not in _FIELD_TYPES:
                 raise ValueError(f"unknown sampling field {key!r}")
             kind = _FIELD_TYPES[key]
-            if value is None and key in ("seed", "logprobs"):
+            if value is None and key in ("seed", "logprobs", "grammar"):
                 continue
             if kind is bool and not isinstance(value, bool):
                 raise ValueError(f"sampling field {key!r} must be true or false")
-            if kind is not bool and (isinstance(value, bool) or not isinstance(value, kind)):
+            if kind is str and (not isinstance(value, str) or len(value) > MAX_GRAMMAR_CHARS):
+                raise ValueError(f"sampling field {key!r} must be a string of at most {MAX_GRAMMAR_CHARS} characters")
+            if kind not in (bool, str) and (isinstance(value, bool) or not isinstance(value, kind)):
                 raise ValueError(f"sampling field {key!r} must be a number")
             fields[key] = value
         params = cls(**fields)
@@ -94,7 +98,9 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "seed": int,
     "logprobs": int,
     "prompt_logprobs": bool,
+    "grammar": str,
 }
+MAX_GRAMMAR_CHARS = 256 * 1024
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's bound)
 MAX_PROMPT_TOP_LOGPROBS = 5  # alternatives per prompt token (OpenAI's completions bound; keeps the answer small)
 MAX_PROMPT_LOGPROBS = 4096  # prompt tokens whose log-probabilities one answer carries
@@ -106,13 +112,21 @@ def sample_token(
     position: int,
     history: Sequence[int] = (),
     generated_from: int | None = None,
+    constraint: Any = None,
 ) -> int:
     """Pick a token id from one row of logits.
 
     `position` is the index the new token will take in the sequence; `history`
     holds the ids so far (needed only for penalties); tokens from index
-    `generated_from` on count as generated for the OpenAI-style penalties.
+    `generated_from` on count as generated for the OpenAI-style penalties. A
+    `constraint` (a grammar's `constraints.Matcher`) masks the row first, in place, and
+    advances by the token chosen.
     """
+    if constraint is not None:
+        constraint.mask_(logits)
+        token = sample_token(logits, params, position, history, generated_from)
+        constraint.advance(token)
+        return token
     if params.needs_history and history:
         logits = _apply_penalties(logits.float(), params, history, generated_from)
     if params.greedy:
@@ -142,6 +156,7 @@ def verify_drafts(
     drafts: Sequence[int],
     history: Sequence[int] = (),
     generated_from: int | None = None,
+    constraint: Any = None,
 ) -> list[int]:
     """The tokens a step with drafts yields: the longest agreeing prefix of `drafts`, plus one of our own.
 
@@ -154,7 +169,7 @@ def verify_drafts(
     accepted: list[int] = []
     for index in range(len(drafts) + 1):
         before = [*history, *accepted] if params.needs_history else history
-        token = sample_token(logits[index], params, position + index, before, generated_from)
+        token = sample_token(logits[index], params, position + index, before, generated_from, constraint)
         accepted.append(token)
         if index == len(drafts) or token != drafts[index]:
             break

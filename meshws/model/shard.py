@@ -22,14 +22,15 @@ from .backend import DecodeStep, PrefillRun, PrefillStep, StepResult, TailTokenR
 from .batched import RowRunner, Rows, decode_rows
 from .cache_store import KVCacheMiss, SessionCacheStore
 from .compiled import compile_lean
+from .constraints import Grammars
 from .lean import LeanLayers, lean_layers
 from .packed import int8_kernel_runs
 from .memory import default_cache_budget, process_memory, tensor_bytes
 from .sampling import DEFAULT as GREEDY
-from .sampling import SamplingParams, prompt_token_logprobs, sample_token, token_logprobs, verify_drafts
+from .sampling import SamplingParams, prompt_token_logprobs, token_logprobs, verify_drafts
 from .session_layers import SessionLayers
 from .settings import ShardLayout, ShardSettings
-from .source import ResolvedModel, locate_model, model_cache
+from .source import ResolvedModel, load_tokenizer, locate_model, model_cache
 from .tensors import TORCH_DTYPES, cache_length, payload_from_tensor, positions, tensor_from_bytes
 from .weights import eos_ids, load_shard_model, shard_config
 
@@ -96,6 +97,8 @@ class ModelShard:
                                         start, label=f"model {self.model_id}")
             self.rows = RowRunner(self.model)
         self.supports_batching = self.rows.fits  # else decode_batch runs the steps one by one
+        # Structured output, on a tail: masks need the tokenizer (the head's; a tail loads it at its first grammar).
+        self.grammars = Grammars(lambda: self.tokenizer or load_tokenizer(resolved), self.vocab_size)
         self._eos_ids = eos_ids(resolved.folder, config, self.tokenizer)
         self.compile_seconds: float | None = None
         if self.settings.compile:
@@ -315,15 +318,15 @@ class ModelShard:
                history: Sequence[int], generated_from: int | None, drafts: Sequence[int] = ()) -> StepResult:
         if not self.is_tail:
             return payload_from_tensor(hidden, past_len, self.settings.wire_dtype)
-        position, sampling = past_len + hidden.shape[1], sampling or GREEDY
-        if drafts:  # the last len(drafts) + 1 positions each choose a token: keep those the drafts guessed
-            if len(drafts) >= hidden.shape[1]:
-                raise ValueError(f"{len(drafts)} drafts need more than the step's {hidden.shape[1]} positions")
-            logits = self.last_logits(hidden, len(drafts) + 1)
-            tokens = verify_drafts(logits, sampling, position - len(drafts), drafts, history, generated_from)
-        else:
-            logits = self.last_logits(hidden, 1)
-            tokens = [sample_token(logits[0], sampling, position, history, generated_from)]
+        position, sampling, grammar = past_len + hidden.shape[1], sampling or GREEDY, (sampling or GREEDY).grammar
+        if len(drafts) >= hidden.shape[1]:
+            raise ValueError(f"{len(drafts)} drafts need more than the step's {hidden.shape[1]} positions")
+        constraint = self.grammars.matcher(grammar, history[generated_from or len(history):]) if grammar else None
+        # The last len(drafts) + 1 positions each choose a token: the drafts are kept while they are the choice.
+        logits = self.last_logits(hidden, len(drafts) + 1)
+        tokens = verify_drafts(logits, sampling, position - len(drafts), drafts, history, generated_from, constraint)
+        if constraint is not None:
+            self.grammars.keep(grammar, constraint)
         reported = () if sampling.logprobs is None else \
             tuple(token_logprobs(logits, sampling, tokens, history, generated_from))
         prompt = () if drafts or past_len else self._prompt_logprobs(hidden, 0, sampling, history, generated_from)

@@ -18,6 +18,7 @@ import hashlib
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from .span_cache import LAYOUT_VERSION, ModelCache
@@ -66,6 +67,16 @@ def resolve_model(spec: str | None, cache_dir: Path | str | None = None, *, toke
     if cache is not None:
         cache.prepare(["config", "tokenizer"] if tokenizer else ["config"])
     return resolved
+
+
+def load_tokenizer(resolved: ResolvedModel) -> Any:
+    """The model's tokenizer (a GGUF's converted into the cache first, if not yet)."""
+    from transformers import AutoTokenizer
+
+    cache = model_cache(resolved)
+    if cache is not None:
+        cache.prepare(["tokenizer"])
+    return AutoTokenizer.from_pretrained(str(resolved.folder))
 
 
 def locate_model(spec: str | None, cache_dir: Path | str | None = None) -> ResolvedModel:

@@ -9,7 +9,6 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize("field, value, code", [
-    ("response_format", {"type": "json_object"}, "unsupported_parameter"),
     ("tools", [{"type": "function", "function": {"name": "f"}}], "unsupported_parameter"),
     ("tool_choice", "required", "unsupported_parameter"),
     ("logit_bias", {"50256": -100}, "unsupported_parameter"),
@@ -38,7 +37,7 @@ def test_completion_fields_not_implemented_are_refused_by_name(field, value):
 
 def test_do_nothing_values_and_extensions_pass():
     check_fields({**CHAT, "n": 1, "tools": [], "tool_choice": "none",
-                  "response_format": {"type": "text"}, "parallel_tool_calls": True, "store": False,
+                  "parallel_tool_calls": True, "store": False,
                   "service_tier": "auto", "logit_bias": {}, "user": "u", "seed": 3,
                   **{name: None for name in EXTENSIONS}}, chat=True)
     check_fields({"model": "m", "prompt": "x", "echo": False, "suffix": "", "best_of": 1},

@@ -44,3 +44,31 @@ def test_drafts_yield_the_one_by_one_tokens(full, sampling):
     assert all_right.token_id == one_by_one[5]
     for session in ("a", "b"):
         full.release_session(session)
+
+
+def test_a_grammar_masks_each_row_so_a_draft_it_forbids_is_rejected(full):
+    """Under a grammar that allows only digits, the tail's choice is a digit even where the model's favourite
+    is a word, a guessed word is rejected like any wrong guess, and the matcher advanced by the choices only."""
+    import llguidance
+    import torch
+
+    from meshws.model.constraints import Grammars
+    from meshws.model.sampling import sample_token, verify_drafts
+
+    grammars = Grammars(lambda: full.tokenizer, full.vocab_size)
+    grammar = llguidance.LLMatcher.grammar_from_regex(r"[0-9]{1,8}")
+    word, digit = full.tokenize(" hello")[0], full.tokenize("7")[0]
+    logits = torch.zeros(3, full.vocab_size)
+    logits[:, word] = 10.0  # the model would say the word at every row
+    logits[:, digit] = 5.0
+    greedy = SamplingParams(temperature=0)
+    matcher = grammars.matcher(grammar, [])
+    assert sample_token(logits[0].clone(), greedy, 0, constraint=matcher) == digit and matcher.consumed == [digit]
+    matcher = grammars.matcher(grammar, [digit])  # a new state: one digit already generated
+    assert verify_drafts(logits.clone(), greedy, 0, [word, word], constraint=matcher) == [digit]  # guess rejected
+    assert matcher.consumed == [digit, digit]
+    grammars.keep(grammar, matcher)
+    assert grammars.matcher(grammar, [digit, digit, digit]) is matcher  # found again a lap behind, then advanced
+    assert matcher.consumed == [digit] * 3
+    with pytest.raises(ValueError):
+        grammars.matcher(grammar, [word])  # a history the grammar forbids

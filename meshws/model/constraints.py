@@ -1,0 +1,111 @@
+"""Structured output on the tail: a grammar's mask on the logits before the sampler draws (llguidance).
+
+The head turns `response_format` into an llguidance grammar (a JSON schema's) and
+sends it in the session's sampling parameters; the tail, which samples, masks every
+token the grammar does not allow at that point — in one-token steps, batched rows and
+each row of a step with drafts alike, so a draft the grammar forbids is never what the
+tail chooses and is rejected like any other. The state of the grammar is a function of
+the tokens generated so far, which the tail holds (`history`): a matcher is kept under
+the state it reached (`Grammars`) and found again by the session's next step; when none
+is (a failover to this tail, a conversation cut back), one is rebuilt from the tokens.
+Rejected drafts never enter a matcher: it advances only by the tokens the tail chose. Why llguidance: see README ("Structured output").
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import torch
+
+MAX_KEPT = 256  # matchers kept for the states sessions last reached
+MAX_LAP_TOKENS = 17  # tokens one lap may add (16 drafts and one more): how far behind a kept matcher may be
+MAX_GRAMMAR_CHARS = 256 * 1024
+
+
+class GrammarError(ValueError):
+    """A grammar llguidance cannot use, or a token sequence it does not allow."""
+
+
+def json_grammar(schema: dict[str, Any] | None) -> str:
+    """The llguidance grammar of a JSON schema (None: any JSON object); GrammarError if it cannot be one."""
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema if schema is not None else {"type": "object"})
+    except Exception as exc:  # the library's own error types differ by version
+        raise GrammarError(f"the schema cannot be compiled: {exc}") from None
+    problem = llguidance.LLMatcher.validate_grammar(grammar)  # None, or what is wrong
+    if problem:
+        raise GrammarError(f"the schema cannot be compiled: {problem}")
+    return grammar
+
+
+class Matcher:
+    """A grammar's state after some tokens: which tokens may come next, and advancing by one."""
+
+    def __init__(self, inner: Any, vocab_size: int) -> None:
+        import llguidance.torch
+
+        self._inner = inner
+        self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+        self.consumed: list[int] = []
+
+    def mask_(self, logits: torch.Tensor) -> None:
+        """Set the logits of the tokens the grammar forbids next to -inf, in place (one row, `[vocab]`)."""
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self._inner, self._bitmask, 0)
+        llguidance.torch.apply_token_bitmask_inplace(logits.unsqueeze(0), self._bitmask)
+
+    def advance(self, token: int) -> None:
+        if not self._inner.consume_token(int(token)):
+            raise GrammarError(f"the grammar does not allow token {token} here: {self._inner.get_error()}")
+        self.consumed.append(int(token))
+
+
+
+class Grammars:
+    """The matchers of a tail, each kept under the state it reached (grammar, tokens consumed): a session's
+    next step finds its own, however many sessions share the grammar."""
+
+    def __init__(self, hf_tokenizer: Callable[[], Any], vocab_size: int) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self._tokenizer: Any = None
+        self._kept: OrderedDict[tuple[str, tuple[int, ...]], Matcher] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def matcher(self, grammar: str, generated: Sequence[int]) -> Matcher:
+        """A matcher that has consumed exactly `generated`: one kept a lap or less behind it, else a new one."""
+        generated = tuple(int(t) for t in generated)
+        matcher = None
+        with self._lock:
+            for behind in range(min(len(generated), MAX_LAP_TOKENS) + 1):  # the last lap's tokens are new to it
+                matcher = self._kept.pop((grammar, generated[: len(generated) - behind]), None)
+                if matcher is not None:
+                    break
+        matcher = matcher or self._new(grammar)
+        for token in generated[len(matcher.consumed):]:
+            matcher.advance(token)
+        return matcher
+
+    def keep(self, grammar: str, matcher: Matcher) -> None:
+        """Remember where `matcher` is now, for the session's next step."""
+        with self._lock:
+            self._kept[(grammar, tuple(matcher.consumed))] = matcher
+            while len(self._kept) > MAX_KEPT:
+                self._kept.popitem(last=False)
+
+    def _new(self, grammar: str) -> Matcher:
+        import llguidance
+
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer(), n_vocab=self.vocab_size)
+        inner = llguidance.LLMatcher(self._tokenizer, grammar)
+        if inner.is_error():
+            raise GrammarError(f"the grammar cannot be used: {inner.get_error()}")
+        return Matcher(inner, self.vocab_size)
