@@ -142,6 +142,9 @@ class ChatSocket:
         stats = GenerationStats(sid=uuid.uuid4().hex)  # its clock starts now: time in the queue counts
         try:  # admission before any work on the prompt
             draft = check_request(body, True, self.head)
+            if draft.tools is not None:
+                raise ApiError(400, "tools are for /v1/chat/completions; a /ws/chat turn answers in text",
+                               param="tools", code="unsupported_parameter")
             admission = await self.head.admit()
         except Unavailable as exc:
             await send({"type": "error", "id": turn_id, "message": public_text(str(exc)), "param": None,

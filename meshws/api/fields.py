@@ -1,8 +1,8 @@
 """Which request fields meshws reads: every field is implemented, refused, or a documented extension.
 
-A client that asks for something meshws does not do (tools, several choices) gets a
-400 naming the field, never an answer that silently ignored it. A field sent with its
-"do nothing" value (`n: 1`, `tools: []`, null) is accepted: clients such as the official one, LangChain or an
+A client that asks for something meshws does not do (several choices, logit biases)
+gets a 400 naming the field, never an answer that silently ignored it. A field sent
+with its "do nothing" value (`n: 1`, `logit_bias: {}`, null) is accepted: clients such as the official one, LangChain or an
 echoed assistant message send those. An unknown field is refused too, so a typo
 (`max_token`) is not a silent default.
 """
@@ -17,7 +17,7 @@ from .errors import ApiError
 CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "frequency_penalty",
     "presence_penalty", "seed", "stop", "stream", "stream_options", "user", "logprobs", "top_logprobs",
-    "response_format",
+    "response_format", "tools", "tool_choice", "parallel_tool_calls",
 }
 COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed",
@@ -36,11 +36,8 @@ NO_OP = {
     "n": (1,),
     "best_of": (1,),
     "logit_bias": ({},),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "parallel_tool_calls": (True, False),  # says nothing without tools
     "suffix": ("",),
     "store": (False,),
     "metadata": ({},),
@@ -49,13 +46,12 @@ NO_OP = {
     "audio": (), "prediction": (), "reasoning_effort": (), "verbosity": (), "web_search_options": (),
     "prompt_cache_key": (), "safety_identifier": (),
 }
-CHAT_ONLY = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-             "store", "metadata", "modalities", "audio", "prediction", "reasoning_effort",
+CHAT_ONLY = {"functions", "function_call", "store", "metadata", "modalities", "audio", "prediction", "reasoning_effort",
              "verbosity", "web_search_options", "prompt_cache_key", "safety_identifier", "service_tier"}
 COMPLETION_ONLY = {"best_of", "suffix"}
 
-MESSAGE_FIELDS = {"role", "content"}
-MESSAGE_NO_OP = {"tool_calls": ([],), "function_call": (), "tool_call_id": (), "name": (), "refusal": (),
+MESSAGE_FIELDS = {"role", "content", "tool_calls", "tool_call_id"}  # (the last two checked with the role)
+MESSAGE_NO_OP = {"function_call": (), "name": (), "refusal": (),
                  "audio": (), "annotations": ([],), "reasoning_content": ()}
 
 
@@ -82,14 +78,14 @@ def check_fields(body: dict[str, Any], chat: bool) -> None:
 
 
 def check_message_fields(message: dict[str, Any], where: str) -> None:
-    """A chat message's fields: role and content, and the others only empty (tools are not supported)."""
+    """A chat message's fields: role, content, tool_calls and tool_call_id; the others only empty."""
     for name, value in message.items():
         if name in MESSAGE_FIELDS:
             continue
         if name in MESSAGE_NO_OP:
             if not _is_no_op(value, MESSAGE_NO_OP[name]):
-                raise ApiError(400, f"'{where}.{name}' is not supported by meshws (no tool calls, names or "
-                               "audio in messages)", param=f"{where}.{name}", code="unsupported_parameter")
+                raise ApiError(400, f"'{where}.{name}' is not supported by meshws (no names, function_call "
+                               "or audio in messages)", param=f"{where}.{name}", code="unsupported_parameter")
             continue
         raise ApiError(400, f"unknown field '{where}.{name}'; a message has a role and a content",
                        param=f"{where}.{name}", code="unknown_parameter")

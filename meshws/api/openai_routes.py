@@ -28,6 +28,7 @@ from .errors import ApiError, json_response, public_text, read_json
 from .logprobs import chat_logprobs, completion_logprobs, joined, prompt_logprobs
 from .requests import CompletionSpec, check_request, complete_spec
 from .sse import EventStream, SlowClient
+from .tools import CallSplitter, calls_in
 from .tokens import TokenRoutes
 
 log = logging.getLogger("meshws.api")
@@ -178,7 +179,10 @@ class OpenAIApi:
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(stats),
                                   "logprobs": joined(echoed[1], logprobs) if echoed[1] and logprobs else logprobs}
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            content, calls = calls_in(text, spec.tools) if spec.tools is not None else (text, [])
+            choice["message"] = {"role": "assistant", "content": (content or None) if calls else text}
+            if calls:
+                choice["message"]["tool_calls"], choice["finish_reason"] = calls, "tool_calls"
         else:
             choice["text"] = echoed[0] + text
         if spec.return_token_ids:
@@ -241,14 +245,30 @@ class OpenAIApi:
             if chat:
                 await write(chunk(delta_choice("", role=True)))
             echo = spec.echo  # the prompt goes first, once its prefill has run (and told its log-probabilities)
+            tools = spec.tools if spec.tools is not None and spec.tools.choice != "none" else None
+            splitter, parts = CallSplitter(in_call=tools is not None and tools.forced), []
             async with aclosing(run_spec(self.head, spec, stats, admission)) as deltas:
                 async for delta in deltas:
                     if echo:
                         echo = await self._send_echo(write, chunk, spec, stats, told)
-                    await write(chunk(delta_choice(delta)))
+                    parts.append(delta)
+                    content = splitter.feed(delta) if tools is not None else delta
+                    if content:
+                        await write(chunk(delta_choice(content)))
             if echo:
                 await self._send_echo(write, chunk, spec, stats, told)
-            await write(chunk(delta_choice(None, _finish(stats))))
+            finish = _finish(stats)
+            if tools is not None:  # the calls, whole, once the answer is complete
+                held = splitter.rest()  # what looked like the start of a call and was not
+                if held:
+                    await write(chunk(delta_choice(held)))
+                calls = calls_in("".join(parts), tools)[1]
+                if calls:
+                    finish = "tool_calls"
+                    await write(chunk({"index": 0, "delta": {"tool_calls": [{"index": i, **call}
+                                                                            for i, call in enumerate(calls)]},
+                                       "finish_reason": None, "logprobs": None}))
+            await write(chunk(delta_choice(None, finish)))
             if spec.include_usage:
                 await write(chunk(None, {"usage": usage(stats)}))
         except PipelineError as exc:

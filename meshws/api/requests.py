@@ -13,8 +13,9 @@ from ..model.constraints import GrammarError, json_grammar
 from ..model.sampling import MAX_PROMPT_LOGPROBS, MAX_PROMPT_TOP_LOGPROBS, MAX_TOP_LOGPROBS, SamplingParams
 from .errors import ApiError
 from .fields import check_fields, check_message_fields
+from .tools import ToolSpec, parse_tools, plain_messages
 
-ROLES = ("system", "developer", "user", "assistant")  # "tool" messages need tools, which meshws lacks yet
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_MESSAGES = 1024
 CHARS_PER_TOKEN_CAP = 16  # a prompt longer than context x this many characters cannot fit: refused unread
 DEFAULT_MAX_TOKENS = 1024
@@ -37,6 +38,7 @@ class CompletionSpec:
     cache_prompt: bool = True  # llama-server's field: false keeps the request out of the warm pool
     owner: str = ""  # who may adopt this request's warm session later: the same client address and `user`
     model: str = ""  # the name the request called the model by (answers echo it)
+    tools: ToolSpec | None = None  # chat: the functions the model may call (the answer's calls are read back)
     echo: bool = False  # a completion's text starts with its prompt
 
 
@@ -151,22 +153,43 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if not isinstance(message, dict):
             raise ApiError(400, f"'{where}' must be an object", param=where, code="invalid_type")
         role = message.get("role")
-        if role == "tool":
-            raise ApiError(400, f"'{where}' is a tool result; meshws does not support tools yet",
-                           param=f"{where}.role", code="unsupported_parameter")
         if role not in ROLES:
             raise ApiError(400, f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}",
                            param=f"{where}.role", code="invalid_value")
         check_message_fields(message, where)
-        plain.append({"role": "system" if role == "developer" else role, "content": _content(message, where)})
+        plain.append({"role": "system" if role == "developer" else role, "content": _content(message, where),
+                      **_tool_fields(message, where)})
     return plain
+
+
+def _tool_fields(message: dict[str, Any], where: str) -> dict[str, Any]:
+    """An assistant's earlier `tool_calls`, or a tool result's `tool_call_id` (required on a `tool` message)."""
+    role, calls, call_id = message.get("role"), message.get("tool_calls"), message.get("tool_call_id")
+    if role == "tool":
+        if not isinstance(call_id, str) or not call_id:
+            raise ApiError(400, f"'{where}.tool_call_id' is required on a tool message", param=f"{where}.tool_call_id",
+                           code="invalid_value")
+        return {"tool_call_id": call_id}
+    if call_id is not None:
+        raise ApiError(400, f"'{where}.tool_call_id' belongs on a tool message", param=f"{where}.tool_call_id",
+                       code="invalid_value")
+    if not calls:
+        return {}
+    ok = role == "assistant" and isinstance(calls, list) and all(
+        isinstance(c, dict) and c.get("type", "function") == "function" and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str) and isinstance(c["function"].get("arguments", ""), str)
+        for c in calls)
+    if not ok:
+        raise ApiError(400, f"'{where}.tool_calls' must be an assistant's list of {{\"type\": \"function\", "
+                       "\"function\": {\"name\", \"arguments\"}}", param=f"{where}.tool_calls", code="invalid_value")
+    return {"tool_calls": calls}
 
 
 def _content(message: dict[str, Any], where: str) -> str:
     content = message.get("content")
     if isinstance(content, str):
         return content
-    if content is None and message.get("role") == "assistant":
+    if content is None and message.get("role") == "assistant":  # (one that only called tools)
         return ""
     if isinstance(content, list):
         texts = []
@@ -202,6 +225,7 @@ class RequestDraft:
     messages: list[dict[str, str]] | None = None  # chat
     prompt: str = ""  # completions: the text ...
     prompt_ids: list[int] | None = None  # ... or the token ids
+    tools: ToolSpec | None = None  # chat: the functions the model may call
 
 
 def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> RequestDraft:
@@ -216,16 +240,22 @@ def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> Reques
         raise ApiError(404, f"the model '{model}' does not exist; this mesh serves "
                        f"{' or '.join(repr(name) for name in head.served_names)}", param="model", code="model_not_found")
     logprobs = parse_logprobs(body, chat)
+    tools = parse_tools(body) if chat else None
+    grammar = parse_response_format(body) if chat else None
+    if grammar is not None and tools is not None and tools.forced:
+        raise ApiError(400, "'response_format' and a required tool call cannot both shape the answer",
+                       param="response_format", code="invalid_value")
     sampling = replace(parse_sampling(body), logprobs=logprobs,
                        prompt_logprobs=bool(body.get("echo")) and logprobs is not None,
-                       grammar=parse_response_format(body) if chat else None)
+                       grammar=grammar or (tools.grammar if tools is not None else None))
     if sampling.grammar is not None and body.get("ignore_eos"):
         raise ApiError(400, "'ignore_eos' cannot go past the end of a structured answer", param="ignore_eos",
                        code="invalid_value")
-    draft = RequestDraft(body, chat, sampling, parse_stop(body))
+    draft = RequestDraft(body, chat, sampling, parse_stop(body), tools=tools)
     if chat:
         draft.messages = parse_messages(body)
-        _check_size(sum(len(m["content"]) for m in draft.messages), len(draft.messages), head.context_length)
+        _check_size(sum(len(m["content"]) for m in draft.messages) + len(str(body.get("tools") or "")),
+                    len(draft.messages), head.context_length)
     else:
         draft.prompt, draft.prompt_ids = _completion_prompt(body)
         _check_size(len(draft.prompt) + len(draft.prompt_ids or ()), 1, head.context_length)
@@ -245,8 +275,13 @@ async def complete_spec(draft: RequestDraft, head: HeadService) -> CompletionSpe
     builder = head.prompts
     prompt, prompt_ids = draft.prompt, draft.prompt_ids
     if draft.messages is not None:
+        tools, messages = draft.tools, draft.messages
+        native = builder.renders_tools and tools is not None  # the template lays the tools out itself
+        if not native:
+            messages = plain_messages(messages, tools)
+        rendered = [{"type": "function", "function": f} for f in tools.functions] if native and tools else None
         try:
-            prompt = await asyncio.to_thread(builder.chat_prompt, draft.messages)
+            prompt = await asyncio.to_thread(builder.chat_prompt, messages, rendered)
         except Exception as exc:  # a model's Jinja template may raise on messages it does not expect
             raise ApiError(400, f"the model's chat template cannot render these messages: {str(exc)[:200]}",
                            param="messages", code="invalid_value") from None
@@ -292,6 +327,7 @@ async def complete_spec(draft: RequestDraft, head: HeadService) -> CompletionSpe
         ignore_eos=bool(body.get("ignore_eos")),
         cache_prompt=body.get("cache_prompt") is not False and not draft.sampling.prompt_logprobs,  # all prefilled
         echo=bool(body.get("echo")),
+        tools=draft.tools,
         model=body["model"],
     )
 

@@ -18,6 +18,7 @@ from aiohttp import web
 from ..head.service import HeadService
 from .errors import ApiError, json_response, read_json
 from .requests import CHARS_PER_TOKEN_CAP, parse_messages
+from .tools import plain_messages
 
 TOKENIZE_FIELDS = {"model", "prompt", "content", "messages", "with_pieces", "return_token_strs"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
@@ -80,7 +81,7 @@ class TokenRoutes:
                 raise ApiError(400, "the messages are longer than the context could hold", param="messages",
                                code="context_length_exceeded")
             try:
-                text = await asyncio.to_thread(self.head.prompts.chat_prompt, messages)
+                text = await asyncio.to_thread(self.head.prompts.chat_prompt, plain_messages(messages, None))
             except Exception as exc:  # a model's Jinja template may raise on messages it does not expect
                 raise ApiError(400, f"the model's chat template cannot render these messages: {str(exc)[:200]}",
                                param="messages", code="invalid_value") from None

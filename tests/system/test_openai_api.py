@@ -180,6 +180,51 @@ async def test_json_schema_answers_always_parse_and_validate(mesh):
     assert free.choices[0].finish_reason == "stop" and isinstance(json.loads(free.choices[0].message.content), dict)
 
 
+WEATHER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
+                                      "parameters": {"type": "object", "additionalProperties": False,
+                                                     "required": ["city"],
+                                                     "properties": {"city": {"type": "string", "maxLength": 30}}}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone",
+                                      "parameters": {"type": "object", "additionalProperties": False,
+                                                     "required": ["zone"],
+                                                     "properties": {"zone": {"type": "string", "maxLength": 30}}}}},
+]
+
+
+def test_a_required_tool_call_parses_and_its_result_gets_an_answer(client):
+    """tool_choice required: the answer is a call to one of the tools, with arguments valid against its schema
+    (a grammar guarantees it); the call and its result fed back get a final answer in text."""
+    import json
+
+    import jsonschema
+
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    answer = client.chat.completions.create(model=MODEL, messages=ask, tools=WEATHER_TOOLS, tool_choice="required",
+                                            max_tokens=60, temperature=0)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    schema = {tool["function"]["name"]: tool["function"]["parameters"] for tool in WEATHER_TOOLS}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    assert call.id.startswith("call_") and call.type == "function"
+    follow_up = ask + [choice.message.model_dump(exclude_none=True),
+                       {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny", "celsius": 21}'}]
+    final = client.chat.completions.create(model=MODEL, messages=follow_up, tools=WEATHER_TOOLS, max_tokens=40,
+                                           temperature=0)
+    assert final.choices[0].message.content and final.choices[0].finish_reason in ("stop", "length")
+    assert not final.choices[0].message.tool_calls or final.choices[0].finish_reason == "tool_calls"
+    # A named function, streamed: the call arrives whole as delta.tool_calls, then finish_reason tool_calls.
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=ask, tools=WEATHER_TOOLS, max_tokens=60, temperature=0, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}))
+    calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(calls) == 1 and calls[0][0].function.name == "get_time" and calls[0][0].index == 0
+    jsonschema.validate(json.loads(calls[0][0].function.arguments), WEATHER_TOOLS[1]["function"]["parameters"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+
+
 def test_an_alias_serves_the_same_model_and_is_echoed(client):
     by_alias = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=8, temperature=0)
     by_id = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
@@ -293,13 +338,14 @@ def test_same_seed_gives_the_same_sampled_text(client):
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "the weather"}}]}, "tools[0]"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
     ({"logit_bias": {"100": -100}}, "logit_bias"),
     ({"extra_body": {"max_token": 5}}, "max_token"),  # a typo is refused, not a silent default
     ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages[0].name"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages[0].tool_call_id"),
 ])
 def test_fields_meshws_does_not_implement_are_refused_by_name(client, fields, param):
     """The official client's fields that meshws does not implement: a 400 naming the field, not an answer
