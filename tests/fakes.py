@@ -95,6 +95,9 @@ class FakeBackend:
         self.released.append(session_id)
         return True
 
+    def fork_session(self, parent_id: str, session_id: str, length: int) -> bool:
+        return False  # no cache to copy: a fork's first step misses and re-prefills
+
 
 class CachedHeadBackend(FakeBackend):
     start, end = 0, 6

@@ -1,8 +1,8 @@
 """Which request fields meshws reads: every field is implemented, refused, or a documented extension.
 
-A client that asks for something meshws does not do (several choices, logit biases)
+A client that asks for something meshws does not do (logit biases, stored answers)
 gets a 400 naming the field, never an answer that silently ignored it. A field sent
-with its "do nothing" value (`n: 1`, `logit_bias: {}`, null) is accepted: clients such as the official one, LangChain or an
+with its "do nothing" value (`logit_bias: {}`, `store: false`, null) is accepted: clients such as the official one, LangChain or an
 echoed assistant message send those. An unknown field is refused too, so a typo
 (`max_token`) is not a silent default.
 """
@@ -17,11 +17,11 @@ from .errors import ApiError
 CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "frequency_penalty",
     "presence_penalty", "seed", "stop", "stream", "stream_options", "user", "logprobs", "top_logprobs",
-    "response_format", "tools", "tool_choice", "parallel_tool_calls",
+    "response_format", "tools", "tool_choice", "parallel_tool_calls", "n",
 }
 COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed",
-    "stop", "stream", "stream_options", "user", "logprobs", "echo",
+    "stop", "stream", "stream_options", "user", "logprobs", "echo", "n",
 }
 # ... extensions other servers (vLLM, llama-server) have taught clients to send ...
 EXTENSIONS = {
@@ -33,7 +33,6 @@ EXTENSIONS = {
 }
 # ... and OpenAI fields meshws does not implement: accepted only with the value that asks for nothing.
 NO_OP = {
-    "n": (1,),
     "best_of": (1,),
     "logit_bias": ({},),
     "functions": ([],),

@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import orjson
 from aiohttp import web
@@ -28,6 +28,7 @@ from .errors import ApiError, json_response, public_text, read_json
 from .logprobs import chat_logprobs, completion_logprobs, joined, prompt_logprobs
 from .requests import CompletionSpec, check_request, complete_spec
 from .sse import EventStream, SlowClient
+from .choices import Choice, run_choices
 from .tools import CallSplitter, calls_in
 from .tokens import TokenRoutes
 
@@ -39,11 +40,13 @@ def unavailable(exc: Unavailable) -> ApiError:
                     headers={"Retry-After": str(exc.retry_after)})
 
 
-def usage(stats: GenerationStats) -> dict[str, Any]:
+def usage(stats: GenerationStats, choices: Sequence[Choice] = ()) -> dict[str, Any]:
+    """The answer's token counts (`choices`: all of an `n` > 1 request's; the prompt counts once)."""
+    completion = sum(choice.stats.completion_tokens for choice in choices) if choices else stats.completion_tokens
     counts: dict[str, Any] = {
         "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.completion_tokens,
-        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "completion_tokens": completion,
+        "total_tokens": stats.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},  # not prefilled again: a kept session held them
     }
     if stats.speculation is not None and stats.speculation.laps:  # an extension: how the drafts fared
@@ -163,20 +166,40 @@ class OpenAIApi:
 
     async def _complete(self, spec: CompletionSpec, admission: Admission, chat: bool, kind: str,
                         answer_id: str, stats: GenerationStats) -> web.Response:
-        token_ids: list[int] = []
-        parts: list[str] = []
         try:
-            async with aclosing(run_spec(self.head, spec, stats, admission, token_ids)) as deltas:
-                async for delta in deltas:
-                    parts.append(delta)
+            if spec.n > 1:
+                choices = await run_choices(self.head, spec, admission, stats)
+            else:
+                choices = [Choice(stats)]
+                async with aclosing(run_spec(self.head, spec, stats, admission, choices[0].token_ids)) as deltas:
+                    async for delta in deltas:
+                        choices[0].parts.append(delta)
         except PipelineError as exc:
-            if parts or stats.completion_tokens:
+            if stats.completion_tokens:
                 log.warning("generation %s failed after %d tokens: %s", stats.sid[:12], stats.completion_tokens, exc)
             return ApiError(502, f"pipeline error: {public_text(str(exc))}", code="pipeline_error",
                             kind="upstream_error").response()
-        text, echoed = "".join(parts), self._echoed(spec, stats) if spec.echo else ("", None)
+        counts = usage(stats, choices)
+        answer = {
+            "id": answer_id,
+            "object": kind,
+            "created": int(time.time()),
+            "model": spec.model,
+            "choices": [self._choice(spec, chat, choice, index, stats) for index, choice in enumerate(choices)],
+            "usage": counts,
+            "system_fingerprint": None,
+        }
+        if spec.return_token_ids:
+            answer["prompt_token_ids"] = spec.prompt_ids
+        return json_response(answer)
+
+    def _choice(self, spec: CompletionSpec, chat: bool, done: Choice, index: int,
+                first: GenerationStats) -> dict[str, Any]:
+        """One choice of a whole answer: its text (or tool calls), why it ended, its log-probabilities."""
+        stats, text = done.stats, done.text
+        echoed = self._echoed(spec, first) if spec.echo else ("", None)  # (the prompt was prefilled once)
         logprobs = self._logprobs(stats, chat, 0, len(stats.logprobs or ()), len(echoed[0]))
-        choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(stats),
+        choice: dict[str, Any] = {"index": index, "finish_reason": _finish(stats),
                                   "logprobs": joined(echoed[1], logprobs) if echoed[1] and logprobs else logprobs}
         if chat:
             content, calls = calls_in(text, spec.tools) if spec.tools is not None else (text, [])
@@ -186,19 +209,8 @@ class OpenAIApi:
         else:
             choice["text"] = echoed[0] + text
         if spec.return_token_ids:
-            choice["token_ids"] = token_ids
-        answer = {
-            "id": answer_id,
-            "object": kind,
-            "created": int(time.time()),
-            "model": spec.model,
-            "choices": [choice],
-            "usage": usage(stats),
-            "system_fingerprint": None,
-        }
-        if spec.return_token_ids:
-            answer["prompt_token_ids"] = spec.prompt_ids
-        return json_response(answer)
+            choice["token_ids"] = done.token_ids
+        return choice
 
     async def _send_echo(self, write: Any, chunk: Any, spec: CompletionSpec, stats: GenerationStats,
                          told: list[int]) -> bool:
@@ -208,8 +220,46 @@ class OpenAIApi:
         await write(chunk({"index": 0, "text": text, "finish_reason": None, "logprobs": logprobs}))
         return False
 
+    async def _stream_choices(self, stream: EventStream, spec: CompletionSpec, admission: Admission, chat: bool,
+                              kind: str, answer_id: str, stats: GenerationStats) -> web.StreamResponse:
+        """`n` > 1, streamed: each choice's text as it comes (chunks say their `index`), then each one's end."""
+        created, chunk_kind = int(time.time()), kind + ".chunk" if chat else kind
+
+        def chunk(index: int, text: str | None, finish: str | None = None, role: bool = False) -> bytes:
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": None}
+            if chat:
+                choice["delta"] = {**({"role": "assistant"} if role else {}),
+                                   **({"content": text} if text is not None else {})}
+            else:
+                choice["text"] = text or ""
+            data = {"id": answer_id, "object": chunk_kind, "created": created, "model": spec.model, "choices": [choice]}
+            return b"data: " + orjson.dumps(data) + b"\n\n"
+
+        try:
+            await stream.start()
+            for index in range(spec.n if chat else 0):
+                await stream.send(chunk(index, "", role=True))
+            choices = await run_choices(self.head, spec, admission, stats,
+                                        lambda index, delta: stream.send(chunk(index, delta)))
+            for index, choice in enumerate(choices):
+                await stream.send(chunk(index, None, _finish(choice.stats)))
+            if spec.include_usage:
+                end = {"id": answer_id, "object": chunk_kind, "created": created, "model": spec.model, "choices": [],
+                       "usage": usage(stats, choices)}
+                await stream.send(b"data: " + orjson.dumps(end) + b"\n\n")
+        except PipelineError as exc:
+            error = {"error": {"message": f"pipeline error: {public_text(str(exc))}", "type": "upstream_error",
+                               "param": None, "code": "pipeline_error"}}
+            await stream.send(b"data: " + orjson.dumps(error) + b"\n\n")
+        except SlowClient:
+            return stream.response  # aborted already
+        await stream.send(b"data: [DONE]\n\n")
+        return await stream.finish()
+
     async def _stream(self, stream: EventStream, spec: CompletionSpec, admission: Admission, chat: bool,
                       kind: str, answer_id: str, stats: GenerationStats) -> web.StreamResponse:
+        if spec.n > 1:
+            return await self._stream_choices(stream, spec, admission, chat, kind, answer_id, stats)
         created = int(time.time())
         chunk_kind = kind + ".chunk" if chat else kind
 

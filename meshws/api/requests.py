@@ -17,6 +17,7 @@ from .tools import ToolSpec, parse_tools, plain_messages
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_MESSAGES = 1024
+MAX_CHOICES = 8  # `n`
 CHARS_PER_TOKEN_CAP = 16  # a prompt longer than context x this many characters cannot fit: refused unread
 DEFAULT_MAX_TOKENS = 1024
 MAX_STOP_STRINGS = 16
@@ -40,6 +41,7 @@ class CompletionSpec:
     model: str = ""  # the name the request called the model by (answers echo it)
     tools: ToolSpec | None = None  # chat: the functions the model may call (the answer's calls are read back)
     echo: bool = False  # a completion's text starts with its prompt
+    n: int = 1  # choices (they share the prompt's prefill)
 
 
 # -- validation ---------------------------------------------------------------
@@ -261,6 +263,10 @@ def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> Reques
         _check_size(len(draft.prompt) + len(draft.prompt_ids or ()), 1, head.context_length)
     for name in ("max_completion_tokens", "max_tokens"):
         _integer(body, name, 1, None)
+    streamed_extras = logprobs is not None or body.get("echo") or (tools is not None and tools.choice != "none")
+    if (_integer(body, "n", 1, 1, high=MAX_CHOICES) or 1) > 1 and body.get("stream") and streamed_extras:
+        raise ApiError(400, "with 'n' > 1 a stream carries text only: ask without stream for log-probabilities, "
+                       "echo or tool calls", param="n", code="unsupported_parameter")
     return draft
 
 
@@ -328,6 +334,7 @@ async def complete_spec(draft: RequestDraft, head: HeadService) -> CompletionSpe
         cache_prompt=body.get("cache_prompt") is not False and not draft.sampling.prompt_logprobs,  # all prefilled
         echo=bool(body.get("echo")),
         tools=draft.tools,
+        n=_integer(body, "n", 1, 1, high=MAX_CHOICES) or 1,
         model=body["model"],
     )
 

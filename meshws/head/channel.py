@@ -47,9 +47,9 @@ class HopChannel:
         link.subscribe(sid, self._replies.put_nowait)
 
     async def open(self, sampling: SamplingParams, prompt_tokens: int, route: tuple[RouteHop, ...],
-                   resume: bool = False) -> None:
+                   resume: bool = False, fork: tuple[str, int] | None = None) -> None:
         mac = sign_route(self.secret, self.sid, [hop.to_wire() for hop in route]) if self.secret and route else None
-        message = Open(self.sid, sampling, prompt_tokens, route, mac, resume)
+        message = Open(self.sid, sampling, prompt_tokens, route, mac, resume, fork)
         self.hung_url = None if route else self.link.url  # behind a dialed route, any of its hops may hang
         if not self.link.is_up:
             await self.link.wait_up(LINK_WAIT)
@@ -117,7 +117,7 @@ class RoutedPath:
         """The current route as /health and the chat page show it."""
         return self.route.view if self.route is not None else []
 
-    async def open(self, sampling: SamplingParams, prompt_tokens: int) -> None:
+    async def open(self, sampling: SamplingParams, prompt_tokens: int, fork: tuple[str, int] | None = None) -> None:
         planner = self.planner
         route, self.planned = self.planned, None  # admitted and held already
         try:
@@ -127,7 +127,7 @@ class RoutedPath:
         if self.route.link is not None:
             self.channel = HopChannel(self.route.link, self.sid, self.step_timeout, self.compress_min_bytes,
                                       self.secret)
-            await self.channel.open(sampling, prompt_tokens, self.route.hops)
+            await self.channel.open(sampling, prompt_tokens, self.route.hops, fork=fork)
 
     async def resume(self, sampling: SamplingParams, prompt_tokens: int) -> None:
         """A conversation's next answer on the same route: every hop keeps its cache and takes the new sampling."""

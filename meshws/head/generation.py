@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
 from ..mesh.aio import run_uncancelled
@@ -31,7 +32,7 @@ from .drafts import NgramDrafter, Speculation
 from .planner import RoutePlanner
 from .progress import Progress
 from .routes import Route
-from .stats import FinishReason, GenerationRequest, GenerationStats, TokenEvent
+from .stats import FinishReason, Fork, GenerationRequest, GenerationStats, TokenEvent
 from .timing import LapTimes
 
 log = logging.getLogger("meshws.generation")
@@ -67,12 +68,14 @@ class Generator:
         self.eos_ids = set(backend.eos_token_ids())
         self.active: dict[str, GenerationStats] = {}
         self.kept: dict[str, Conversation] = {}  # conversations whose channel stays open between answers
+        self.paths: dict[str, RoutedPath] = {}  # the routes of running generations (another choice forks one)
         self.max_kept = max_kept  # beyond, the least recently used idle one is closed
         self.reuse_hits = self.reuse_misses = self.reused_tokens = 0  # answers of warm conversations
 
     async def generate(self, request: GenerationRequest, stats: GenerationStats | None = None,
                        route: Route | None = None, slot: Slot | None = None,
-                       conversation: Conversation | None = None) -> AsyncIterator[TokenEvent]:
+                       conversation: Conversation | None = None, fork: Fork | None = None,
+                       prefilled: asyncio.Event | None = None) -> AsyncIterator[TokenEvent]:
         """Yield tokens as they come. Close the iterator (aclosing) to stop early.
 
         `route` is the route admission planned; without one, the generation plans its own.
@@ -80,6 +83,9 @@ class Generator:
         With a `conversation`, the session is its own: a warm one is resumed (only the
         prompt's tokens after what its caches hold are prefilled), and an answer that ends
         cleanly keeps it open for the next; one that fails or is cancelled mid-step ends it.
+        A `fork` (another choice of an `n` > 1 request) starts from a copy of the first
+        choice's caches on its route, so only the prompt's last token runs again;
+        `prefilled` is set once this generation's prompt is in its caches (or it ended).
         """
         stats = stats or GenerationStats(sid=uuid.uuid4().hex)
         if conversation is not None:
@@ -87,6 +93,9 @@ class Generator:
         sid = stats.sid
         self.active[sid] = stats
         warm = conversation is not None and conversation.warm
+        parent = self.paths.get(fork.sid) if fork is not None else None
+        if parent is not None and parent.route is not None:  # the first choice's route: its caches are there
+            route = self.planner.hold(replace(parent.route, on_done=None))
         path = conversation.path if warm else RoutedPath(self.planner, sid, route, self.step_timeout,
                                                          self.compress_min_bytes, self.secret)
         if warm and route is not None:
@@ -103,12 +112,17 @@ class Generator:
                 prompt_ids = await self.worker.call(self.backend.tokenize, request.prompt)
             sequence.prompt_ids = prompt_ids
             stats.prompt_tokens = len(prompt_ids)
+            self.paths[sid] = path
             if warm:
                 sequence.reuse = await self._resume(path, conversation, request.sampling, prompt_ids)
+            elif parent is not None:
+                await path.open(request.sampling, len(prompt_ids), (fork.sid, fork.length))
+                forked = await self.worker.call(self.backend.fork_session, fork.sid, sid, fork.length)
+                sequence.reuse = fork.length if forked else 0
             else:
                 await path.open(request.sampling, len(prompt_ids))
             stats.route = path.view
-            async for event in self._loop(request, stats, sequence, path):
+            async for event in self._loop(request, stats, sequence, path, prefilled):
                 yield event
             outcome = stats.finish_reason.value if stats.finish_reason else "stopped"
             clean = True
@@ -119,6 +133,9 @@ class Generator:
             outcome = "cancelled"
             raise
         finally:
+            if prefilled is not None:
+                prefilled.set()
+            self.paths.pop(sid, None)
             stats.finished_at = time.perf_counter()
             stats.cached_tokens = sequence.reuse  # 0 once a cache miss or a re-route meant a full prefill
             self.active.pop(sid, None)
@@ -190,6 +207,7 @@ class Generator:
         stats: GenerationStats,
         sequence: Progress,
         path: RoutedPath,
+        prefilled: asyncio.Event | None = None,
     ) -> AsyncIterator[TokenEvent]:
         sid, sampling = stats.sid, request.sampling
         need_prefill, misses = True, 0
@@ -218,6 +236,8 @@ class Generator:
             except ValueError as exc:  # a step refused by a backend (bad length, dtype...)
                 raise PipelineError(str(exc)) from exc
             misses = 0
+            if prefilled is not None:
+                prefilled.set()  # the prompt is in every cache of the route: other choices may fork it
             if need_prefill and not sequence.reuse and stats.prompt_logprobs is None and result.prompt_logprobs:
                 stats.prompt_logprobs = result.prompt_logprobs
             # 1 token, or after a lap with drafts the ones the tail kept and its own: all fed but the last

@@ -23,6 +23,7 @@ from .generation import GenerationRequest, GenerationStats, Generator
 from .planner import RoutePlanner
 from .prompts import PromptBuilder
 from .routes import NoRoute, Route
+from .stats import Fork
 from .text_stream import stream_completion
 
 log = logging.getLogger("meshws.head")
@@ -52,6 +53,15 @@ class Admission:
     def release(self) -> None:
         self.route.release()
         self.slot.release()
+
+
+@dataclass
+class ChoiceOf:
+    """Where a choice of an `n` > 1 request stands: the first one tells when its prompt is prefilled
+    (`prefilled`); the others fork it."""
+
+    prefilled: asyncio.Event | None = None
+    fork: Fork | None = None
 
 
 class HeadService:
@@ -110,7 +120,7 @@ class HeadService:
 
     def stream(self, request: GenerationRequest, stop: Sequence[str], stats: GenerationStats, admission: Admission,
                token_ids: list[int] | None = None, conversation: Conversation | None = None,
-               owner: str | None = None) -> AsyncIterator[str]:
+               owner: str | None = None, choice: ChoiceOf | None = None) -> AsyncIterator[str]:
         """The answer's text as it is decided; stats fill in as it runs. Close it (aclosing) to stop early.
 
         With a `conversation` (a /ws/chat socket's), the answer goes on in its session.
@@ -120,6 +130,10 @@ class HeadService:
         never cross owners: a shared prefix's cached length would tell one client what
         another one sent.
         """
+        if choice is not None:  # one of an `n` > 1 request's choices: the admission is the request's, held to its end
+            route = admission.route if choice.fork is None else None
+            return stream_completion(self._generator, request, self.decode, stop, stats, token_ids, route, None,
+                                     None, choice.fork, choice.prefilled)
         if conversation is not None or not self.warm.size or owner is None:
             return stream_completion(self._generator, request, self.decode, stop, stats, token_ids,
                                      admission.route, admission.slot, conversation)

@@ -33,6 +33,14 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class Fork:
+    """Another choice of an `n` > 1 request: it starts from the first `length` positions of session `sid`."""
+
+    sid: str
+    length: int
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     token_id: int | None  # None only from a legacy tail, which sends text instead
     text: str | None = None

@@ -8,10 +8,12 @@ string itself is never given out; special tokens (EOS) are skipped by decode.
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import aclosing
 from typing import AsyncIterator, Callable, Sequence
 
 from .generation import FinishReason, GenerationRequest, GenerationStats, Generator
+from .stats import Fork
 from .admission import Slot
 from .conversation import Conversation
 from .routes import Route
@@ -95,10 +97,12 @@ async def stream_completion(
     route: Route | None = None,
     slot: Slot | None = None,
     conversation: Conversation | None = None,
+    fork: Fork | None = None,
+    prefilled: asyncio.Event | None = None,
 ) -> AsyncIterator[str]:
     """Text deltas of one generation; a stop string ends it with finish_reason "stop"."""
     text = TextStream(decode, stop)
-    async with aclosing(generator.generate(request, stats, route, slot, conversation)) as events:
+    async with aclosing(generator.generate(request, stats, route, slot, conversation, fork, prefilled)) as events:
         async for event in events:
             if event.token_id is not None:
                 if token_ids is not None:

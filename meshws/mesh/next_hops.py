@@ -41,7 +41,7 @@ class NextHops:
     def onward(self, message: Open, route: tuple[RouteHop, ...]) -> Open:
         """The `open` to send to the next hop: the rest of the route, signed again."""
         mac = sign_route(self.secret, message.sid, [hop.to_wire() for hop in route]) if self.secret and route else None
-        return Open(message.sid, message.sampling, message.prompt_tokens, route, mac, message.resume)
+        return Open(message.sid, message.sampling, message.prompt_tokens, route, mac, message.resume, message.fork)
 
     def choose(self, message: Open) -> tuple[str | None, tuple[RouteHop, ...]]:
         """The URL of the next hop and the hops after it; an empty route means: use --peer."""

@@ -207,6 +207,9 @@ class ShardService:
             return
         session = InboundSession(sid, message.sampling, message.prompt_tokens, next_hop, route, link=link)
         session.after = self.lanes.last(sid)  # the release of an earlier session of this id goes first
+        if message.fork is not None and message.fork[0] in link.owned:  # (never another link's session)
+            fork = message.fork  # in the lane: before the steps, and before a close's release
+            session.after = self.lanes.run(sid, lambda: self._fork(fork, sid))
         self.sessions[sid] = session
         link.owned.add(sid)
         if next_hop is not None:
@@ -214,6 +217,13 @@ class ShardService:
             onward = self.next_hops.onward(message, route)
             # The link may still be dialing: the open goes on in the lane; steps wait for it.
             session.forwarding = self.lanes.run(sid, lambda: self._forward_open(next_hop, onward))
+
+    async def _fork(self, fork: tuple[str, int], sid: str) -> None:
+        """Start `sid`'s cache as a copy of the first positions of another session (steps wait for it)."""
+        try:
+            await self.worker.call(self.backend.fork_session, fork[0], sid, fork[1])
+        except Exception as exc:  # the copy is an optimisation: without it the first step misses and re-prefills
+            log.info("session %s: no fork of %s (%s)", sid[:12], fork[0][:12], exc)
 
     def _resume(self, session: InboundSession, message: Open, route: tuple) -> None:
         """A conversation's next turn on the same link and next hop: the cache stays, the sampling is new."""

@@ -162,6 +162,8 @@ class ShardBackend(Protocol):
 
     def release_session(self, session_id: str) -> bool: ...
 
+    def fork_session(self, parent_id: str, session_id: str, length: int) -> bool: ...
+
 
 def decode_alone(backend: ShardBackend, step: DecodeStep) -> StepResult:
     """A decode step on the single-session path (what a batch of one runs)."""

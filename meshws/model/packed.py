@@ -110,3 +110,13 @@ class LeanCache:
 
     def crop_to(self, length: int) -> None:
         self.length = min(self.length, length)
+
+    def copy(self, length: int) -> "LeanCache":
+        """Another session's cache holding this one's first `length` positions (room for more reserved)."""
+        copied = LeanCache(len(self.keys), *self.shape, self.dtype)
+        copied.reserve(length + 1)
+        for mine, theirs in ((self.keys, copied.keys), (self.values, copied.values)):
+            for old, new in zip(mine, theirs):
+                new[:, :, :length].copy_(old[:, :, :length])
+        copied.length = length
+        return copied

@@ -206,14 +206,16 @@ def token_logprobs(
 
 
 def prompt_token_logprobs(logits_of: Callable[[torch.Tensor, int], torch.Tensor], hidden: torch.Tensor, start: int,
-                          history: Sequence[int], prompt_length: int | None,
-                          top: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
-    """Each prompt token's log-probability under the model (temperature 1, no penalties: a prompt is not
-    sampled) and the `top` likeliest alternatives, from the positions `start...` of `hidden` (position j
-    predicts token j + 1; the first prompt token has none). `logits_of(hidden, rows)`: the LM head."""
+                          params: SamplingParams | None, history: Sequence[int],
+                          prompt_length: int | None) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """If `params` ask for them: each prompt token's log-probability under the model (temperature 1, no
+    penalties: a prompt is not sampled) and the likeliest alternatives, from the positions `start...` of
+    `hidden` (position j predicts token j + 1; the first prompt token has none). `logits_of(hidden, rows)`:
+    the LM head."""
     end = min(start + hidden.shape[1], (prompt_length or len(history)) - 1, MAX_PROMPT_LOGPROBS, len(history) - 1)
-    if end <= start:
+    if params is None or not params.prompt_logprobs or end <= start:
         return []
+    top = params.logprobs or 0
     following = history[start + 1 : end + 1]
     logp = torch.log_softmax(logits_of(hidden[:, : end - start], end - start).float(), dim=-1)
     chosen = logp.gather(1, torch.tensor(list(following), dtype=torch.long).unsqueeze(1))[:, 0].tolist()

@@ -13,6 +13,7 @@ updated, is dropped, and the shard goes on caching for everyone else.
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 from typing import Any, Callable
@@ -55,6 +56,26 @@ def cut_back(sessions: SessionCacheStore, session_id: str, past_len: int, start:
         entry.seq_len = past_len
         sessions.resize(session_id, cache_nbytes(entry.cache))
     return entry
+
+
+def fork(sessions: SessionCacheStore, parent_id: str, session_id: str, length: int, start: int) -> bool:
+    """`session_id`'s cache becomes a copy of `parent_id`'s first `length` positions; False if it cannot."""
+    try:
+        entry = sessions.lookup(parent_id, effective_start=start)
+    except KVCacheMiss:
+        return False
+    if entry.seq_len < length:
+        return False
+    if hasattr(entry.cache, "copy"):  # a lean cache
+        cache = entry.cache.copy(length)
+    else:
+        cache = copy.deepcopy(entry.cache)
+        try:
+            crop_cache(cache, length)
+        except ValueError:  # a sliding window cannot be cut back: no fork, the first step misses
+            return False
+    sessions.store(session_id, cache, length, start, nbytes=cache_nbytes(cache))
+    return True
 
 
 RunLayers = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]  # (hidden, positions, cache or None)

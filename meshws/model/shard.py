@@ -28,7 +28,7 @@ from .packed import int8_kernel_runs
 from .memory import default_cache_budget, process_memory, tensor_bytes
 from .sampling import DEFAULT as GREEDY
 from .sampling import SamplingParams, prompt_token_logprobs, token_logprobs, verify_drafts
-from .session_layers import SessionLayers
+from .session_layers import SessionLayers, fork as fork_cache
 from .settings import ShardLayout, ShardSettings
 from .source import ResolvedModel, load_tokenizer, locate_model, model_cache
 from .tensors import TORCH_DTYPES, cache_length, payload_from_tensor, positions, tensor_from_bytes
@@ -104,9 +104,9 @@ class ModelShard:
         if self.settings.compile:
             self.compile_seconds = compile_lean(self, cache_dir)
         memory = process_memory()
-        log.info("layers %d-%d of %s (%s, %s path): %.0f MiB of weights; process resident "
-                 "%.0f MiB, peak %.0f MiB; ready in %.1f s", start, end - 1, self.model_id, self.settings.dtype,
-                 self.compute_path, self.weight_bytes / 2**20, memory["resident_bytes"] / 2**20, memory["peak_resident_bytes"] / 2**20,
+        log.info("layers %d-%d of %s (%s, %s path): %.0f MiB of weights; process resident %.0f MiB, peak %.0f MiB; "
+                 "ready in %.1f s", start, end - 1, self.model_id, self.settings.dtype, self.compute_path,
+                 self.weight_bytes / 2**20, memory["resident_bytes"] / 2**20, memory["peak_resident_bytes"] / 2**20,
                  time.monotonic() - started)
 
     # -- facts --------------------------------------------------------------
@@ -233,6 +233,9 @@ class ModelShard:
     def release_session(self, session_id: str) -> bool:
         return self.sessions.drop(session_id)
 
+    def fork_session(self, parent_id: str, session_id: str, length: int) -> bool:
+        return self.supports_kv_cache and fork_cache(self.sessions, parent_id, session_id, length, self.start)
+
     def run_tokens(self, ids: list[int], session_id: str | None, mode: str | None, past_len: int,
                    sampling: SamplingParams | None = None, history: Sequence[int] = (),
                    generated_from: int | None = None, drafts: Sequence[int] = ()) -> StepResult:
@@ -279,8 +282,9 @@ class ModelShard:
                 out = self.layers.run(piece, positions(start + offset, end - offset), step.session_id, mode,
                                       start + offset)
                 history = step.history or (list(step.token_ids) if step.token_ids is not None else ())
-                prompt_logprobs += self._prompt_logprobs(out, start + offset, step.sampling, history,
-                                                         step.generated_from)
+                if self.is_tail:  # the prompt's own log-probabilities, when asked for (echo)
+                    prompt_logprobs += prompt_token_logprobs(self.last_logits, out, start + offset, step.sampling,
+                                                             history, step.generated_from)
                 outputs.append(out if not self.is_tail else out[:, -1:])
                 if end == count:
                     hidden = torch.cat(outputs, dim=1) if not self.is_tail else out[:, -1:]
@@ -329,16 +333,10 @@ class ModelShard:
             self.grammars.keep(grammar, constraint)
         reported = () if sampling.logprobs is None else \
             tuple(token_logprobs(logits, sampling, tokens, history, generated_from))
-        prompt = () if drafts or past_len else self._prompt_logprobs(hidden, 0, sampling, history, generated_from)
+        prompt = () if drafts or past_len else \
+            prompt_token_logprobs(self.last_logits, hidden, 0, sampling, history, generated_from)
         return TailTokenResult(text="", token_id=tokens[-1], token_ids=tuple(tokens) if drafts else (),
                                logprobs=reported, prompt_logprobs=tuple(prompt))
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, start: int, sampling: SamplingParams | None,
-                         history: Sequence[int], prompt_length: int | None) -> list[TokenLogprob]:
-        """On a tail asked for them: the prompt tokens' log-probabilities from `hidden`'s positions `start...`."""
-        if not self.is_tail or sampling is None or not sampling.prompt_logprobs:
-            return []
-        return prompt_token_logprobs(self.last_logits, hidden, start, history, prompt_length, sampling.logprobs or 0)
 
     def last_logits(self, hidden: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """Logits of the last position (`[vocab]`), or of the last `rows` positions (`[rows, vocab]`)."""

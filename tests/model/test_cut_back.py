@@ -82,3 +82,20 @@ def test_a_longer_past_len_is_still_a_miss(embedded_model):
     with pytest.raises(KVCacheMiss):
         _drain(shard.prefill(PrefillStep("s", token_ids=[5, 6], mode="decode", past_len=len(ids) + 1), 4))
     assert "s" not in shard.sessions
+
+
+@pytest.mark.parametrize("compute", ["lean", "transformers"])
+def test_a_fork_copies_the_first_positions_and_goes_on_alone(embedded_model, compute):
+    """`n` choices: a second session starts as a copy of the first's prompt (less its last token); fed that
+    token it chooses what the first chose, and each goes on without touching the other's cache."""
+    shard = ModelShard(embedded_model, 0, 30, ShardSettings(dtype="float32", compute=compute))
+    prompt = shard.tokenize("The three primary colours are")
+    first = shard.encode_prompt(prompt, "parent").token_id
+    assert shard.fork_session("parent", "child", len(prompt) - 1)
+    assert shard.sessions.held("child") == len(prompt) - 1
+    assert shard.run_tokens([prompt[-1]], "child", "decode", len(prompt) - 1).token_id == first
+    parent_next = shard.encode_next_token(first, "parent").token_id
+    assert shard.encode_next_token(first, "child").token_id == parent_next  # same greedy path, separate caches
+    assert shard.sessions.held("parent") == shard.sessions.held("child") == len(prompt) + 1
+    assert not shard.fork_session("nobody", "orphan", 3) and "orphan" not in shard.sessions
+    assert not shard.fork_session("parent", "too-long", 10_000)

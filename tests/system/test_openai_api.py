@@ -225,6 +225,36 @@ def test_a_required_tool_call_parses_and_its_result_gets_an_answer(client):
     assert not any(c.choices[0].delta.content for c in chunks if c.choices)
 
 
+def _tail_prefills(mesh):
+    import urllib.request
+
+    with urllib.request.urlopen(f"{mesh.tail.url}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith('meshws_steps_total{mode="prefill"}'))
+
+
+def test_n_choices_share_one_prefill(client, mesh):
+    """n=3: three choices; greedy ones identical; the tail prefilled the prompt once (the other choices forked
+    its cache); seeded ones differ from each other and come back the same; a stream says each choice's index."""
+    before = _tail_prefills(mesh)
+    greedy = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0, n=3)
+    assert _tail_prefills(mesh) - before == 1
+    texts = [choice.message.content for choice in greedy.choices]
+    assert [choice.index for choice in greedy.choices] == [0, 1, 2] and len(set(texts)) == 1 and texts[0]
+    assert greedy.usage.completion_tokens == 3 * 12
+    seeded = [[choice.message.content for choice in client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=12, temperature=1.0, seed=4, n=3).choices] for _ in range(2)]
+    assert seeded[0] == seeded[1] and len(set(seeded[0])) > 1
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0,
+                                            n=2, stream=True))
+    by_index = {0: "", 1: ""}
+    for chunk in chunks:
+        by_index[chunk.choices[0].index] += chunk.choices[0].text
+    assert by_index[0] == by_index[1] and by_index[0]
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1]
+    assert mesh.tail.wait_sessions(0)["sessions"] == 0 and mesh.head.wait_sessions(0)["sessions"] == 0
+
+
 def test_an_alias_serves_the_same_model_and_is_echoed(client):
     by_alias = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=8, temperature=0)
     by_id = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
@@ -383,7 +413,8 @@ def test_streaming_client_that_disconnects_leaves_no_sessions(client, mesh):
         ({"model": MODEL, "messages": QUESTION, "max_tokens": "ten"}, 400, "max_tokens"),
         ({"model": MODEL, "messages": QUESTION, "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "messages": QUESTION, "max_tokens": 9000}, 400, "max_tokens"),
-        ({"model": MODEL, "messages": QUESTION, "n": 2}, 400, "n"),
+        ({"model": MODEL, "messages": QUESTION, "n": 9}, 400, "n"),
+        ({"model": MODEL, "messages": QUESTION, "n": True}, 400, "n"),
         ({"model": MODEL, "messages": QUESTION, "stop": 5}, 400, "stop"),
         ({"model": MODEL, "messages": QUESTION, "stream": "yes"}, 400, "stream"),
         ({"model": "gpt-4o", "messages": QUESTION}, 404, "model"),
@@ -414,7 +445,7 @@ async def test_bad_completion_requests_and_unknown_routes(mesh, client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=QUESTION)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=QUESTION, n=3)
+        client.chat.completions.create(model=MODEL, messages=QUESTION, n=30)
     # The head keeps serving after every bad request.
     assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3).usage.completion_tokens == 3
 

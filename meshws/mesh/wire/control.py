@@ -104,6 +104,9 @@ class Open:
     `resume`: a conversation's next turn. A shard that carries the session on this link,
     to the same next hop, keeps its cache and takes the new sampling; any other shard
     opens it afresh (its first step then answers `cache_miss` and the head re-prefills).
+    `fork`: one of several choices of a request (`n`): the new session's cache starts as a
+    copy of the first `length` positions of another session on the same link, so the
+    prompt is prefilled once; a shard that lacks that session starts empty (a cache miss).
     """
 
     type: ClassVar[str] = "open"
@@ -113,9 +116,12 @@ class Open:
     route: tuple[RouteHop, ...] = ()  # hops after the receiver; empty: the receiver's --peer
     route_mac: str | None = None  # the route signed with the mesh secret (a middle dials only signed hops)
     resume: bool = False  # keep the session's cache if this link carries it already
+    fork: tuple[str, int] | None = None  # (sid, length): start the cache as a copy of that session's first positions
 
     def to_wire(self) -> dict[str, Any]:
         message: dict[str, Any] = {"type": self.type, "sid": self.sid, "sampling": self.sampling.to_wire()}
+        if self.fork is not None:
+            message["fork"] = {"sid": self.fork[0], "length": self.fork[1]}
         if self.prompt_tokens is not None:
             message["prompt_tokens"] = self.prompt_tokens
         if self.route:
@@ -137,9 +143,14 @@ class Open:
             resume = data.get("resume", False)
             if not isinstance(resume, bool):
                 raise FrameError("resume must be true or false")
+            fork = data.get("fork")
+            if fork is not None:
+                if not isinstance(fork, dict):
+                    raise FrameError("fork must be {sid, length}")
+                fork = (sid_field(fork), int_field(fork, "length", 1))
         except ValueError as exc:  # FrameError included
             raise FrameError(f"bad open: {exc}", sid) from None
-        return cls(sid, sampling, prompt_tokens, route, route_mac, resume)
+        return cls(sid, sampling, prompt_tokens, route, route_mac, resume, fork)
 
 
 @dataclass(frozen=True)
