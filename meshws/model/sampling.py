@@ -104,6 +104,7 @@ MAX_GRAMMAR_CHARS = 256 * 1024
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's bound)
 MAX_PROMPT_TOP_LOGPROBS = 5  # alternatives per prompt token (OpenAI's completions bound; keeps the answer small)
 MAX_PROMPT_LOGPROBS = 4096  # prompt tokens whose log-probabilities one answer carries
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are held at once (256 x 49,152 floats: 48 MiB)
 
 
 def sample_token(
@@ -215,15 +216,19 @@ def prompt_token_logprobs(logits_of: Callable[[torch.Tensor, int], torch.Tensor]
     end = min(start + hidden.shape[1], (prompt_length or len(history)) - 1, MAX_PROMPT_LOGPROBS, len(history) - 1)
     if params is None or not params.prompt_logprobs or end <= start:
         return []
-    top = params.logprobs or 0
-    following = history[start + 1 : end + 1]
-    logp = torch.log_softmax(logits_of(hidden[:, : end - start], end - start).float(), dim=-1)
-    chosen = logp.gather(1, torch.tensor(list(following), dtype=torch.long).unsqueeze(1))[:, 0].tolist()
-    if not top:
-        return [(value, ()) for value in chosen]
-    best = torch.topk(logp, top, dim=-1)
-    return [(value, tuple(zip(ids, values)))
-            for value, ids, values in zip(chosen, best.indices.tolist(), best.values.tolist())]
+    top, reported = params.logprobs or 0, []
+    for first in range(start, end, PROMPT_LOGPROB_ROWS):  # a block of rows at a time: vocab-wide rows are large
+        last = min(end, first + PROMPT_LOGPROB_ROWS)
+        following = torch.tensor(list(history[first + 1 : last + 1]), dtype=torch.long).unsqueeze(1)
+        logp = torch.log_softmax(logits_of(hidden[:, first - start : last - start], last - first).float(), dim=-1)
+        chosen = logp.gather(1, following)[:, 0].tolist()
+        if not top:
+            reported += [(value, ()) for value in chosen]
+            continue
+        best = torch.topk(logp, top, dim=-1)
+        reported += [(value, tuple(zip(ids, values)))
+                     for value, ids, values in zip(chosen, best.indices.tolist(), best.values.tolist())]
+    return reported
 
 
 def _apply_penalties(

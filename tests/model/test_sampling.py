@@ -58,3 +58,29 @@ def test_sampling_wire_round_trip():
     params = SamplingParams(temperature=0.7, top_k=40, seed=3)
     assert params.to_wire() == {"temperature": 0.7, "top_k": 40, "seed": 3}
     assert SamplingParams.from_wire(params.to_wire()) == params
+
+
+def test_prompt_logprobs_come_block_by_block_as_if_at_once():
+    """Each prompt token's log-probability from the row before it, computed a block of rows at a time (a long
+    prompt's vocab-wide rows are never all held): the same figures as one log_softmax over every row."""
+    from meshws.model.sampling import PROMPT_LOGPROB_ROWS, prompt_token_logprobs
+
+    torch.manual_seed(0)
+    vocab, positions = 50, PROMPT_LOGPROB_ROWS * 2 + 7
+    head = torch.randn(8, vocab)
+    hidden = torch.randn(1, positions, 8)
+    history = torch.randint(0, vocab, (positions,)).tolist()
+    calls = []
+
+    def logits_of(rows, count):
+        calls.append(count)
+        return rows[0, -count:] @ head
+
+    params = SamplingParams(logprobs=2, prompt_logprobs=True)
+    got = prompt_token_logprobs(logits_of, hidden, 0, params, history, positions)
+    want = torch.log_softmax(hidden[0] @ head, dim=-1)
+    assert len(got) == positions - 1 and max(calls) <= PROMPT_LOGPROB_ROWS and len(calls) == 3
+    for row, (logprob, top) in enumerate(got):
+        assert abs(logprob - float(want[row, history[row + 1]])) < 1e-5
+        assert [token for token, _ in top] == want[row].topk(2).indices.tolist()
+    assert prompt_token_logprobs(logits_of, hidden, 0, SamplingParams(logprobs=2), history, positions) == []
