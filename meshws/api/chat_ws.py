@@ -142,9 +142,10 @@ class ChatSocket:
         stats = GenerationStats(sid=uuid.uuid4().hex)  # its clock starts now: time in the queue counts
         try:  # admission before any work on the prompt
             draft = check_request(body, True, self.head)
-            if draft.tools is not None:
-                raise ApiError(400, "tools are for /v1/chat/completions; a /ws/chat turn answers in text",
-                               param="tools", code="unsupported_parameter")
+            if draft.tools is not None or (body.get("n") or 1) > 1:
+                param = "tools" if draft.tools is not None else "n"
+                raise ApiError(400, f"'{param}' is for /v1/chat/completions; a /ws/chat turn is one answer in text",
+                               param=param, code="unsupported_parameter")
             admission = await self.head.admit()
         except Unavailable as exc:
             await send({"type": "error", "id": turn_id, "message": public_text(str(exc)), "param": None,

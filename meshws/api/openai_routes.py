@@ -119,6 +119,14 @@ class OpenAIApi:
             if stream is not None and stream.open:
                 return await self._stream_error(stream, unavailable(exc).body())
             return unavailable(exc).response()
+        n = draft.body.get("n") or 1
+        extra = self.head.queue.take_now(n - 1) if n > 1 else []  # each choice is a generation: a slot each
+        if extra is None:
+            admission.release()
+            error = unavailable(Unavailable(f"{n} choices need {n} free generation slots; retry shortly",
+                                            "queue_full", 1))
+            return await self._stream_error(stream, error.body()) if stream is not None and stream.open \
+                else error.response()
         kind = "chat.completion" if chat else "text_completion"
         answer_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if draft.sampling.logprobs is not None:
@@ -135,6 +143,8 @@ class OpenAIApi:
             return exc.response()
         finally:
             admission.release()  # the generation released it already, unless it never started
+            for slot in extra:
+                slot.release()
             if stream is not None:
                 stream.stop_pings()
 
@@ -309,10 +319,10 @@ class OpenAIApi:
                 await self._send_echo(write, chunk, spec, stats, told)
             finish = _finish(stats)
             if tools is not None:  # the calls, whole, once the answer is complete
-                held = splitter.rest()  # what looked like the start of a call and was not
+                calls = calls_in("".join(parts), tools)[1]
+                held = splitter.rest(bool(calls))  # held back for a call that did not come: content after all
                 if held:
                     await write(chunk(delta_choice(held)))
-                calls = calls_in("".join(parts), tools)[1]
                 if calls:
                     finish = "tool_calls"
                     await write(chunk({"index": 0, "delta": {"tool_calls": [{"index": i, **call}

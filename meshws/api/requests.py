@@ -13,7 +13,7 @@ from ..model.constraints import GrammarError, json_grammar
 from ..model.sampling import MAX_PROMPT_LOGPROBS, MAX_PROMPT_TOP_LOGPROBS, MAX_TOP_LOGPROBS, SamplingParams
 from .errors import ApiError
 from .fields import check_fields, check_message_fields
-from .tools import ToolSpec, parse_tools, plain_messages
+from .tools import ToolSpec, check_schema_size, parse_tools, plain_messages
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_MESSAGES = 1024
@@ -121,6 +121,7 @@ def parse_response_format(body: dict[str, Any]) -> str | None:
     elif kind != "json_object":
         raise ApiError(400, "'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
                        param="response_format", code="invalid_value")
+    check_schema_size(schema, "response_format")
     try:
         return json_grammar(schema)
     except GrammarError as exc:
@@ -256,8 +257,7 @@ def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> Reques
     draft = RequestDraft(body, chat, sampling, parse_stop(body), tools=tools)
     if chat:
         draft.messages = parse_messages(body)
-        _check_size(sum(len(m["content"]) for m in draft.messages) + len(str(body.get("tools") or "")),
-                    len(draft.messages), head.context_length)
+        _check_size(sum(len(m["content"]) for m in draft.messages), len(draft.messages), head.context_length)
     else:
         draft.prompt, draft.prompt_ids = _completion_prompt(body)
         _check_size(len(draft.prompt) + len(draft.prompt_ids or ()), 1, head.context_length)

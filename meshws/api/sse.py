@@ -98,8 +98,9 @@ class EventStream:
             starter.cancel()
 
     def start_soon(self) -> None:
-        if self._starting is None:
-            asyncio.ensure_future(self.start()).add_done_callback(lambda task: task.cancelled() or task.exception())
+        if self._starting is None:  # (set now: whoever looks next sees the stream started)
+            self._starting = asyncio.ensure_future(self._prepare())
+            self._starting.add_done_callback(lambda task: task.cancelled() or task.exception())
 
     async def send(self, data: bytes) -> None:
         """Write one event (starting the stream if need be); SlowClient if the client does not take it in time."""

@@ -36,7 +36,10 @@ class TokenRoutes:
             return exc.response()
         answer: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": self.head.context_length}
         if body.get("with_pieces") or body.get("return_token_strs"):
-            pieces = [self.head.decode([token]) for token in ids]
+            if len(ids) > self.head.context_length:
+                return ApiError(400, f"pieces for at most {self.head.context_length} tokens (the context length)",
+                                param="with_pieces", code="invalid_value").response()
+            pieces = await asyncio.to_thread(lambda: [self.head.decode([token]) for token in ids])
             answer["token_strs"] = pieces
             answer["pieces"] = [{"id": token, "piece": piece} for token, piece in zip(ids, pieces)]
         return json_response(answer)

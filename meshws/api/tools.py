@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import re
 import uuid
+
+import orjson
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ from ..model.constraints import GrammarError, json_grammar
 from .errors import ApiError
 
 MAX_TOOLS = 128
+MAX_SCHEMA_BYTES = 64 * 1024  # a response_format's schema, or all of a request's tools
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CALL = re.compile(re.escape(OPEN) + r"\s*(\{.*?\})\s*" + re.escape(CLOSE), re.S)
@@ -46,6 +49,17 @@ class ToolSpec:
                 f'{OPEN}\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n{CLOSE}')
 
 
+def check_schema_size(schema: Any, param: str) -> None:
+    """A schema (or tools' schemas) meshws compiles: at most MAX_SCHEMA_BYTES as JSON, and not absurdly deep."""
+    try:
+        size = len(orjson.dumps(schema))
+    except (TypeError, ValueError, RecursionError):  # orjson refuses nesting beyond 255 levels
+        size = MAX_SCHEMA_BYTES + 1
+    if size > MAX_SCHEMA_BYTES:
+        raise ApiError(400, f"'{param}': schemas of at most {MAX_SCHEMA_BYTES} bytes of JSON, nested less deeply "
+                       "than 255 levels", param=param, code="invalid_value")
+
+
 def parse_tools(body: dict[str, Any]) -> ToolSpec | None:
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not tools:
@@ -55,6 +69,7 @@ def parse_tools(body: dict[str, Any]) -> ToolSpec | None:
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise ApiError(400, f"'tools' must be a list of at most {MAX_TOOLS} functions", param="tools",
                        code="invalid_value")
+    check_schema_size(tools, "tools")
     functions = []
     for index, tool in enumerate(tools):
         where = f"tools[{index}]"
@@ -106,12 +121,14 @@ def calls_in(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any]]]:
     for raw in found:
         try:
             call = json.loads(raw)
-        except ValueError:
+            if not (isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments", {}),
+                                                                                      dict)):
+                continue
+            arguments = json.dumps(call.get("arguments", {}), ensure_ascii=False)
+        except (ValueError, RecursionError):  # the model's text: anything may come
             continue
-        if isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments", {}), dict):
-            calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                          "function": {"name": call["name"],
-                                       "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}})
+        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                      "function": {"name": call["name"], "arguments": arguments}})
     return (before.rstrip() if calls else text), calls
 
 
@@ -122,7 +139,8 @@ def call_text(tool_calls: list[dict[str, Any]]) -> str:
         function = call["function"]
         try:
             arguments = json.loads(function.get("arguments") or "{}")
-        except ValueError:
+            json.dumps(arguments)
+        except (ValueError, RecursionError):
             arguments = function.get("arguments")
         parts.append(f"{OPEN}\n{json.dumps({'name': function['name'], 'arguments': arguments})}\n{CLOSE}")
     return "\n".join(parts)
@@ -134,23 +152,27 @@ class CallSplitter:
 
     held: str = ""
     in_call: bool = False
+    withheld: str = ""  # from the start of a call on: content after all if no call parses
 
     def feed(self, delta: str) -> str:
         if self.in_call:
+            self.withheld += delta
             return ""
         self.held += delta
         if OPEN in self.held:
             self.in_call = True
-            out, self.held = self.held.split(OPEN, 1)[0], ""
+            out, rest = self.held.split(OPEN, 1)
+            self.held, self.withheld = "", OPEN + rest
             return out
         keep = next((k for k in range(min(len(OPEN) - 1, len(self.held)), 0, -1)
                      if OPEN.startswith(self.held[-k:])), 0)
         out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
         return out
 
-    def rest(self) -> str:
-        """At the end: what was held back and is no call after all."""
-        out, self.held = ("" if self.in_call else self.held), ""
+    def rest(self, called: bool) -> str:
+        """At the end: what was held back and is no call after all (all of it when no call parsed)."""
+        out = "" if called else self.held + self.withheld
+        self.held = self.withheld = ""
         return out
 
 

@@ -105,6 +105,12 @@ class AdmissionQueue:
         self.on_wait(self._clock() - started)
         return slot
 
+    def take_now(self, count: int) -> list[Slot] | None:
+        """`count` more slots at once (another request's choices), or None if they are not free now."""
+        if self.draining or self.waiting or len(self._held) + count > self.slots:
+            return None
+        return [self._take(0.0) for _ in range(count)]
+
     def drain(self) -> None:
         """Take no more requests: everyone still waiting is refused."""
         self.draining = True

@@ -95,7 +95,9 @@ class HeadService:
         return await self._worker.call(self._backend.tokenize, text)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self._backend.decode(token_ids)
+        """Text of token ids; an id outside the vocabulary (from a peer that should know better) is skipped."""
+        vocab = self.vocab_size or 2**31
+        return self._backend.decode([token for token in token_ids if 0 <= token < vocab])
 
     async def admit(self) -> Admission:
         """A slot and a held route for a new request, after waiting in line if need be.

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 MAX_TRACE_LAPS = 4096
+MAX_HOPS_KEPT = 32  # hops an answer's sums name (a route has a few; a peer could send many names)
 
 
 @dataclass
@@ -30,7 +31,8 @@ class LapTimes:
         self.head_ms += head_ms
         shards_ms = 0.0
         for hop in hops:
-            self.hop_ms[hop.node] = self.hop_ms.get(hop.node, 0.0) + hop.ms
+            if hop.node in self.hop_ms or len(self.hop_ms) < MAX_HOPS_KEPT:  # (names come from peers)
+                self.hop_ms[hop.node] = self.hop_ms.get(hop.node, 0.0) + hop.ms
             shards_ms += hop.ms
         self.network_ms += max(0.0, lap_ms - head_ms - shards_ms)
         if self.trace is not None and len(self.trace) < MAX_TRACE_LAPS:

@@ -210,6 +210,8 @@ class ShardService:
         if message.fork is not None and message.fork[0] in link.owned:  # (never another link's session)
             fork = message.fork  # in the lane: before the steps, and before a close's release
             session.after = self.lanes.run(sid, lambda: self._fork(fork, sid))
+        elif message.fork is not None:
+            message = replace(message, fork=None)  # nor does a hop behind us copy one
         self.sessions[sid] = session
         link.owned.add(sid)
         if next_hop is not None:

@@ -201,7 +201,8 @@ def token_logprobs(
             row = row / params.temperature
         logp = torch.log_softmax(row, dim=-1)
         top = torch.topk(logp, params.logprobs) if params.logprobs else None
-        alternatives = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+        alternatives = tuple((token_id, value) for token_id, value in zip(top.indices.tolist(), top.values.tolist())
+                             if value > float("-inf")) if top is not None else ()  # (a grammar masks tokens)
         reported.append((float(logp[int(token)]), alternatives))
     return reported
 

@@ -149,3 +149,16 @@ async def test_the_slot_stays_taken_until_the_session_release_has_run():
         assert mesh.head.health()["generations"] == 0
         assert seen and seen[0] == 0  # it was still releasing, and counted as running meanwhile
         assert len(head_backend.released) == 1  # by the time the slot was free, the release had run
+
+
+async def test_n_choices_take_a_slot_each_or_are_refused_at_once():
+    """Each choice is a generation: n = 2 on a head with two slots runs, n = 3 is a 503 (not a queue of
+    sessions beyond what the shards were sized for), and every slot is free again afterwards."""
+    async with fake_mesh(CachedHeadBackend(), LoopTailBackend(), max_generations=2) as mesh:
+        url = f"http://127.0.0.1:{mesh.head_port}/v1/chat/completions"
+        async with aiohttp.ClientSession() as client:
+            status, _, answer = await _post(client, url, {**BODY, "n": 2})
+            assert status == 200 and [choice["index"] for choice in answer["choices"]] == [0, 1]
+            status, retry_after, answer = await _post(client, url, {**BODY, "n": 3})
+            assert status == 503 and retry_after and answer["error"]["code"] == "queue_full"
+        assert mesh.head.head.queue.running == 0

@@ -44,9 +44,25 @@ def test_calls_are_read_from_the_answer_and_the_text_before_them_kept():
 def test_a_stream_holds_back_what_may_start_a_call():
     splitter = CallSplitter()
     out = [splitter.feed(piece) for piece in ("Sure", " <tool", "_call>", '{"name"', "}")]
-    assert out == ["Sure", " ", "", "", ""] and splitter.rest() == ""
+    assert out == ["Sure", " ", "", "", ""] and splitter.rest(called=True) == ""
     splitter = CallSplitter()
-    assert splitter.feed("a <to") == "a " and splitter.feed("ast") == "<toast" and splitter.rest() == ""
+    assert splitter.feed("a <to") == "a " and splitter.feed("ast") == "<toast" and splitter.rest(False) == ""
+    splitter = CallSplitter()  # a call that never parses: its text is content after all
+    assert splitter.feed("x <tool_call>{broken") == "x " and splitter.rest(called=False) == "<tool_call>{broken"
+    forced = CallSplitter(in_call=True)  # a required call cut short by max_tokens: the text is not lost
+    assert forced.feed('{"name": "get_we') == "" and forced.rest(called=False) == '{"name": "get_we'
+
+
+def test_deep_nesting_in_model_output_or_schemas_is_a_400_or_no_call_never_a_crash():
+    deep = "[" * 5000 + "]" * 5000
+    auto = parse_tools({"tools": [WEATHER]})
+    assert calls_in(f'<tool_call>{{"name": "get_weather", "arguments": {{"a": {deep}}}}}</tool_call>', auto)[1] == []
+    nested = {"type": "object"}
+    for _ in range(1000):
+        nested = {"type": "object", "properties": {"a": nested}}
+    with pytest.raises(ApiError) as caught:
+        parse_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": nested}}]})
+    assert caught.value.param == "tools"
 
 
 def test_templates_without_tools_get_them_as_a_system_block_and_calls_as_text():
