@@ -299,7 +299,14 @@ class OpenAIApi:
                 return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
 
-        write = stream.send
+        async def write(data: bytes) -> None:
+            try:
+                await stream.send(data)
+            except SlowClient:  # said now: the release that follows may end in the handler's cancellation
+                log.warning("generation %s: the client read nothing for %g s; dropped it and released its session",
+                            stats.sid[:12], self.write_timeout)
+                raise
+
         try:
             await stream.start()  # headers now: a long prefill is pinged through
             if chat:
@@ -336,9 +343,7 @@ class OpenAIApi:
                                "code": "pipeline_error"}}
             await write(b"data: " + orjson.dumps(error) + b"\n\n")
         except SlowClient:
-            log.warning("generation %s: the client read nothing for %g s; dropped it and released its session",
-                        stats.sid[:12], self.write_timeout)
-            return stream.response  # aborted already
+            return stream.response  # aborted already; said in the log
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("client went away mid-stream; generation %s stopped", stats.sid[:12])
             raise

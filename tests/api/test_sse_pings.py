@@ -37,18 +37,18 @@ async def _lines(client, url, body):
 
 
 async def test_a_stream_waiting_in_the_queue_and_behind_a_long_prefill_is_pinged():
-    async with fake_mesh(CachedHeadBackend(), FirstStepSlowTail(1.6), max_generations=1, sse_ping=0.5) as mesh:
+    async with fake_mesh(CachedHeadBackend(), FirstStepSlowTail(0.8), max_generations=1, sse_ping=0.25) as mesh:
         url = f"http://127.0.0.1:{mesh.head_port}/v1/chat/completions"
         async with aiohttp.ClientSession() as client:
             first = asyncio.create_task(_lines(client, url, BODY))
             await asyncio.sleep(0.2)
-            second = asyncio.create_task(_lines(client, url, BODY))  # waits ~1.6 s for the slot
+            second = asyncio.create_task(_lines(client, url, BODY))  # waits ~0.8 s for the slot
             for lines in await asyncio.gather(first, second):
                 texts = [text for _, text in lines]
                 data = [text for text in texts if text.startswith(b"data: {")]
                 assert texts[-1] == b"data: [DONE]" and b'"finish_reason":"stop"' in data[-1]
                 pings = [at for at, text in lines if text == b": ping"]
-                assert len(pings) >= 2, texts  # 1.6 s of silence, a ping every 0.5 s
+                assert len(pings) >= 2, texts  # 0.8 s of silence, a ping every 0.25 s
                 first_token = next(at for at, text in lines if b'"content":" a"' in text)
                 assert all(at < first_token for at in pings)  # they kept the silence company, no more
         # The official client reads through the pings.
@@ -59,8 +59,8 @@ async def test_a_stream_waiting_in_the_queue_and_behind_a_long_prefill_is_pinged
 
 
 async def test_a_queue_timeout_after_the_stream_started_arrives_as_an_error_event():
-    async with fake_mesh(CachedHeadBackend(), FirstStepSlowTail(2.0), max_generations=1, sse_ping=0.3,
-                         queue_timeout=1.0) as mesh:
+    async with fake_mesh(CachedHeadBackend(), FirstStepSlowTail(1.2), max_generations=1, sse_ping=0.2,
+                         queue_timeout=0.6) as mesh:
         url = f"http://127.0.0.1:{mesh.head_port}/v1/chat/completions"
         async with aiohttp.ClientSession() as client:
             first = asyncio.create_task(_lines(client, url, BODY))
