@@ -40,6 +40,11 @@ def unavailable(exc: Unavailable) -> ApiError:
                     headers={"Retry-After": str(exc.retry_after)})
 
 
+def pipeline_failure(exc: PipelineError) -> ApiError:
+    """The mesh failed: a 502, or the same error as a stream's last event."""
+    return ApiError(502, f"pipeline error: {public_text(str(exc))}", code="pipeline_error", kind="upstream_error")
+
+
 def usage(stats: GenerationStats, choices: Sequence[Choice] = ()) -> dict[str, Any]:
     """The answer's token counts (`choices`: all of an `n` > 1 request's; the prompt counts once)."""
     completion = sum(choice.stats.completion_tokens for choice in choices) if choices else stats.completion_tokens
@@ -187,8 +192,7 @@ class OpenAIApi:
         except PipelineError as exc:
             if stats.completion_tokens:
                 log.warning("generation %s failed after %d tokens: %s", stats.sid[:12], stats.completion_tokens, exc)
-            return ApiError(502, f"pipeline error: {public_text(str(exc))}", code="pipeline_error",
-                            kind="upstream_error").response()
+            return pipeline_failure(exc).response()
         counts = usage(stats, choices)
         answer = {
             "id": answer_id,
@@ -258,9 +262,7 @@ class OpenAIApi:
                        "usage": usage(stats, choices)}
                 await stream.send(b"data: " + orjson.dumps(end) + b"\n\n")
         except PipelineError as exc:
-            error = {"error": {"message": f"pipeline error: {public_text(str(exc))}", "type": "upstream_error",
-                               "param": None, "code": "pipeline_error"}}
-            await stream.send(b"data: " + orjson.dumps(error) + b"\n\n")
+            await stream.send(b"data: " + orjson.dumps(pipeline_failure(exc).body()) + b"\n\n")
         except SlowClient:
             return stream.response  # aborted already
         await stream.send(b"data: [DONE]\n\n")
@@ -339,9 +341,7 @@ class OpenAIApi:
             if spec.include_usage:
                 await write(chunk(None, {"usage": usage(stats)}))
         except PipelineError as exc:
-            error = {"error": {"message": f"pipeline error: {public_text(str(exc))}", "type": "upstream_error", "param": None,
-                               "code": "pipeline_error"}}
-            await write(b"data: " + orjson.dumps(error) + b"\n\n")
+            await write(b"data: " + orjson.dumps(pipeline_failure(exc).body()) + b"\n\n")
         except SlowClient:
             return stream.response  # aborted already; said in the log
         except (ConnectionResetError, asyncio.CancelledError):

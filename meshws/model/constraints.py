@@ -8,7 +8,8 @@ tail chooses and is rejected like any other. The state of the grammar is a funct
 the tokens generated so far, which the tail holds (`history`): a matcher is kept under
 the state it reached (`Grammars`) and found again by the session's next step; when none
 is (a failover to this tail, a conversation cut back), one is rebuilt from the tokens.
-Rejected drafts never enter a matcher: it advances only by the tokens the tail chose. Why llguidance: see README ("Structured output").
+Rejected drafts never enter a matcher: it advances only by the tokens the tail chose.
+Why llguidance: see README ("Structured output").
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch
 
 MAX_KEPT = 256  # matchers kept for the states sessions last reached
 MAX_LAP_TOKENS = 17  # tokens one lap may add (16 drafts and one more): how far behind a kept matcher may be
-MAX_GRAMMAR_CHARS = 256 * 1024
 
 
 class GrammarError(ValueError):
