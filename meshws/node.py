@@ -57,6 +57,7 @@ class Node(NodeReports):
         self.cores: CoreShare | None = None  # this host's cores, shared with its other nodes
         self.role = settings.role
         self.started = time.time()
+        self.recent_links: dict[tuple[str, str], tuple[float, float]] = {}  # (from, to) -> (ms per lap, when)
         self.port: int | None = None
         self.advertise = ""
         self.access = NodeAccess(settings)

@@ -22,6 +22,7 @@ class LapTimes:
     head_ms: float = 0.0
     hop_ms: dict[str, float] = field(default_factory=dict)  # node -> time on it, in route order
     network_ms: float = 0.0
+    link_ms: dict[tuple[str, str], float] = field(default_factory=dict)  # (from, to) -> time on that link
     trace: list[dict[str, Any]] | None = None  # per lap, when asked for
 
     def record(self, *, positions: int, tokens: int, lap_ms: float, head_ms: float, head_cache: int,
@@ -35,6 +36,9 @@ class LapTimes:
                 self.hop_ms[hop.node] = self.hop_ms.get(hop.node, 0.0) + hop.ms
             shards_ms += hop.ms
         self.network_ms += max(0.0, lap_ms - head_ms - shards_ms)
+        for link, ms in links_of(lap_ms - head_ms, hops):
+            if link in self.link_ms or len(self.link_ms) < MAX_HOPS_KEPT:
+                self.link_ms[link] = self.link_ms.get(link, 0.0) + ms
         if self.trace is not None and len(self.trace) < MAX_TRACE_LAPS:
             self.trace.append({
                 "positions": positions, "tokens": tokens, "ms": round(lap_ms, 3),
@@ -50,6 +54,7 @@ class LapTimes:
             "head_ms": round(self.head_ms, 2),
             "hops": [{"node": name(node), "ms": round(ms, 2)} for node, ms in self.hop_ms.items()],
             "network_ms": round(self.network_ms, 2),
+            "links": [{"from": name(a), "to": name(b), "ms": round(ms, 2)} for (a, b), ms in self.link_ms.items()],
             "per_lap_ms": {"head": round(self.head_ms * per_lap, 3), "network": round(self.network_ms * per_lap, 3),
                            "shards": round(sum(self.hop_ms.values()) * per_lap, 3)},
         }
@@ -57,3 +62,23 @@ class LapTimes:
             view["trace"] = [{**lap, "hops": [{**hop, "node": name(hop["node"])} for hop in lap["hops"]]}
                              for lap in self.trace]
         return view
+
+
+def links_of(wait_ms: float, hops: Sequence[Any]) -> list[tuple[tuple[str, str], float]]:
+    """Each link's share of a lap the head waited `wait_ms` for, from the hops' reports.
+
+    A hop that sent the step on reports how long the rest took from there (`wait_ms`), so
+    the link into hop i is what the hop before it waited, less hop i's own time and wait.
+    A hop that does not say (an older node) leaves the rest of the route as one link.
+    """
+    links, before = [], "head"
+    for index, hop in enumerate(hops):
+        last = index == len(hops) - 1
+        after = 0.0 if last else hop.wait_ms
+        if after is None:
+            rest = sum(other.ms for other in hops[index:])
+            links.append(((before, hops[-1].node), max(0.0, wait_ms - rest)))
+            break
+        links.append(((before, hop.node), max(0.0, wait_ms - hop.ms - after)))
+        wait_ms, before = after, hop.node
+    return links

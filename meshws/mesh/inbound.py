@@ -64,6 +64,7 @@ class InboundSession:
     cache_misses: int = 0
     compute_seconds: float = 0.0
     report: tuple[int, HopReport] | None = None  # (step, this shard's part of it) for the answer coming back
+    sent: tuple[int, float] | None = None  # (step, perf_counter) when it went on to the next hop
     opened: float = field(default_factory=time.monotonic)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Callable, Coroutine
 
 from ..model.backend import DecodeStep, PrefillStep, ShardBackend, StepResult, TailTokenResult
@@ -227,6 +228,7 @@ class ShardSteps:
                 self._expect_answer(link, session, step)
             else:  # a prefill's time grows with its length and the load behind us: the head's timeout judges it
                 self.answered(session)
+            session.sent = (step, time.perf_counter())
             await next_hop.send_forward(data)
             self.metrics.frame("out", f"fwd_{frame.mode}", len(data))
         except LinkDown as exc:
@@ -237,7 +239,12 @@ class ShardSteps:
     def own_report(session: InboundSession, step: int | None) -> tuple[HopReport, ...]:
         """This shard's part of `step`, for the answer on its way back (none if it did not run it)."""
         report, session.report = session.report, None
-        return (report[1],) if report is not None and report[0] == step else ()
+        sent, session.sent = session.sent, None
+        if report is None or report[0] != step:
+            return ()
+        if sent is not None and sent[0] == step:  # how long the rest of the route took, as seen from here
+            return (replace(report[1], wait_ms=(time.perf_counter() - sent[1]) * 1000),)
+        return (report[1],)
 
     # -- waiting for the next hop ------------------------------------------------
 

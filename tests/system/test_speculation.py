@@ -224,11 +224,18 @@ async def _caches_hold_prompt_and_accepted_tokens_after_every_lap(mesh):
         past_len = 0 if number == 0 else prompt + generated - 1
         assert [hop["cache_len"] for hop in lap["hops"]] == [past_len + lap["positions"]] * 3, (number, lap)
         assert all(hop["ms"] > 0 for hop in lap["hops"]) and lap["ms"] >= sum(hop["ms"] for hop in lap["hops"])
+        middle, tail = lap["hops"][1:]  # the middle says how long the tail's answer took to come back to it
+        assert middle["wait_ms"] >= tail["ms"] and "wait_ms" not in tail, lap
         rejected_then_checked += number + 1 < len(trace) and lap["tokens"] < lap["positions"]
         generated += lap["tokens"]
     assert trace[0]["positions"] == prompt and message["usage"]["completion_tokens"] <= generated
     assert rejected_then_checked > 0  # some lap's drafts were rejected, and the next lap saw them dropped
     assert max(lap["positions"] for lap in trace) > 1
+    # The links' share, split link by link from the middle's wait: head -> middle, middle -> tail.
+    links = hops["links"]
+    names = [(link["from"].split("@")[0], link["to"].split("@")[0]) for link in links]
+    assert names == [("head", "middle"), ("middle", "tail")]
+    assert sum(link["ms"] for link in links) == pytest.approx(hops["network_ms"], abs=0.5)
 
 
 async def test_the_links_share_of_a_lap_is_the_relays_delay(nodes):

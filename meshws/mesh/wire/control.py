@@ -155,28 +155,34 @@ class Open:
 
 @dataclass(frozen=True)
 class HopReport:
-    """One shard's part of a step, added to the answer on its way back to the head.
-
-    `ms` is the time the step spent on the shard (from its frame's arrival to its result:
-    waiting for the compute worker included), `cache_len` the positions the session's cache
-    holds after it. A shard that keeps no cache for the session says 0.
+    """One shard's part of a step, added to the answer on its way back to the head: `ms` on the
+    shard (its frame's arrival to its result, the compute worker's queue included), `cache_len`
+    its cache's positions after it (0 if it keeps none), and on a shard that sent the step on,
+    `wait_ms`: how long the answer took to come back (so the head can tell each link's share).
     """
 
     node: str
     ms: float
     cache_len: int
+    wait_ms: float | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"node": self.node, "ms": round(self.ms, 3), "cache_len": self.cache_len}
+        wire = {"node": self.node, "ms": round(self.ms, 3), "cache_len": self.cache_len}
+        return wire if self.wait_ms is None else {**wire, "wait_ms": round(self.wait_ms, 3)}
 
     @classmethod
     def parse(cls, data: Any) -> "HopReport":
         if not isinstance(data, dict):
             raise FrameError("each hop report must be an object")
-        ms = data.get("ms")
-        if not isinstance(ms, (int, float)) or isinstance(ms, bool) or not 0 <= ms <= MAX_STEP_MS:
-            raise FrameError(f"a hop report's ms must be a number in [0, {MAX_STEP_MS:.0f}]")
-        return cls(name_field(data, "node"), float(ms), int_field(data, "cache_len", 0))
+        wait = data.get("wait_ms")
+        return cls(name_field(data, "node"), _milliseconds(data.get("ms"), "ms"), int_field(data, "cache_len", 0),
+                   None if wait is None else _milliseconds(wait, "wait_ms"))
+
+
+def _milliseconds(value: Any, name: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= MAX_STEP_MS:
+        raise FrameError(f"a hop report's {name} must be a number in [0, {MAX_STEP_MS:.0f}]")
+    return float(value)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,34 @@
+"""Where a lap's time goes (head/timing.py): each link's share from what the hops report."""
+
+import pytest
+
+from meshws.head.timing import LapTimes, links_of
+from meshws.mesh.wire import HopReport
+
+
+def test_each_link_is_what_the_hop_before_waited_less_the_rest():
+    # head waited 30 ms: middle computed 10, then waited 14 for the tail, which computed 9
+    hops = [HopReport("middle", 10.0, 5, 14.0), HopReport("tail", 9.0, 5)]
+    assert links_of(30.0, hops) == [(("head", "middle"), pytest.approx(6.0)), (("middle", "tail"), pytest.approx(5.0))]
+    assert links_of(12.0, [HopReport("tail", 9.0, 5)]) == [(("head", "tail"), pytest.approx(3.0))]
+
+
+def test_a_hop_that_does_not_say_what_it_waited_leaves_the_rest_as_one_link():
+    hops = [HopReport("middle", 10.0, 5), HopReport("tail", 9.0, 5)]
+    assert links_of(30.0, hops) == [(("head", "tail"), pytest.approx(11.0))]
+
+
+def test_clocks_that_disagree_never_give_a_negative_link():
+    assert links_of(5.0, [HopReport("tail", 9.0, 5)]) == [(("head", "tail"), 0.0)]
+
+
+def test_lap_times_add_up_to_the_laps():
+    times = LapTimes()
+    for _ in range(3):
+        times.record(positions=1, tokens=1, lap_ms=40.0, head_ms=10.0, head_cache=7,
+                     hops=[HopReport("middle", 10.0, 5, 14.0), HopReport("tail", 9.0, 5)])
+    view = times.view()
+    parts = view["head_ms"] + sum(hop["ms"] for hop in view["hops"]) + sum(link["ms"] for link in view["links"])
+    assert parts == pytest.approx(120.0) and view["network_ms"] == pytest.approx(33.0)
+    assert view["links"] == [{"from": "head", "to": "middle", "ms": 18.0}, {"from": "middle", "to": "tail", "ms": 15.0}]
+    assert times.view(lambda name: name[:1])["links"][1] == {"from": "m", "to": "t", "ms": 15.0}
