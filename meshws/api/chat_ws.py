@@ -8,6 +8,7 @@ Client -> server (JSON text frames):
                                             `trace: true` adds every lap to `hops` in `done`
   {"type": "stop"}                          stop the running turn
   {"type": "reset"}                         a new conversation: stop the running turn, release the session
+  {"type": "render", "id"?, "text"}         Markdown (model output) as sanitized HTML, for the page
 Server -> client:
   {"type": "start", "id", "model", "prompt_tokens"}
   {"type": "delta", "id", "text"}           text as it is generated
@@ -17,6 +18,7 @@ Server -> client:
                                             where the answer's time went: the head's layers, each
                                             shard (as it reports), the links (the rest)
   {"type": "reset", "id"?}                  the conversation's session is released
+  {"type": "rendered", "id"?, "html"}       the answer to `render` (api/markdown.py: nothing in it runs)
   {"type": "error", "id"?, "message"}       a bad message, or the mesh failed
 
 The socket is its conversation's channel: every turn goes on in one session, whose
@@ -48,6 +50,7 @@ from ..head.generation import FinishReason, GenerationStats, PipelineError
 from ..head.service import HeadService, Unavailable
 from .errors import ApiError, public_text
 from .logprobs import chat_logprobs
+from .markdown import MAX_RENDER_CHARS, render_markdown
 from .openai_routes import run_spec, usage
 from .sse import bound_write_buffers, until_drained
 from .requests import check_request, complete_spec
@@ -93,9 +96,12 @@ class ChatSocket:
                     if running is not None and not running.done():
                         running.cancel()
                     continue
+                if kind == "render":  # one at a time per socket: the next message waits for it
+                    await send(await rendered(data))
+                    continue
                 if kind not in ("chat", "reset"):
-                    await send({"type": "error", "message": f"unknown message type {kind!r}; use chat, stop or "
-                                                            "reset"})
+                    await send({"type": "error", "message": f"unknown message type {kind!r}; use chat, stop, "
+                                                            "reset or render"})
                     continue
                 if running is not None and not running.done():  # a new turn (or a reset) replaces the running one
                     running.cancel()
@@ -204,6 +210,17 @@ class ChatSocket:
             "hops": stats.times.view(str if detailed else public_name),
             **({"logprobs": chat_logprobs(stats.logprobs, self.head.decode)} if stats.logprobs is not None else {}),
         })
+
+
+async def rendered(data: dict[str, Any]) -> dict[str, Any]:
+    """The answer to a `render` message (off the event loop: a long answer with code takes milliseconds)."""
+    text = data.get("text")
+    reply: dict[str, Any] = {"id": data["id"]} if isinstance(data.get("id"), (str, int)) else {}
+    if not isinstance(text, str):
+        return {"type": "error", **reply, "message": "render needs 'text', a string"}
+    if len(text) > MAX_RENDER_CHARS:
+        return {"type": "error", **reply, "message": f"render takes at most {MAX_RENDER_CHARS} characters"}
+    return {"type": "rendered", **reply, "html": await asyncio.to_thread(render_markdown, text)}
 
 
 def public_route(route: list[dict[str, Any]]) -> list[dict[str, Any]]:
