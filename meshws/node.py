@@ -34,6 +34,7 @@ from .head.planner import RoutePlanner
 from .head.registry import Registry
 from .head.routes import NoRoute, chain_gaps
 from .head.service import HeadService, build_head
+from .head.timing import RecentLaps
 from .loading import check_role, load_backend
 from .mesh.addresses import host_of, is_loopback
 from .mesh.auth import CHALLENGE_PATH
@@ -57,7 +58,7 @@ class Node(NodeReports):
         self.cores: CoreShare | None = None  # this host's cores, shared with its other nodes
         self.role = settings.role
         self.started = time.time()
-        self.recent_links: dict[tuple[str, str], tuple[float, float]] = {}  # (from, to) -> (ms per lap, when)
+        self.recent_laps = RecentLaps()  # what the last answers found on the route (links' times, shards' loads)
         self.port: int | None = None
         self.advertise = ""
         self.access = NodeAccess(settings)

@@ -63,9 +63,7 @@ class NodeReports:
                         # sessions kept open between answers, apart from generating ones
                         kept_sessions={"conversations": self.head.conversations - len(self.head.warm),
                                        "warm": len(self.head.warm), "warm_limit": self.head.warm.size})
-            now = time.monotonic()  # each link's share of a lap in the last answer that crossed it
-            info["link_times"] = [{"from": a, "to": b, "lap_ms": round(ms, 2), "age_s": round(now - when, 1)}
-                                  for (a, b), (ms, when) in self.recent_links.items()]
+            info["recent_laps"] = self.recent_laps.view()  # each link's share of a lap, each shard's load
         if self.registry is not None:
             info["nodes"] = [record.describe() for record in self.registry.nodes()]
         if self.announcer is not None:
@@ -111,10 +109,7 @@ class NodeReports:
             self.metrics.lap_seconds.labels(f"hop{index}").inc(ms / 1000)
         for index, (link, ms) in enumerate(list(times.link_ms.items())[:MAX_HOP_LABELS], 1):
             self.metrics.lap_seconds.labels(f"link{index}").inc(ms / 1000)
-            self.recent_links.pop(link, None)  # (the newest last: the oldest go first past the bound)
-            self.recent_links[link] = (ms / max(1, times.laps), time.monotonic())
-        while len(self.recent_links) > MAX_HOP_LABELS:
-            del self.recent_links[next(iter(self.recent_links))]
+        self.recent_laps.note(times)
         drafts = stats.speculation
         if drafts is not None:
             self.metrics.laps.inc(drafts.laps)

@@ -525,8 +525,11 @@ function drawRoute(health) {
   const route = $("route");
   route.replaceChildren();
   const hops = health.chain && health.chain.length ? health.chain : [{ node: health.node || health.role, layers: health.layers }];
-  const loads = new Map((health.nodes || []).map((node) => [node.node, node.load]));
-  const linkTimes = health.link_times || [];
+  const recent = health.recent_laps || { links: [], loads: [] };
+  // a shard's load: from its heartbeats (a joined node), else as it reported with the last answer
+  const loads = new Map(recent.loads.map((hop) => [hop.node, hop.sessions]));
+  for (const node of health.nodes || []) loads.set(node.node, node.load);
+  const linkTimes = recent.links;
   hops.forEach((hop, index) => {
     if (index > 0) {
       const from = index === 1 ? "head" : hops[index - 1].node;

@@ -9,6 +9,7 @@ length after it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -23,6 +24,7 @@ class LapTimes:
     hop_ms: dict[str, float] = field(default_factory=dict)  # node -> time on it, in route order
     network_ms: float = 0.0
     link_ms: dict[tuple[str, str], float] = field(default_factory=dict)  # (from, to) -> time on that link
+    loads: dict[str, int] = field(default_factory=dict)  # node -> sessions it carried, as its last report said
     trace: list[dict[str, Any]] | None = None  # per lap, when asked for
 
     def record(self, *, positions: int, tokens: int, lap_ms: float, head_ms: float, head_cache: int,
@@ -34,6 +36,8 @@ class LapTimes:
         for hop in hops:
             if hop.node in self.hop_ms or len(self.hop_ms) < MAX_HOPS_KEPT:  # (names come from peers)
                 self.hop_ms[hop.node] = self.hop_ms.get(hop.node, 0.0) + hop.ms
+                if hop.load is not None:
+                    self.loads[hop.node] = hop.load
             shards_ms += hop.ms
         self.network_ms += max(0.0, lap_ms - head_ms - shards_ms)
         for link, ms in links_of(lap_ms - head_ms, hops):
@@ -62,6 +66,36 @@ class LapTimes:
             view["trace"] = [{**lap, "hops": [{**hop, "node": name(hop["node"])} for hop in lap["hops"]]}
                              for lap in self.trace]
         return view
+
+
+class RecentLaps:
+    """What the last answers found on the route, for `/health` and the page's route diagram: each
+    link's share of a lap and each shard's load (sessions), with their age."""
+
+    def __init__(self, limit: int = MAX_HOPS_KEPT) -> None:
+        self.limit = limit
+        self.links: dict[tuple[str, str], tuple[float, float]] = {}  # (from, to) -> (ms per lap, when)
+        self.loads: dict[str, tuple[int, float]] = {}  # node -> (sessions, when)
+
+    def note(self, times: LapTimes) -> None:
+        now = time.monotonic()
+        for link, ms in times.link_ms.items():
+            self._put(self.links, link, (ms / max(1, times.laps), now))
+        for node, load in times.loads.items():
+            self._put(self.loads, node, (load, now))
+
+    def _put(self, table: dict, key: Any, value: Any) -> None:
+        table.pop(key, None)  # the newest last: past the limit, the oldest go first
+        table[key] = value
+        while len(table) > self.limit:
+            del table[next(iter(table))]
+
+    def view(self) -> dict[str, list[dict[str, Any]]]:
+        now = time.monotonic()
+        return {"links": [{"from": a, "to": b, "lap_ms": round(ms, 2), "age_s": round(now - when, 1)}
+                          for (a, b), (ms, when) in self.links.items()],
+                "loads": [{"node": node, "sessions": load, "age_s": round(now - when, 1)}
+                          for node, (load, when) in self.loads.items()]}
 
 
 def links_of(wait_ms: float, hops: Sequence[Any]) -> list[tuple[tuple[str, str], float]]:

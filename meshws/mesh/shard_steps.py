@@ -191,7 +191,7 @@ class ShardSteps:
     def _count_step(self, session: InboundSession, frame: ForwardFrame, elapsed: float) -> None:
         session.compute_seconds += elapsed
         held = self.backend.sessions.held(session.sid)
-        session.report = (frame.step, HopReport(self.node_name, elapsed * 1000, held))
+        session.report = (frame.step, HopReport(self.node_name, elapsed * 1000, held, load=len(self.sessions)))
         self.metrics.steps.labels(frame.mode).inc()
         self.metrics.step_seconds.labels(frame.mode).observe(elapsed)
         if frame.mode == "prefill":

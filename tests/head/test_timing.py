@@ -2,7 +2,7 @@
 
 import pytest
 
-from meshws.head.timing import LapTimes, links_of
+from meshws.head.timing import LapTimes, RecentLaps, links_of
 from meshws.mesh.wire import HopReport
 
 
@@ -32,3 +32,21 @@ def test_lap_times_add_up_to_the_laps():
     assert parts == pytest.approx(120.0) and view["network_ms"] == pytest.approx(33.0)
     assert view["links"] == [{"from": "head", "to": "middle", "ms": 18.0}, {"from": "middle", "to": "tail", "ms": 15.0}]
     assert times.view(lambda name: name[:1])["links"][1] == {"from": "m", "to": "t", "ms": 15.0}
+
+
+def test_recent_laps_keep_the_last_figures_and_a_bounded_number_of_them():
+    recent = RecentLaps(limit=2)
+    times = LapTimes()
+    times.record(positions=1, tokens=1, lap_ms=20.0, head_ms=5.0, head_cache=3,
+                 hops=[HopReport("tail-a", 10.0, 3, load=4)])
+    times.record(positions=1, tokens=1, lap_ms=24.0, head_ms=5.0, head_cache=4,
+                 hops=[HopReport("tail-a", 10.0, 4, load=2)])
+    recent.note(times)
+    view = recent.view()
+    assert [(link["from"], link["to"], link["lap_ms"]) for link in view["links"]] == [("head", "tail-a", 7.0)]
+    assert [(hop["node"], hop["sessions"]) for hop in view["loads"]] == [("tail-a", 2)]  # the last report
+    for name in ("tail-b", "tail-c"):
+        other = LapTimes()
+        other.record(positions=1, tokens=1, lap_ms=20.0, head_ms=5.0, head_cache=3, hops=[HopReport(name, 10.0, 3)])
+        recent.note(other)
+    assert [link["to"] for link in recent.view()["links"]] == ["tail-b", "tail-c"]  # the oldest went first

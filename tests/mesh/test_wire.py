@@ -149,7 +149,7 @@ def test_every_message_round_trips():
         wire.Open("c", SamplingParams(temperature=0), 40, resume=True),
         wire.Token("a", 2, 17),
         wire.Token("a", 3, None, ""),
-        wire.Token("a", 4, 9, None, (5, 9), (wire.HopReport("middle@h:1", 3.25, 40, 9.5), wire.HopReport("t", 0.0, 0))),
+        wire.Token("a", 4, 9, None, (5, 9), (wire.HopReport("middle@h:1", 3.25, 40, 9.5, 2), wire.HopReport("t", 0.0, 0))),
         wire.Token("a", 5, 9, None, (5, 9), (), ((-0.25, ((5, -0.25), (7, -2.5))), (-1e4, ()))),
         wire.CacheMiss("a", 4, "evicted"),
         wire.Error("boom", "a", 5, lost=True, url="ws://h:1"),

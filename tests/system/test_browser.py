@@ -112,6 +112,7 @@ def test_message_streams_an_answer_with_timing_and_route(page, mesh):
     assert nodes.nth(0).text_content().startswith("head@") and nodes.nth(1).text_content().startswith("tail@")
     assert "layers 15-29" in nodes.nth(1).text_content()
     expect(page.locator("#route .route-link")).to_have_text(re.compile(r"^[\d.]+ ms$"), timeout=10_000)
+    expect(nodes.nth(1)).to_contain_text(re.compile(r"load \d+$"))  # as the tail reported it with the answer
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / "desktop.png"), full_page=True)
 
@@ -250,8 +251,17 @@ def sent_chats(page):
 
 
 def test_a_code_answer_is_highlighted_and_both_copy_buttons_work(page):
-    # Greedy fp32, the embedded model answers this with a ```python block first.
-    answer = wait_answer(ask(page, "Write a Python function that adds two numbers.", max_tokens=40))
+    # Greedy fp32, the embedded model answers this with a ```python block first, then a paragraph.
+    answer = ask(page, "Write a Python function that adds two numbers.", max_tokens=60)
+    # Rendered while it streams, without flicker: once text follows the closed block, the block's element stays.
+    block = None
+    while block is None and "streaming" in (answer.get_attribute("class") or ""):
+        if answer.locator(".md .code + p").count():
+            block = answer.locator(".md .code").element_handle()
+        time.sleep(0.03)
+    assert block is not None, "the code block and the text after it should show before the answer ends"
+    wait_answer(answer)
+    assert block.evaluate("(node) => node.isConnected")  # the same element: never replaced by a later render
     code = answer.locator(".md .code pre > code.language-python")
     expect(code).to_have_count(1)
     assert code.locator("span.k").first.text_content() == "def"  # Pygments' keyword class: highlighted

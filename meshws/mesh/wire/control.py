@@ -21,11 +21,11 @@ from .fields import (
     sid_field,
     text_field,
 )
+from .hops import HopReport
 
 PROTOCOL_VERSION = 3  # 3: `past_len` cuts a longer cache back; `open` may resume a session
 MAX_CONTROL_BYTES = 1024 * 1024  # (a prefill's answer may carry 4096 prompt tokens' log-probabilities)
 MAX_TOKEN_IDS = 17  # tokens one step may yield: its drafts (at most 16) and one more
-MAX_STEP_MS = 86_400_000.0  # a day: no step of a hop's report takes longer
 
 
 @dataclass(frozen=True)
@@ -151,38 +151,6 @@ class Open:
         except ValueError as exc:  # FrameError included
             raise FrameError(f"bad open: {exc}", sid) from None
         return cls(sid, sampling, prompt_tokens, route, route_mac, resume, fork)
-
-
-@dataclass(frozen=True)
-class HopReport:
-    """One shard's part of a step, added to the answer on its way back to the head: `ms` on the
-    shard (its frame's arrival to its result, the compute worker's queue included), `cache_len`
-    its cache's positions after it (0 if it keeps none), and on a shard that sent the step on,
-    `wait_ms`: how long the answer took to come back (so the head can tell each link's share).
-    """
-
-    node: str
-    ms: float
-    cache_len: int
-    wait_ms: float | None = None
-
-    def to_wire(self) -> dict[str, Any]:
-        wire = {"node": self.node, "ms": round(self.ms, 3), "cache_len": self.cache_len}
-        return wire if self.wait_ms is None else {**wire, "wait_ms": round(self.wait_ms, 3)}
-
-    @classmethod
-    def parse(cls, data: Any) -> "HopReport":
-        if not isinstance(data, dict):
-            raise FrameError("each hop report must be an object")
-        wait = data.get("wait_ms")
-        return cls(name_field(data, "node"), _milliseconds(data.get("ms"), "ms"), int_field(data, "cache_len", 0),
-                   None if wait is None else _milliseconds(wait, "wait_ms"))
-
-
-def _milliseconds(value: Any, name: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= MAX_STEP_MS:
-        raise FrameError(f"a hop report's {name} must be a number in [0, {MAX_STEP_MS:.0f}]")
-    return float(value)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,48 @@
+"""Hop reports: each shard's part of a step, carried back to the head in the `token` answer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .fields import FrameError, int_field, name_field
+
+MAX_STEP_MS = 86_400_000.0  # a day: no step of a hop's report takes longer
+
+
+@dataclass(frozen=True)
+class HopReport:
+    """One shard's part of a step, added to the answer on its way back to the head: `ms` on the
+    shard (its frame's arrival to its result, the compute worker's queue included), `cache_len`
+    its cache's positions after it (0 if it keeps none), and on a shard that sent the step on,
+    `wait_ms`: how long the answer took to come back (so the head can tell each link's share).
+    """
+
+    node: str
+    ms: float
+    cache_len: int
+    wait_ms: float | None = None
+    load: int | None = None  # sessions the shard carries now (the page's route diagram shows it)
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"node": self.node, "ms": round(self.ms, 3), "cache_len": self.cache_len}
+        if self.wait_ms is not None:
+            wire["wait_ms"] = round(self.wait_ms, 3)
+        if self.load is not None:
+            wire["load"] = self.load
+        return wire
+
+    @classmethod
+    def parse(cls, data: Any) -> "HopReport":
+        if not isinstance(data, dict):
+            raise FrameError("each hop report must be an object")
+        wait = data.get("wait_ms")
+        return cls(name_field(data, "node"), _milliseconds(data.get("ms"), "ms"), int_field(data, "cache_len", 0),
+                   None if wait is None else _milliseconds(wait, "wait_ms"),
+                   int_field(data, "load", 0) if data.get("load") is not None else None)
+
+
+def _milliseconds(value: Any, name: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= MAX_STEP_MS:
+        raise FrameError(f"a hop report's {name} must be a number in [0, {MAX_STEP_MS:.0f}]")
+    return float(value)
