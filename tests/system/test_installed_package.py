@@ -48,8 +48,9 @@ def test_the_installed_command_starts_a_node_that_serves_the_page_and_the_api(bi
             time.sleep(0.2)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as response:
             assert b"meshws chat" in response.read()
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/static/chat.js", timeout=10) as response:
-            assert response.status == 200
+        for name in ("chat.js", "chat.css", "code.css"):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/static/{name}", timeout=10) as response:
+                assert response.status == 200, name
         body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}],
                            "max_tokens": 8, "temperature": 0}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
