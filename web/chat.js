@@ -49,12 +49,29 @@ settings.apiKey.addEventListener("change", () => socket && socket.close());
 
 // -- conversations, kept in localStorage ---------------------------------------
 function loadChats() {
-  try {
-    const list = JSON.parse(localStorage.getItem(CHATS_KEY) || "[]");
-    return Array.isArray(list) ? list.filter((chat) => chat && typeof chat.id === "string" && Array.isArray(chat.messages)) : [];
-  } catch {
-    return [];
-  }
+  let list;
+  try { list = JSON.parse(localStorage.getItem(CHATS_KEY) || "[]"); } catch { return []; }
+  if (!Array.isArray(list)) return [];
+  // What storage holds may be old or edited by hand: keep only what has the shape the page draws.
+  return list.filter((chat) => chat && typeof chat.id === "string" && Array.isArray(chat.messages)).map((chat) => ({
+    id: chat.id,
+    title: typeof chat.title === "string" ? chat.title : "",
+    updated: Number(chat.updated) || 0,
+    messages: chat.messages.filter((message) => message && ["user", "assistant"].includes(message.role)
+      && typeof message.content === "string").map((message) => ({
+      role: message.role, content: message.content,
+      ...(typeof message.meta === "string" ? { meta: message.meta } : {}),
+      ...(validHops(message.hops) ? { hops: message.hops } : {}),
+    })),
+  }));
+}
+
+function validHops(hops) {
+  const number = (value) => typeof value === "number" && Number.isFinite(value);
+  const named = (part) => part && typeof part.node === "string" && number(part.ms);
+  return Boolean(hops) && number(hops.laps) && number(hops.head_ms) && number(hops.network_ms)
+    && Array.isArray(hops.hops) && hops.hops.every(named)
+    && (hops.links === undefined || (Array.isArray(hops.links) && hops.links.every((link) => link && number(link.ms))));
 }
 
 function saveChats() {
@@ -98,8 +115,14 @@ function openChat(chat) {
   current = chat;
   renderLog();
   saveChats();
-  document.body.classList.remove("chats-open");
+  closePanels();
   input.focus();
+}
+
+function closePanels() {  // (on a phone, the conversations and the settings lie over the chat)
+  document.body.classList.remove("chats-open", "side-open");
+  $("toggle-chats").setAttribute("aria-expanded", "false");
+  $("toggle-side").setAttribute("aria-expanded", "false");
 }
 
 function renameChat(item, chat) {
@@ -152,7 +175,7 @@ function showMarkdown(body, text) {
 
 function renderInto(body, text) {
   requestRender(text, (html) => {
-    if (!body.isConnected) return;
+    if (!body.isConnected || html === null) return;  // (refused: too long, or the head is busy; text stays)
     delete body.dataset.raw;
     morph(body, html);
   });
@@ -186,20 +209,35 @@ function decorate(fragment) {
   }
 }
 
-// While an answer streams: one render on its way at a time; the text after it waits at the end as it is.
+// While an answer streams: one render on its way at a time, at most one every RENDER_EVERY_MS (the head
+// renders the whole answer each time); the text after the last render waits at the end as it is.
+const RENDER_EVERY_MS = 250;
+
 function streamRender() {
   const streaming = turn;
-  if (!streaming || streaming.rendering) return;
+  if (!streaming || streaming.rendering || streaming.timer) return;
+  const wait = streaming.renderedAt + RENDER_EVERY_MS - performance.now();
+  if (streaming.plain || wait > 0) {
+    showPending(streaming.body, streaming.text.slice(streaming.renderedLength));
+    if (!streaming.plain) streaming.timer = setTimeout(() => { streaming.timer = null; streamRender(); }, wait);
+    return;
+  }
   const text = streaming.text;
+  streaming.renderedAt = performance.now();
   streaming.rendering = requestRender(text, (html) => {
     streaming.rendering = false;
     if (!streaming.body.isConnected) return;
-    delete streaming.body.dataset.raw;
-    morph(streaming.body, html);
-    showPending(streaming.body, streaming.text.slice(text.length));
+    if (html === null) {  // refused (too long, or the head is busy): the rest of this answer is shown as text
+      streaming.plain = true;
+    } else {
+      delete streaming.body.dataset.raw;
+      morph(streaming.body, html);
+      streaming.renderedLength = text.length;
+    }
+    showPending(streaming.body, streaming.text.slice(streaming.renderedLength));
     if (turn === streaming && streaming.text !== text) streamRender();
   });
-  if (!streaming.rendering) showPending(streaming.body, streaming.text);
+  if (!streaming.rendering) showPending(streaming.body, streaming.text.slice(streaming.renderedLength));
 }
 
 function showPending(body, text) {
@@ -315,8 +353,9 @@ function finishTurn(keepText, done) {
   if (!turn) return;
   const finished = turn;
   turn = null;
+  clearTimeout(finished.timer);
   finished.node.classList.remove("streaming");
-  if (keepText && finished.text) {
+  if (done || (keepText && finished.text)) {  // (a finished answer stays, even an empty one, with its figures)
     const message = { role: "assistant", content: finished.text, ...(done || {}) };
     finished.chat.messages.push(message);
     touch(finished.chat);
@@ -369,7 +408,8 @@ function startTurn() {
   const { node, body } = messageNode({ role: "assistant", content: "" }, current.messages.length);
   node.classList.add("streaming");
   markLast();
-  turn = { id, chat: current, node, body, text: "", started: performance.now(), rendering: false };
+  turn = { id, chat: current, node, body, text: "", started: performance.now(), rendering: false, timer: null,
+    renderedAt: -Infinity, renderedLength: 0, plain: false };
   setBusy(true);
   socket.send(JSON.stringify({
     type: "chat", id, messages,
@@ -448,14 +488,14 @@ function routeText(route) {
 function onMessage(event) {
   let data;
   try { data = JSON.parse(event.data); } catch { return; }
-  if (data.type === "rendered") {
+  if (renders.has(data.id) && (data.type === "rendered" || data.type === "error")) {
     const callback = renders.get(data.id);
     renders.delete(data.id);
-    if (callback) callback(data.html);
+    callback(data.type === "rendered" ? data.html : null);
     return;
   }
   if (!turn || (data.id !== undefined && data.id !== turn.id)) {
-    if (data.type === "error" && !String(data.id || "").startsWith("render-")) showError(data.message, false);
+    if (data.type === "error") showError(data.message, false);
     return;
   }
   if (data.type === "delta") {
@@ -621,7 +661,7 @@ $("new-chat").addEventListener("click", () => {
   current = null;
   renderLog();
   saveChats();
-  document.body.classList.remove("chats-open");
+  closePanels();
   input.focus();
 });
 for (const [toggle, className] of [["toggle-side", "side-open"], ["toggle-chats", "chats-open"]]) {

@@ -50,7 +50,7 @@ from ..head.generation import FinishReason, GenerationStats, PipelineError
 from ..head.service import HeadService, Unavailable
 from .errors import ApiError, public_text
 from .logprobs import chat_logprobs
-from .markdown import MAX_RENDER_CHARS, render_markdown
+from .markdown import MAX_RENDER_CHARS, Renderer, RenderBusy
 from .openai_routes import run_spec, usage
 from .sse import bound_write_buffers, until_drained
 from .requests import check_request, complete_spec
@@ -67,6 +67,7 @@ class ChatSocket:
         self.write_timeout = write_timeout  # seconds one send to a client may take
         self.detail_allowed = detail_allowed  # may this client see node names and addresses?
         self.sockets: set[web.WebSocketResponse] = set()
+        self.renderer = Renderer()  # one thread of its own for every socket's renders
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/ws/chat", self.handle)
@@ -97,7 +98,7 @@ class ChatSocket:
                         running.cancel()
                     continue
                 if kind == "render":  # one at a time per socket: the next message waits for it
-                    await send(await rendered(data))
+                    await send(await rendered(self.renderer, data))
                     continue
                 if kind not in ("chat", "reset"):
                     await send({"type": "error", "message": f"unknown message type {kind!r}; use chat, stop, "
@@ -131,6 +132,7 @@ class ChatSocket:
         for ws in list(self.sockets):
             with suppress(asyncio.TimeoutError, ConnectionError, RuntimeError):
                 await asyncio.wait_for(ws.close(code=1001, message=b"node shutting down"), self.write_timeout)
+        self.renderer.close()
 
     async def _turn(self, send: "_Sender", data: dict[str, Any], detailed: bool,
                     conversation: Conversation) -> None:
@@ -212,15 +214,18 @@ class ChatSocket:
         })
 
 
-async def rendered(data: dict[str, Any]) -> dict[str, Any]:
-    """The answer to a `render` message (off the event loop: a long answer with code takes milliseconds)."""
+async def rendered(renderer: Renderer, data: dict[str, Any]) -> dict[str, Any]:
+    """The answer to a `render` message (on the renderer's thread: a long answer takes milliseconds)."""
     text = data.get("text")
     reply: dict[str, Any] = {"id": data["id"]} if isinstance(data.get("id"), (str, int)) else {}
     if not isinstance(text, str):
         return {"type": "error", **reply, "message": "render needs 'text', a string"}
     if len(text) > MAX_RENDER_CHARS:
         return {"type": "error", **reply, "message": f"render takes at most {MAX_RENDER_CHARS} characters"}
-    return {"type": "rendered", **reply, "html": await asyncio.to_thread(render_markdown, text)}
+    try:
+        return {"type": "rendered", **reply, "html": await renderer.render(text)}
+    except RenderBusy as exc:
+        return {"type": "error", **reply, "message": str(exc), "code": "busy"}
 
 
 def public_route(route: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,12 +1,14 @@
 """Answers rendered for the page (api/markdown.py), and the `render` message of /ws/chat on fake shards."""
 
+import asyncio
 from html.parser import HTMLParser
 
 import aiohttp
+import pytest
 
 from fakes import CachedHeadBackend, LoopTailBackend, fake_mesh
-from meshws.api.markdown import MAX_RENDER_CHARS, render_markdown
 from meshws.api.guards import SECURITY_HEADERS
+from meshws.api.markdown import MAX_RENDER_CHARS, Renderer, RenderBusy, render_markdown
 
 HOSTILE = [
     "<script>alert(1)</script>",
@@ -64,9 +66,31 @@ def test_markdown_renders_code_tables_lists_and_safe_links():
 
 
 def test_a_fence_without_language_or_an_unknown_one_stays_code():
-    assert "<pre><code>" in render_markdown("```\nplain text here\n```")
-    html = render_markdown("```nosuchlanguage\na < b\n```")
-    assert "a &lt; b" in html and "<span" not in html
+    assert render_markdown("```\nimport os\nprint(os.name)\n```") == "<pre><code>import os\nprint(os.name)\n</code></pre>\n"
+    for language in ("nosuchlanguage", "amdgpu", "autohotkey"):  # (not on the list: some lexers are slow)
+        html = render_markdown(f"```{language}\na < b\n```")
+        assert "a &lt; b" in html and "<span" not in html
+
+
+def test_a_lexer_that_is_slow_on_crafted_code_is_cut_off_and_the_code_stays_plain():
+    # Pygments' C lexer takes seconds on thousands of blank lines (quadratic); the render's lexing budget
+    # stops it, the block is shown unhighlighted, and an ordinary block in the same answer still renders.
+    html = render_markdown("```c\n" + "\n" * 8000 + "x\n```\n\nthen `ok`\n")
+    assert "<pre><code class=\"language-c\">" in html and "<span" not in html and "<code>ok</code>" in html
+    assert '<span class="kt">int</span>' in render_markdown("```c\nint x;\n```")  # (C on its own is fine)
+
+
+async def test_renders_wait_in_a_bounded_line_on_their_own_thread():
+    renderer = Renderer(waiting=1)
+    try:
+        first = asyncio.ensure_future(renderer.render("*a*"))
+        await asyncio.sleep(0)
+        with pytest.raises(RenderBusy):
+            await renderer.render("*b*")
+        assert await first == "<p><em>a</em></p>\n"
+        assert await renderer.render("*c*") == "<p><em>c</em></p>\n"  # the line is free again
+    finally:
+        renderer.close()
 
 
 def test_rendering_is_bounded():

@@ -8,6 +8,7 @@ from typing import Any
 from .fields import FrameError, int_field, name_field
 
 MAX_STEP_MS = 86_400_000.0  # a day: no step of a hop's report takes longer
+MAX_LOAD = 1_000_000  # sessions a report may claim (a shard's link cap is far below)
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class HopReport:
         wait = data.get("wait_ms")
         return cls(name_field(data, "node"), _milliseconds(data.get("ms"), "ms"), int_field(data, "cache_len", 0),
                    None if wait is None else _milliseconds(wait, "wait_ms"),
-                   int_field(data, "load", 0) if data.get("load") is not None else None)
+                   min(int_field(data, "load", 0), MAX_LOAD) if data.get("load") is not None else None)
 
 
 def _milliseconds(value: Any, name: str) -> float:
