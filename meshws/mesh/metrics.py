@@ -62,8 +62,8 @@ class NodeMetrics:
                             registry=self.registry)
         self.lap_seconds = Counter("meshws_lap_seconds", "Time of the head's laps by part: its own layers "
                                    "(head), each shard on the route in order (hop1, hop2, ...; as they report it), "
-                                   "and what is left: the links (network; link1, link2, ... each link, split by what the hops say "
-                                   "they waited for the rest)", ["part"], registry=self.registry)
+                                   "and what is left: the links (network; and link1, link2, ...: each link, split by "
+                                   "what the hops say they waited for the rest)", ["part"], registry=self.registry)
         self.draft_tokens = Counter("meshws_draft_tokens", "Guessed tokens sent for verification, by what the tail "
                                     "did with them", ["result"], registry=self.registry)
 

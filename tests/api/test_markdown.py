@@ -66,7 +66,8 @@ def test_markdown_renders_code_tables_lists_and_safe_links():
 
 
 def test_a_fence_without_language_or_an_unknown_one_stays_code():
-    assert render_markdown("```\nimport os\nprint(os.name)\n```") == "<pre><code>import os\nprint(os.name)\n</code></pre>\n"
+    plain = render_markdown("```\nimport os\nprint(os.name)\n```")
+    assert plain == "<pre><code>import os\nprint(os.name)\n</code></pre>\n"
     for language in ("nosuchlanguage", "amdgpu", "autohotkey"):  # (not on the list: some lexers are slow)
         html = render_markdown(f"```{language}\na < b\n```")
         assert "a &lt; b" in html and "<span" not in html

@@ -46,8 +46,8 @@ def page(browser, mesh):
     context.grant_permissions(["clipboard-read", "clipboard-write"], origin=mesh.head.url)
     page = context.new_page()
     page.foreign = []  # requests to any host but the head
-    page.on("request", lambda request: None if request.url.startswith((mesh.head.url, mesh.head.url.replace("http", "ws")))
-            else page.foreign.append(request.url))
+    own = (mesh.head.url, mesh.head.url.replace("http", "ws"))
+    page.on("request", lambda request: None if request.url.startswith(own) else page.foreign.append(request.url))
     page.dialogs = []
     page.on("dialog", lambda dialog: (page.dialogs.append(dialog.message), dialog.dismiss()))
     page.sent = []
@@ -98,7 +98,9 @@ def test_message_streams_an_answer_with_timing_and_route(page, mesh):
     assert "[0-14]" in meta and "[15-29]" in meta  # the route: which node served which layers
     # Where each lap's time went: the head, the tail (as it reported), the link; one piece of the bar each.
     laps = answer.locator(".lap-meta").text_content()
-    assert re.fullmatch(r"per lap \(\d+ laps( · [\d.]+ tokens/lap)?\): head [\d.]+ ms · link to tail [\d.]+ ms · tail [\d.]+ ms", laps), laps
+    pattern = (r"per lap \(\d+ laps( · [\d.]+ tokens/lap)?\): "
+               r"head [\d.]+ ms · link to tail [\d.]+ ms · tail [\d.]+ ms")
+    assert re.fullmatch(pattern, laps), laps
     expect(answer.locator(".lap-bar .lap-part")).to_have_count(3)
     # The parts add up to the time the page itself measured for the answer (send to done), within 10 %.
     parts = sum(float(ms) for ms in answer.locator(".lap-part").evaluate_all("(parts) => parts.map(p => p.dataset.ms)"))
@@ -275,6 +277,7 @@ def test_a_code_answer_is_highlighted_and_both_copy_buttons_work(page):
     answer.locator("[data-action=copy-answer]").click()
     markdown = page.evaluate("navigator.clipboard.readText()")
     assert markdown == stored_chats(page)[0]["messages"][1]["content"] and markdown.startswith("```python\ndef ")
+    assert page.foreign == []  # the page, its styles and the rendered answer came from the head alone
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / "desktop-code.png"), full_page=True)
 
