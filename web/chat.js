@@ -108,10 +108,11 @@ function renderChatList() {
   $("no-chats").hidden = chats.length > 0;
 }
 
+// Show `chat` (null: a new one). The socket's session held the one before: it is released, and the next
+// turn prefills this one.
 function openChat(chat) {
-  if (chat === current) return;
   stopTurn();
-  resetSession();  // the socket's session held the other conversation; the next turn prefills this one
+  sendIfOpen({ type: "reset" });
   current = chat;
   renderLog();
   saveChats();
@@ -119,10 +120,15 @@ function openChat(chat) {
   input.focus();
 }
 
-function closePanels() {  // (on a phone, the conversations and the settings lie over the chat)
-  document.body.classList.remove("chats-open", "side-open");
-  $("toggle-chats").setAttribute("aria-expanded", "false");
-  $("toggle-side").setAttribute("aria-expanded", "false");
+// On a phone, the conversations and the settings lie over the chat: one panel at a time.
+const PANELS = [["toggle-side", "side-open"], ["toggle-chats", "chats-open"]];
+
+function closePanels(except = null) {
+  for (const [toggle, className] of PANELS) {
+    if (toggle === except) continue;
+    document.body.classList.remove(className);
+    $(toggle).setAttribute("aria-expanded", "false");
+  }
 }
 
 function renameChat(item, chat) {
@@ -150,7 +156,7 @@ function deleteChat(chat) {
   chats = chats.filter((other) => other !== chat);
   if (chat === current) {
     stopTurn();
-    resetSession();
+    sendIfOpen({ type: "reset" });
     current = null;
     renderLog();
   }
@@ -159,10 +165,9 @@ function deleteChat(chat) {
 
 // -- rendering answers ----------------------------------------------------------
 function requestRender(text, callback) {
-  if (!socket || socket.readyState !== WebSocket.OPEN) return false;
   const id = "render-" + (++renderCounter);
+  if (!sendIfOpen({ type: "render", id, text })) return false;
   renders.set(id, callback);
-  socket.send(JSON.stringify({ type: "render", id, text }));
   return true;
 }
 
@@ -175,10 +180,13 @@ function showMarkdown(body, text) {
 
 function renderInto(body, text) {
   requestRender(text, (html) => {
-    if (!body.isConnected || html === null) return;  // (refused: too long, or the head is busy; text stays)
-    delete body.dataset.raw;
-    morph(body, html);
+    if (body.isConnected && html !== null) showRendered(body, html);  // (refused: too long, or busy; text stays)
   });
+}
+
+function showRendered(body, html) {
+  delete body.dataset.raw;
+  morph(body, html);
 }
 
 // Replace `target`'s blocks with the rendered ones, keeping every block that did not change (no flicker).
@@ -230,8 +238,7 @@ function streamRender() {
     if (html === null) {  // refused (too long, or the head is busy): the rest of this answer is shown as text
       streaming.plain = true;
     } else {
-      delete streaming.body.dataset.raw;
-      morph(streaming.body, html);
+      showRendered(streaming.body, html);
       streaming.renderedLength = text.length;
     }
     showPending(streaming.body, streaming.text.slice(streaming.renderedLength));
@@ -369,13 +376,15 @@ function finishTurn(keepText, done) {
 
 function stopTurn() {
   if (!turn) return;
-  if (socket && socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify({ type: "stop" }));
+  sendIfOpen({ type: "stop" });
   finishTurn(true);
 }
 
-function resetSession() {
-  // the head stops a running answer and releases this socket's session on every shard
-  if (socket && socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify({ type: "reset" }));
+// (`reset`: the head stops a running answer and releases this socket's session on every shard)
+function sendIfOpen(message) {
+  if (!socket || socket.readyState !== WebSocket.OPEN) return false;
+  socket.send(JSON.stringify(message));
+  return true;
 }
 
 function connected() {
@@ -630,7 +639,7 @@ document.addEventListener("keydown", (event) => {
   if (event.key === "Escape" && turn) { event.preventDefault(); stopButton.click(); }
 });
 stopButton.addEventListener("click", () => {
-  if (turn && socket && socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify({ type: "stop" }));
+  if (turn) sendIfOpen({ type: "stop" });
 });
 log.addEventListener("click", (event) => {
   const target = event.target.closest("button[data-action]");
@@ -651,29 +660,16 @@ $("chat-list").addEventListener("click", (event) => {
   const item = target && target.closest(".chat-item");
   const chat = item && chats.find((other) => other.id === item.dataset.id);
   if (!chat) return;
-  if (target.dataset.action === "open-chat") openChat(chat);
+  if (target.dataset.action === "open-chat" && chat !== current) openChat(chat);
   else if (target.dataset.action === "rename-chat") renameChat(item, chat);
   else if (target.dataset.action === "delete-chat") deleteChat(chat);
 });
-$("new-chat").addEventListener("click", () => {
-  stopTurn();
-  resetSession();
-  current = null;
-  renderLog();
-  saveChats();
-  closePanels();
-  input.focus();
-});
-for (const [toggle, className] of [["toggle-side", "side-open"], ["toggle-chats", "chats-open"]]) {
+$("new-chat").addEventListener("click", () => openChat(null));
+for (const [toggle, className] of PANELS) {
   $(toggle).addEventListener("click", () => {
     const open = document.body.classList.toggle(className);
     $(toggle).setAttribute("aria-expanded", String(open));
-    for (const [other, otherClass] of [["toggle-side", "side-open"], ["toggle-chats", "chats-open"]]) {
-      if (open && other !== toggle) {  // one panel over the conversation at a time
-        document.body.classList.remove(otherClass);
-        $(other).setAttribute("aria-expanded", "false");
-      }
-    }
+    if (open) closePanels(toggle);
   });
 }
 
