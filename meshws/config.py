@@ -90,7 +90,7 @@ _HELP = {
                "transformers (its modules), or auto (lean where the architecture has it)",
     "compile": "run the lean path through torch.compile (compiled at start, cached on disk for restarts); "
                "off by default: on CPU it saves little (see the README)",
-    "quant": "int8: store linear weights as int8 with a scale per output channel (about a third of fp32's "
+    "quant": "int8: store linear weights as int8 with a scale per output channel, run by FBGEMM (about half of fp32's "
              "memory, faster decode; slightly different output, see the README); needs the lean path",
     "wire_dtype": "dtype of hidden states sent between nodes",
     "threads": "torch intra-op threads (default: the host's cores split between the meshws nodes running on it, "

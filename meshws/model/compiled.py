@@ -8,8 +8,10 @@ restarted node loads its compiled code instead of compiling again.
 
 Measured on a 2-core AVX2 machine (SmolLM2-135M, fp32, full node): 57 s to compile, 11 s
 on a restart with the cache; decode 10.6-10.9 tok/s compiled against 11.2-11.8 eager,
-and with int8 weights 21-23 tok/s both ways. A decode step there is bound by reading the
-weights, not by the operations compilation fuses: hence off by default.
+and with (then weight-only) int8 weights 21-23 tok/s both ways. A decode step there is bound
+by reading the weights, not by the operations compilation fuses: hence off by default.
+FBGEMM's int8 product stays outside the graphs (`packed._int8_linear`); the fused norms
+round differently, so compiled int8 output parts from eager int8 after a few tokens.
 """
 
 from __future__ import annotations

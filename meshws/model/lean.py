@@ -9,7 +9,7 @@ place, so a decode step allocates no cache objects. Attention is torch's
 operation by operation, so fp32 output is the transformers path's.
 
 `--quant int8` stores every linear weight as int8 with one scale per output channel
-and runs it with torch's CPU weight-only int8 kernel (`linear`).
+and runs it with FBGEMM's int8 GEMM, each row of activations quantized on its own (`packed.linear`).
 
 Another architecture (or one with features the lean path lacks, such as attention
 logit soft-capping) gets `None` from `lean_layers` and keeps the transformers path.
@@ -54,8 +54,11 @@ class _Layer:
         self.norms = tuple(_norm_weight(weight, kind, dtype) for weight in weights)
 
     def tensors(self) -> list[torch.Tensor]:
-        found = [t for packed in (self.qkv, self.o, self.gate_up, self.down) for t in packed if t is not None]
+        found = [t for packed in self.linears() for t in packed.tensors()]
         return found + list(self.norms)
+
+    def linears(self) -> tuple[Linear, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
 
 
 def _norm_weight(weight: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
@@ -127,16 +130,24 @@ class LeanLayers:
         return (f"lean {self.kind}" + (f", {self.quant} weights" if self.quant else "")
                 + (", compiled" if self.compiled else ""))
 
+    def _linears(self) -> list[Linear]:
+        return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head] * (self.lm_head is not None)
+
     def tensors(self) -> list[torch.Tensor]:
-        found = [t for layer in self.layers for t in layer.tensors()]
-        return found + [t for t in (self.lm_head or ()) if t is not None]
+        """The tensors held (int8 matrices are not tensors: `int8_bytes`)."""
+        return [t for lin in self._linears() for t in lin.tensors()] + [n for layer in self.layers for n in layer.norms]
+
+    @property
+    def int8_bytes(self) -> int:
+        return sum(lin.int8_bytes for lin in self._linears())
 
     def parameters(self) -> list[torch.Tensor]:
-        """The packed weights that are the model's parameters (not the int8 scales)."""
-        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        linears += [self.lm_head] if self.lm_head is not None else []
-        found = [weight for weight, _, _ in linears] + [bias for _, bias, _ in linears if bias is not None]
-        return found + [norm for layer in self.layers for norm in layer.norms]
+        """The packed float tensors that are the model's parameters (int8 matrices: `int8_parameters`)."""
+        return self.tensors()
+
+    @property
+    def int8_parameters(self) -> int:
+        return sum(lin.shape[0] * lin.shape[1] for lin in self._linears() if lin.int8 is not None)
 
     def new_cache(self) -> LeanCache:
         return LeanCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype)

@@ -74,7 +74,7 @@ class ModelShard:
         layers_config = shard_config(config, start, end)
         self.model = load_shard_model(resolved, layers_config, self.layout, self.settings.dtype)
         self.lean = self._lean_path(resolved.model_id)
-        self.weight_bytes = tensor_bytes(self.held_tensors())  # what this shard holds, not the model
+        self.weight_bytes = tensor_bytes(self.held_tensors()) + (self.lean.int8_bytes if self.lean else 0)
         self.tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder)) if self.layout.is_head else None
         budget = self.settings.max_cache_bytes
         if budget is None:
@@ -135,20 +135,20 @@ class ModelShard:
     def _lean_path(self, model_id: str) -> LeanLayers | None:
         """Pack the layers for the lean path (and let go of transformers' copies), or None: the transformers path."""
         wanted = self.settings.compute
+        if self.settings.quant == "int8" and not int8_kernel_runs():
+            raise ValueError("int8 weights need FBGEMM's int8 GEMM (torch on an x86 CPU), which this torch lacks")
         lean = None if wanted == "transformers" else lean_layers(self.model, self.compute_dtype, self.settings.quant)
         if lean is None:
             if wanted == "lean" or self.settings.quant:
                 raise ValueError(f"{model_id} ({self.config.model_type}) has no lean path"
                                  + (" (int8 weights need it)" if self.settings.quant else ""))
             return None
-        if self.settings.quant == "int8" and not int8_kernel_runs():
-            raise ValueError("this torch build has no CPU int8 weight-only kernel (aten._weight_int8pack_mm)")
         self.model.model.layers = torch.nn.ModuleList()  # the packed copies replace them
         if lean.lm_head is not None:  # the packed LM head replaces the module's
             embed = self.model.model.embed_tokens
             if embed is not None and embed.weight.data_ptr() == self.model.lm_head.weight.data_ptr() \
-                    and lean.lm_head[2] is None:  # tied, float: the embeddings read the packed copy (one copy)
-                embed.weight = torch.nn.Parameter(lean.lm_head[0], requires_grad=False)
+                    and lean.lm_head.int8 is None:  # tied, float: the embeddings read the packed copy (one copy)
+                embed.weight = torch.nn.Parameter(lean.lm_head.weight, requires_grad=False)
             self.model.lm_head = None
         return lean
 
@@ -169,7 +169,7 @@ class ModelShard:
                   if param.device.type != "meta"}
         if self.lean is not None:
             unique.update({tensor.data_ptr(): tensor.numel() for tensor in self.lean.parameters()})
-        return sum(unique.values())
+        return sum(unique.values()) + (self.lean.int8_parameters if self.lean is not None else 0)
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of `text`; adds the model's BOS unless the text already starts with it."""

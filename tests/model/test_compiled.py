@@ -12,11 +12,12 @@ from meshws.model.shard import ModelShard, ShardSettings
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 
-def test_compiled_lean_path_gives_the_eager_tokens(embedded_model, tmp_path):
-    eager = ModelShard(embedded_model, 0, 30, ShardSettings(dtype="float32", compute="lean"))
-    compiled = ModelShard(embedded_model, 0, 30, ShardSettings(dtype="float32", compute="lean", compile=True),
-                          cache_dir=tmp_path)
-    assert compiled.compute_path == "lean llama, compiled" and compiled.compile_seconds > 0
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_compiled_lean_path_gives_the_eager_tokens(embedded_model, tmp_path, quant):
+    eager = ModelShard(embedded_model, 0, 30, ShardSettings(dtype="float32", compute="lean", quant=quant))
+    compiled = ModelShard(embedded_model, 0, 30,
+                          ShardSettings(dtype="float32", compute="lean", compile=True, quant=quant), cache_dir=tmp_path)
+    assert compiled.compute_path.endswith("compiled") and compiled.compile_seconds > 0
     assert compiled.compute_facts["compile_seconds"] == compiled.compile_seconds
     assert compiled.sessions.total_bytes == 0, "the warm-up sessions are released"
     prompts = [eager.tokenize("The capital of France is"), eager.tokenize("def fibonacci(n):")]
@@ -31,4 +32,8 @@ def test_compiled_lean_path_gives_the_eager_tokens(embedded_model, tmp_path):
         for _ in range(4):  # and one session alone
             tokens.append(shard.encode_next_token(tokens[-1], f"{name}-0").token_id)
         results[name] = rows
-    assert results["compiled"] == results["eager"]
+    if quant is None:
+        assert results["compiled"] == results["eager"]
+    else:  # inductor's fused norms round differently, and int8 rows amplify that: the outputs part later
+        for compiled_row, eager_row in zip(results["compiled"], results["eager"]):
+            assert compiled_row[:4] == eager_row[:4]

@@ -74,8 +74,9 @@ def test_growing_keeps_what_the_buffers_hold():
     assert cache.length == 2
 
 
-def test_batched_lean_rows_equal_each_row_alone(embedded_model):
-    shard = ModelShard(embedded_model, 0, 30, LEAN)
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_batched_lean_rows_equal_each_row_alone(embedded_model, quant):
+    shard = ModelShard(embedded_model, 0, 30, ShardSettings(dtype="float32", compute="lean", quant=quant))
     texts = ["Hi", "Write a short story about a robot who learns to paint.", "What is 2 + 2?"]
     prompts = [_chat(shard, text) for text in texts]
     alone, batched = [], []
