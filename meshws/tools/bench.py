@@ -27,7 +27,6 @@ ratios, and rerun before believing a small difference.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -41,9 +40,9 @@ from .bench_compute import (gguf_of, measure_bandwidth, measure_decode_step, mea
                             measure_llama_cpp)
 from .bench_plot import write_plot
 from .bench_laps import measure_laps
+from .bench_nodes import measure_processes
 from .bench_turns import measure_conversation
 from .memory_bench import measure_memory, print_memory, write_report
-from .streams import joining_run, sessions_run, stream_once
 
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
 MODEL_ENV = {"HF_HUB_OFFLINE": "1"}
@@ -84,79 +83,6 @@ def measure_cached_vs_stateless(resolved: Any, dtype: str, contexts: list[int], 
     return results
 
 
-# -- measurements through real processes -----------------------------------------
-
-
-def frame_sizes(metrics_text: str) -> dict[str, float]:
-    values: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        for mode in ("decode", "prefill"):
-            for kind in ("frames_total", "frame_bytes_total"):
-                if line.startswith(f'meshws_{kind}{{direction="in",type="fwd_{mode}"}}'):
-                    values[f"{mode}_{kind}"] = float(line.split()[-1])
-    sizes = {}
-    for mode in ("decode", "prefill"):
-        frames = values.get(f"{mode}_frames_total", 0)
-        if frames:
-            sizes[f"{mode}_frame_bytes"] = round(values[f"{mode}_frame_bytes_total"] / frames, 1)
-    return sizes
-
-
-def read_metrics(url: str) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        return response.read().decode()
-
-
-def busy_seconds(url: str) -> float:
-    for line in read_metrics(url).splitlines():
-        if line.startswith("meshws_compute_busy_seconds "):
-            return float(line.split()[-1])
-    return 0.0
-
-
-def measure_processes(args: argparse.Namespace, dtype: str, prompt_ids: list[int], model_id: str) -> dict[str, Any]:
-    """Nodes started as a user starts them by hand (default flags: they split the cores themselves)."""
-    from .launch import Mesh
-
-    common = ("--model", args.model, "--dtype", dtype)
-    results: dict[str, Any] = {"full_node_sessions": {}}
-    for name, extra in (("full_node", ()), ("full_node_int8", ("--quant", "int8"))):
-        full = Mesh([("full", f"0-{args.layers - 1}")], common=(*common, *extra), split_threads=False)
-        try:
-            asyncio.run(stream_once(full.head.url, model_id, prompt_ids, 4))  # warm-up
-            results[name] = asyncio.run(sessions_run(full.head.url, model_id, prompt_ids, args.tokens, 1))
-            for count in args.sessions if name == "full_node" else ():
-                results["full_node_sessions"][str(count)] = asyncio.run(
-                    sessions_run(full.head.url, model_id, prompt_ids, args.tokens, count))
-        finally:
-            full.stop()
-    split = args.layers // 2
-    mesh = Mesh([("head", f"0-{split - 1}"), ("tail", f"{split}-{args.layers - 1}")], common=common,
-                split_threads=False)
-    try:
-        for node in mesh.nodes:  # each has seen the other (`cores`) before anything is timed
-            while node.health()["compute"].get("threads", 0) > max(1, (os.cpu_count() or 1) // 2):
-                time.sleep(0.5)
-        asyncio.run(stream_once(mesh.head.url, model_id, prompt_ids, 4))  # warm-up
-        results["mesh"] = {}
-        for count in args.sessions:
-            before = [busy_seconds(node.url) for node in mesh.nodes]
-            entry = asyncio.run(sessions_run(mesh.head.url, model_id, prompt_ids, args.tokens, count))
-            after = [busy_seconds(node.url) for node in mesh.nodes]
-            entry["busy_fraction"] = {role: round((b - a) / entry["wall_s"], 3)
-                                      for role, a, b in zip(("head", "tail"), before, after)}
-            results["mesh"][str(count)] = entry
-        busy = max(args.sessions) - 1
-        results["joining"] = asyncio.run(joining_run(mesh.head.url, model_id, prompt_ids, args.tokens * 2, busy))
-        results["wire"] = frame_sizes(read_metrics(mesh.tail.url))
-        results["wire"]["prefill_tokens"] = len(prompt_ids)
-    finally:
-        mesh.stop()
-    return results
-
-
 # -- the report -------------------------------------------------------------------
 
 
@@ -164,21 +90,27 @@ def add_ratios(result: dict[str, Any]) -> None:
     base = result["generate"]["decode_tok_s"]
     for name in ("full_node", "full_node_int8"):
         result[name]["ratio_to_generate"] = round(result[name]["per_session_tok_s"] / base, 3)
-    one = result["mesh"].get("1", {}).get("aggregate_tok_s")
-    for entry in result["mesh"].values():
-        entry["per_session_ratio_to_generate"] = round(entry["per_session_tok_s"] / base, 3)
-        entry["aggregate_ratio_to_generate"] = round(entry["aggregate_tok_s"] / base, 3)
-        if one:
-            entry["aggregate_over_one_session"] = round(entry["aggregate_tok_s"] / one, 3)
+    for series in mesh_series(result):
+        one = result[series].get("1", {}).get("aggregate_tok_s")
+        for entry in result[series].values():
+            entry["per_session_ratio_to_generate"] = round(entry["per_session_tok_s"] / base, 3)
+            entry["aggregate_ratio_to_generate"] = round(entry["aggregate_tok_s"] / base, 3)
+            if one:
+                entry["aggregate_over_one_session"] = round(entry["aggregate_tok_s"] / one, 3)
     llama = result.get("llama_cpp")
     if llama:
         cpp = llama["decode_tok_s"]
         result["generate"]["ratio_to_llama_cpp"] = round(base / cpp, 3)
         for name in ("full_node", "full_node_int8"):
             result[name]["ratio_to_llama_cpp"] = round(result[name]["per_session_tok_s"] / cpp, 3)
-        for entry in result["mesh"].values():
+        for entry in (entry for series in mesh_series(result) for entry in result[series].values()):
             entry["per_session_ratio_to_llama_cpp"] = round(entry["per_session_tok_s"] / cpp, 3)
             entry["aggregate_ratio_to_llama_cpp"] = round(entry["aggregate_tok_s"] / cpp, 3)
+
+
+def mesh_series(result: dict[str, Any]) -> list[str]:
+    """The head + tail series measured: `mesh` (float weights) and `mesh_int8` (`--mesh-quant int8`)."""
+    return [key for key in result if key == "mesh" or key.startswith("mesh_")]
 
 
 def _over(value: float | None, base: float | None) -> float | None:
@@ -186,11 +118,11 @@ def _over(value: float | None, base: float | None) -> float | None:
 
 
 def targets(result: dict[str, Any]) -> dict[str, Any]:
-    mesh, spec = result["mesh"], result.get("speculation", {})
+    mesh, spec = result.get("mesh", {}), result.get("speculation", {})
     checks = {
         "mesh_one_session_ge_1x_generate": mesh.get("1", {}).get("per_session_ratio_to_generate"),
         "mesh_16_sessions_ge_6x_one": mesh.get("16", {}).get("aggregate_over_one_session"),
-        "decode_frame_le_1400_bytes": result["wire"].get("decode_frame_bytes"),
+        "decode_frame_le_1400_bytes": result.get("wire", {}).get("decode_frame_bytes"),
         "cached_ge_15x_stateless_at_1024": result["stateless"].get("1024", {}).get("stateless_over_cached"),
         "full_node_ge_2x_generate": result["full_node"].get("ratio_to_generate"),
         "full_node_int8_ge_3x_generate": result["full_node_int8"].get("ratio_to_generate"),
@@ -239,16 +171,17 @@ def print_table(report: dict[str, Any]) -> None:
         for name, step in result["decode_step"].items():
             print(f"15-layer decode step, {step['path']:<30}: {step['step_ms']:6.2f} ms = {step['over_floor']:.2f}x "
                   f"the {step['floor_ms']:.2f} ms floor ({step['weight_mib']} MiB at {report['bandwidth_gb_s']} GB/s)")
-        print("mesh sessions | tok/s per session (x gen) | aggregate tok/s (x gen, x one) | ttft p50 / p95 | "
-              "inter-token p50 / p95 | busy head / tail")
-        for count, entry in result["mesh"].items():
-            busy = entry.get("busy_fraction", {})
-            print(f"  {count:>11} | {entry['per_session_tok_s']:8.2f} ({entry['per_session_ratio_to_generate']:.2f}x)"
-                  f"          | {entry['aggregate_tok_s']:8.2f} ({entry['aggregate_ratio_to_generate']:.2f}x, "
-                  f"{entry.get('aggregate_over_one_session', 0):.2f}x)      | "
-                  f"{entry['ttft_p50_s'] * 1000:.0f} / {entry['ttft_p95_s'] * 1000:.0f} ms | "
-                  f"{entry['itl_p50_s'] * 1000:.0f} / {entry['itl_p95_s'] * 1000:.0f} ms | "
-                  f"{busy.get('head', 0):.2f} / {busy.get('tail', 0):.2f}")
+        for series in mesh_series(result):
+            print(f"{series.replace('_', ' ')} sessions | tok/s per session (x gen) | aggregate tok/s (x gen, x one) | "
+                  "ttft p50 / p95 | inter-token p50 / p95 | busy head / tail")
+            for count, entry in result[series].items():
+                busy = entry.get("busy_fraction", {})
+                print(f"  {count:>11} | {entry['per_session_tok_s']:8.2f} "
+                      f"({entry['per_session_ratio_to_generate']:.2f}x)          | {entry['aggregate_tok_s']:8.2f} "
+                      f"({entry['aggregate_ratio_to_generate']:.2f}x, {entry.get('aggregate_over_one_session', 0):.2f}x)"
+                      f"      | {entry['ttft_p50_s'] * 1000:.0f} / {entry['ttft_p95_s'] * 1000:.0f} ms | "
+                      f"{entry['itl_p50_s'] * 1000:.0f} / {entry['itl_p95_s'] * 1000:.0f} ms | "
+                      f"{busy.get('head', 0):.2f} / {busy.get('tail', 0):.2f}")
         for key, label in (("generate_sessions", "generate() batch"), ("full_node_sessions", "full node")):
             print(f"{label:<17}: " + ", ".join(f"{count}: {entry['aggregate_tok_s']:.1f} tok/s "
                                               f"(p95 gap {entry['itl_p95_s'] * 1000:.0f} ms)"
@@ -285,6 +218,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"], choices=("bfloat16", "float32"))
     parser.add_argument("--sessions", nargs="+", type=int, default=[1, 4, 16, 32])
+    parser.add_argument("--mesh-quant", nargs="+", default=["none"], choices=("none", "int8"),
+                        help="weights of the head + tail mesh runs: none (float), int8, or both (default none)")
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per session")
     parser.add_argument("--contexts", nargs="+", type=int, default=[64, 256, 1024])
     parser.add_argument("--repeats", type=int, default=4, help="steps timed per context length")

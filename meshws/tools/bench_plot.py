@@ -1,7 +1,7 @@
 """The benchmark's picture: aggregate tok/s and p95 inter-token latency against concurrent sessions.
 
 One line per runner (in-process `generate()` on a batch, a `full` node, the head + tail
-mesh) and dtype. matplotlib is an optional dependency (`pip install meshws[bench]`):
+mesh, and that mesh with int8 weights when `--mesh-quant int8` ran it) and dtype. matplotlib is an optional dependency (`pip install meshws[bench]`):
 without it the benchmark says so and writes no picture.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-SERIES = (("generate_sessions", "generate()"), ("full_node_sessions", "full node"), ("mesh", "head + tail"))
+SERIES = (("generate_sessions", "generate()"), ("full_node_sessions", "full node"), ("mesh", "head + tail"),
+          ("mesh_int8", "head + tail, int8"))
 
 
 def write_plot(report: dict[str, Any], path: Path) -> Path | None:

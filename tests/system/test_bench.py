@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.real_model, pytest.mark.processes]
 def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, "-m", "meshws.bench", "--short", "--dtype", "float32", "--sessions", "1", "4",
-                             "--out", str(out)], cwd=ROOT,
+                             "--mesh-quant", "none", "int8", "--out", str(out)], cwd=ROOT,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -32,8 +32,9 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
         assert steps["lean_int8"]["weight_mib"] < 0.4 * steps["lean"]["weight_mib"] * (2 if dtype == "bfloat16" else 1)
         llama = entry["llama_cpp"]  # an optional extra: measured only where llama-cpp-python is installed
         assert llama is None or (llama["decode_tok_s"] > 0 and "ratio_to_llama_cpp" in entry["full_node"])
-        assert set(entry["mesh"]) == set(entry["full_node_sessions"]) == set(entry["generate_sessions"]) == {"1", "4"}
-        for sessions in entry["mesh"].values():
+        assert set(entry["mesh"]) == set(entry["mesh_int8"]) == set(entry["full_node_sessions"]) \
+            == set(entry["generate_sessions"]) == {"1", "4"}
+        for sessions in [*entry["mesh"].values(), *entry["mesh_int8"].values()]:
             for field in ("per_session_tok_s", "aggregate_tok_s", "ttft_p50_s", "ttft_p95_s", "itl_p50_s",
                           "itl_p95_s"):
                 assert sessions[field] > 0, (dtype, field)

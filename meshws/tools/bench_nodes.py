@@ -1,0 +1,99 @@
+"""The benchmark's measurements through real node processes, started as a user starts them by hand.
+
+A `full` node (float and `--quant int8`) at one session and at each session count; a
+head + tail mesh on loopback at each session count (with each shard's busy fraction), a
+session joining the others, frame sizes; and with `--mesh-quant int8` the same mesh runs
+again with int8 weights on both nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from typing import Any
+
+from .streams import joining_run, sessions_run, stream_once
+
+
+def frame_sizes(metrics_text: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        for mode in ("decode", "prefill"):
+            for kind in ("frames_total", "frame_bytes_total"):
+                if line.startswith(f'meshws_{kind}{{direction="in",type="fwd_{mode}"}}'):
+                    values[f"{mode}_{kind}"] = float(line.split()[-1])
+    sizes = {}
+    for mode in ("decode", "prefill"):
+        frames = values.get(f"{mode}_frames_total", 0)
+        if frames:
+            sizes[f"{mode}_frame_bytes"] = round(values[f"{mode}_frame_bytes_total"] / frames, 1)
+    return sizes
+
+
+def read_metrics(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def busy_seconds(url: str) -> float:
+    for line in read_metrics(url).splitlines():
+        if line.startswith("meshws_compute_busy_seconds "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def measure_processes(args: argparse.Namespace, dtype: str, prompt_ids: list[int], model_id: str) -> dict[str, Any]:
+    """Nodes started as a user starts them by hand (default flags: they split the cores themselves)."""
+    from .launch import Mesh
+
+    common = ("--model", args.model, "--dtype", dtype)
+    results: dict[str, Any] = {"full_node_sessions": {}}
+    for name, extra in (("full_node", ()), ("full_node_int8", ("--quant", "int8"))):
+        full = Mesh([("full", f"0-{args.layers - 1}")], common=(*common, *extra), split_threads=False)
+        try:
+            asyncio.run(stream_once(full.head.url, model_id, prompt_ids, 4))  # warm-up
+            results[name] = asyncio.run(sessions_run(full.head.url, model_id, prompt_ids, args.tokens, 1))
+            for count in args.sessions if name == "full_node" else ():
+                results["full_node_sessions"][str(count)] = asyncio.run(
+                    sessions_run(full.head.url, model_id, prompt_ids, args.tokens, count))
+        finally:
+            full.stop()
+    for index, quant in enumerate(getattr(args, "mesh_quant", None) or ["none"]):
+        key = "mesh" if quant == "none" else f"mesh_{quant}"
+        results.update(measure_mesh(args, (*common, "--quant", quant), prompt_ids, model_id, key, first=index == 0))
+    return results
+
+
+def measure_mesh(args: argparse.Namespace, flags: tuple[str, ...], prompt_ids: list[int], model_id: str, key: str,
+                 first: bool) -> dict[str, Any]:
+    """A head + tail mesh at each session count; the first one measured also gives the joining run and frames."""
+    from .launch import Mesh
+
+    split = args.layers // 2
+    mesh = Mesh([("head", f"0-{split - 1}"), ("tail", f"{split}-{args.layers - 1}")], common=flags,
+                split_threads=False)
+    results: dict[str, Any] = {key: {}}
+    try:
+        for node in mesh.nodes:  # each has seen the other (`cores`) before anything is timed
+            while node.health()["compute"].get("threads", 0) > max(1, (os.cpu_count() or 1) // 2):
+                time.sleep(0.5)
+        asyncio.run(stream_once(mesh.head.url, model_id, prompt_ids, 4))  # warm-up
+        for count in args.sessions:
+            before = [busy_seconds(node.url) for node in mesh.nodes]
+            entry = asyncio.run(sessions_run(mesh.head.url, model_id, prompt_ids, args.tokens, count))
+            after = [busy_seconds(node.url) for node in mesh.nodes]
+            entry["busy_fraction"] = {role: round((b - a) / entry["wall_s"], 3)
+                                      for role, a, b in zip(("head", "tail"), before, after)}
+            results[key][str(count)] = entry
+        if first:
+            busy = max(args.sessions) - 1
+            results["joining"] = asyncio.run(joining_run(mesh.head.url, model_id, prompt_ids, args.tokens * 2, busy))
+            results["wire"] = frame_sizes(read_metrics(mesh.tail.url))
+            results["wire"]["prefill_tokens"] = len(prompt_ids)
+    finally:
+        mesh.stop()
+    return results
