@@ -10,7 +10,6 @@ and values for a shard's layers in buffers grown in blocks and written in place.
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from typing import Any, NamedTuple
 
@@ -19,16 +18,16 @@ import torch.nn.functional as F
 
 CACHE_BLOCK = 128  # positions a session's key/value buffers grow by (at least)
 INT8_TOP = 63  # int8 weights in [-63, 63]: with 8-bit activations FBGEMM's AVX2 pair sums stay below 2**15
-ROTATION = 64  # the Hadamard block activations and weights are turned by (int8 only)
-_ROW_RANGE = torch.tensor([-1.0, 1.0])  # the two extra inputs of every int8 row (see `linear`)
+ROTATION = 64  # the Hadamard block activations and weights are turned by (int8; widths it divides)
+FBGEMM_K_BLOCK, FBGEMM_N_BLOCK = 512, 8  # FBGEMM's AVX2 packing pads inputs and outputs to these
+_RANGE_ROW = torch.tensor([-1.0, 1.0])  # the start of the first row of every int8 product (see `_int8_linear`)
 
 
 class Linear(NamedTuple):
     """A linear layer as the lean path holds it.
 
     A float `weight` is `[out, in]`, or a transposed view of `[in, out]` storage (see `linear`).
-    An int8 layer has no float weight: `int8` is FBGEMM's prepacked matrix `[out, in + 2]`, the
-    two extra input columns being zeros that pin every row's quantization range (see `linear`).
+    An int8 layer has no float weight: `int8` is FBGEMM's prepacked int8 matrix (see `_int8_linear`).
     """
 
     weight: torch.Tensor | None
@@ -42,9 +41,14 @@ class Linear(NamedTuple):
 
     @property
     def int8_bytes(self) -> int:
-        """Bytes of the packed int8 matrix: a byte per weight, and per output channel a scale and a column sum."""
+        """Bytes of the packed int8 matrix as FBGEMM holds it: a byte per weight, the inputs padded to its
+        blocks of 512 and the outputs to 8 (576 inputs take 1024), and per output channel a double
+        scale, an int64 zero point and an int32 column sum."""
+        if self.int8 is None:
+            return 0
         out, inputs = self.shape
-        return 0 if self.int8 is None else out * (inputs + 2) + out * 12
+        padded = -(-inputs // FBGEMM_K_BLOCK) * FBGEMM_K_BLOCK * -(-out // FBGEMM_N_BLOCK) * FBGEMM_N_BLOCK
+        return padded + out * 20
 
 
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, quant: str | None) -> Linear:
@@ -58,7 +62,6 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
     weight = _rotated(weight.detach().float())
     scale = weight.abs().amax(dim=1).clamp(min=1e-12) / INT8_TOP
     qweight = torch.clamp(torch.round(weight / scale[:, None]), -INT8_TOP, INT8_TOP).to(torch.int8)
-    qweight = torch.cat([qweight, torch.zeros(shape[0], 2, dtype=torch.int8)], dim=1)  # the range columns
     with warnings.catch_warnings():  # torch marks its quantized tensors deprecated (still shipped in 2.13)
         warnings.simplefilter("ignore", UserWarning)
         quantized = torch._make_per_channel_quantized_tensor(
@@ -82,21 +85,30 @@ def linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
 def _int8_linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
     # Two things make FBGEMM's int8 GEMM fit here. It quantizes the activations with one range for
     # the whole matrix, so a row's result would depend on the rows batched with it: each row is
-    # scaled to a largest magnitude of 1 and given two extra inputs, -1 and +1 (their weights are
-    # zero), so every row spans exactly [-1, 1] in any batch and the quantization is in effect per
-    # row; the output is scaled back. And a few channels of a transformer's activations are far
-    # larger than the rest, so a row's 8 bits would go to them: the rows (and, once, the weights)
-    # are turned by an orthonormal Hadamard block, which spreads those channels over the block and
-    # leaves the product unchanged (W x = (W H)(H x), H symmetric). Measured on SmolLM2 with
-    # `python -m meshws.tools.quality`: top-1 agreement with fp32 0.83 without the turn, 0.91 with it.
+    # scaled to a largest magnitude of 1, and one more row, [-1, +1, 0, ...], goes first (its
+    # output is dropped), so the matrix spans exactly [-1, 1] in any batch and the quantization is
+    # in effect per row; the outputs are scaled back. (A row holding NaN or inf would move that
+    # range, or stop the product: it goes in as zeros and comes out NaN.) And a few channels of a
+    # transformer's activations are far larger than the rest, so a row's 8 bits would go to them:
+    # the rows (and, once, the weights) are turned by an orthonormal Hadamard block, which spreads
+    # those channels over the block and leaves the product unchanged (W x = (W H)(H x), H
+    # symmetric). Measured on SmolLM2 with `python -m meshws.tools.quality`: top-1 agreement with
+    # fp32 0.83 without the turn, 0.91 with it.
     shape = x.shape
     width = shape[-1]
     rows = _rotated(x.reshape(-1, width).float())
     peak = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True).clamp_(min=1e-30)
-    scaled = torch.empty(rows.shape[0], width + 2)
-    torch.div(rows, peak, out=scaled[:, :width])
-    scaled[:, width:] = _ROW_RANGE
-    out = torch.ops.quantized.linear_dynamic(scaled, packed.int8, False).mul_(peak)
+    finite = bool(torch.isfinite(peak).all())
+    if not finite:  # a NaN or inf would reach FBGEMM's range search: such rows go in as zeros, come out NaN
+        spoiled = ~torch.isfinite(peak)
+        rows, peak = rows.masked_fill(spoiled, 0.0), peak.masked_fill(spoiled, 1.0)
+    scaled = torch.empty(rows.shape[0] + 1, width)
+    scaled[0].zero_()
+    scaled[0, :2] = _RANGE_ROW
+    torch.div(rows, peak, out=scaled[1:])
+    out = torch.ops.quantized.linear_dynamic(scaled, packed.int8, False)[1:].mul_(peak)
+    if not finite:
+        out.masked_fill_(spoiled, float("nan"))
     if packed.bias is not None:
         out = out + packed.bias
     return out.to(x.dtype).view(*shape[:-1], out.shape[-1])
@@ -114,17 +126,20 @@ def _hadamard(size: int) -> torch.Tensor:
 def _rotated(rows: torch.Tensor) -> torch.Tensor:
     """`rows` (float, 2-d) with each block of `ROTATION` columns turned by the Hadamard matrix.
 
-    A width that `ROTATION` does not divide uses the largest power of two that does (none below 8).
+    A width that `ROTATION` does not divide is left as it is (every layer of SmolLM2 and
+    Gemma-3 is a multiple of 64): a smaller block measured batch-dependent rounding in MKL's
+    product here, and a row must not depend on its batch.
     """
     width = rows.shape[-1]
-    block = math.gcd(width, ROTATION)
-    if block < 8:
+    if width % ROTATION:
         return rows
-    return torch.mm(rows.reshape(-1, block), _hadamard(block)).view(rows.shape)
+    return torch.mm(rows.reshape(-1, ROTATION), _hadamard(ROTATION)).view(rows.shape)
 
 
 def int8_kernel_runs() -> bool:
-    """Does this torch build run FBGEMM's int8 GEMM here (x86 CPUs)?"""
+    """Does this torch build run FBGEMM's int8 GEMM here (x86 CPUs)? (Other engines round and saturate otherwise.)"""
+    if torch.backends.quantized.engine not in ("x86", "fbgemm"):
+        return False
     try:
         packed = pack_linear(torch.ones(8, 64), None, torch.float32, "int8")
         return bool(torch.allclose(linear(torch.ones(1, 64), packed), torch.full((1, 8), 64.0), rtol=0.05))

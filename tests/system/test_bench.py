@@ -29,7 +29,8 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
             "transformers", "lean llama", "lean llama, int8 weights"]
         for step in steps.values():
             assert step["step_ms"] > 0 and step["floor_ms"] > 0 and step["over_floor"] > 0
-        assert steps["lean_int8"]["weight_mib"] < 0.4 * steps["lean"]["weight_mib"] * (2 if dtype == "bfloat16" else 1)
+        # a byte per weight, padded by FBGEMM (576 inputs take 1024): 0.40x of fp32's 15 layers
+        assert steps["lean_int8"]["weight_mib"] < 0.45 * steps["lean"]["weight_mib"] * (2 if dtype == "bfloat16" else 1)
         llama = entry["llama_cpp"]  # an optional extra: measured only where llama-cpp-python is installed
         assert llama is None or (llama["decode_tok_s"] > 0 and "ratio_to_llama_cpp" in entry["full_node"])
         assert set(entry["mesh"]) == set(entry["mesh_int8"]) == set(entry["full_node_sessions"]) \
