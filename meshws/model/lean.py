@@ -134,16 +134,12 @@ class LeanLayers:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head] * (self.lm_head is not None)
 
     def tensors(self) -> list[torch.Tensor]:
-        """The tensors held (int8 matrices are not tensors: `int8_bytes`)."""
+        """The tensors held, all of them parameters (int8 matrices are not tensors: `int8_bytes`)."""
         return [t for lin in self._linears() for t in lin.tensors()] + [n for layer in self.layers for n in layer.norms]
 
     @property
     def int8_bytes(self) -> int:
         return sum(lin.int8_bytes for lin in self._linears())
-
-    def parameters(self) -> list[torch.Tensor]:
-        """The packed float tensors that are the model's parameters (int8 matrices: `int8_parameters`)."""
-        return self.tensors()
 
     @property
     def int8_parameters(self) -> int:

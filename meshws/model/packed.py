@@ -98,9 +98,9 @@ def _int8_linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
     width = shape[-1]
     rows = _rotated(x.reshape(-1, width).float())
     peak = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True).clamp_(min=1e-30)
-    finite = bool(torch.isfinite(peak).all())
+    spoiled = ~torch.isfinite(peak)
+    finite = not bool(spoiled.any())
     if not finite:  # a NaN or inf would reach FBGEMM's range search: such rows go in as zeros, come out NaN
-        spoiled = ~torch.isfinite(peak)
         rows, peak = rows.masked_fill(spoiled, 0.0), peak.masked_fill(spoiled, 1.0)
     scaled = torch.empty(rows.shape[0] + 1, width)
     scaled[0].zero_()

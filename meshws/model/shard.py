@@ -168,7 +168,7 @@ class ModelShard:
         unique = {param.data_ptr(): param.numel() for param in self.model.parameters()
                   if param.device.type != "meta"}
         if self.lean is not None:
-            unique.update({tensor.data_ptr(): tensor.numel() for tensor in self.lean.parameters()})
+            unique.update({tensor.data_ptr(): tensor.numel() for tensor in self.lean.tensors()})
         return sum(unique.values()) + (self.lean.int8_parameters if self.lean is not None else 0)
 
     def tokenize(self, text: str) -> list[int]:

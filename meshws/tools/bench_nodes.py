@@ -62,7 +62,7 @@ def measure_processes(args: argparse.Namespace, dtype: str, prompt_ids: list[int
                     sessions_run(full.head.url, model_id, prompt_ids, args.tokens, count))
         finally:
             full.stop()
-    quants = sorted(set(getattr(args, "mesh_quant", None) or ["none"]), key=lambda quant: quant != "none")
+    quants = sorted(set(args.mesh_quant), key=lambda quant: quant != "none")
     for index, quant in enumerate(quants):  # float first: the joining run and frames come from it
         key = "mesh" if quant == "none" else f"mesh_{quant}"
         results.update(measure_mesh(args, (*common, "--quant", quant), prompt_ids, model_id, key, first=index == 0))

@@ -1,8 +1,9 @@
 """The benchmark's picture: aggregate tok/s and p95 inter-token latency against concurrent sessions.
 
 One line per runner (in-process `generate()` on a batch, a `full` node, the head + tail
-mesh, and that mesh with int8 weights when `--mesh-quant int8` ran it) and dtype. matplotlib is an optional dependency (`pip install meshws[bench]`):
-without it the benchmark says so and writes no picture.
+mesh, and that mesh with int8 weights when `--mesh-quant int8` ran it) and dtype.
+matplotlib is an optional dependency (`pip install meshws[bench]`): without it the
+benchmark says so and writes no picture.
 """
 
 from __future__ import annotations
