@@ -32,6 +32,7 @@ class NodeSettings:
     compute: str = "auto"  # what runs the layers: lean (packed weights) where the architecture has it, else transformers
     quant: str = "none"  # int8: linear weights as int8 with per-channel scales (lean path)
     compile: bool = False  # torch.compile the lean path at start
+    matmul: str = "auto"  # float32 products: torch (MKL), openblas (numpy's), or auto: openblas on non-Intel CPUs
     wire_dtype: str = "bfloat16"  # dtype of hidden states between nodes
     threads: int | None = None  # torch threads; default: torch's choice
     max_frame_bytes: int = 64 * 1024 * 1024  # largest websocket frame accepted
@@ -92,6 +93,8 @@ _HELP = {
                "off by default: on CPU it saves little (see the README)",
     "quant": "int8: store linear weights as int8 with a scale per output channel, run by FBGEMM (about half of fp32's "
              "memory, faster decode; slightly different output, see the README); needs the lean path",
+    "matmul": "what multiplies float32 weights on the lean path: torch (MKL on x86), openblas (numpy's), or auto: "
+              "OpenBLAS where the CPU is not Intel's (there MKL reads weights at about half the speed; see the README)",
     "wire_dtype": "dtype of hidden states sent between nodes",
     "threads": "torch intra-op threads (default: the host's cores split between the meshws nodes running on it, "
                "followed as nodes come and go)",
@@ -214,19 +217,15 @@ _TYPES = {
     "compute": str,
     "quant": str,
     "compile": _flag,
+    "matmul": str,
     "wire_dtype": str,
     "threads": int,
     "max_frame_bytes": parse_size,
     "compress_min_bytes": parse_size,
     "step_timeout": float,
-    "api_key": str,
-    "api_key_file": str,
-    "secret": str,
-    "secret_file": str,
+    "api_key": str, "api_key_file": str, "secret": str, "secret_file": str,
     "insecure": _flag,
-    "tls_cert": str,
-    "tls_key": str,
-    "tls_ca": str,
+    "tls_cert": str, "tls_key": str, "tls_ca": str,
     "cors_origins": _names,
     "allowed_hosts": _names,
     "max_generations": int,
@@ -240,8 +239,7 @@ _TYPES = {
     "max_link_sessions": int,
     "max_link_frames": int,
     "prefill_chunk": int,
-    "warm_sessions": int,
-    "warm_ttl": float,
+    "warm_sessions": int, "warm_ttl": float,
     "draft": str,
     "draft_tokens": int,
     "served_model_name": _names,
@@ -252,6 +250,7 @@ _CHOICES = {
     "dtype": ("auto", "float32", "bfloat16"),
     "compute": ("auto", "lean", "transformers"),
     "quant": ("none", "int8"),
+    "matmul": ("auto", "torch", "openblas"),
     "draft": ("ngram", "none"),
     "wire_dtype": ("float32", "bfloat16", "float16"),
     "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),

@@ -1,7 +1,7 @@
 """Nodes on one host share its cores instead of fighting over them.
 
 Each node started without `--threads` registers in a directory private to the user
-(`$TMPDIR/meshws-nodes-UID/<pid>`) and runs `cores // live nodes` torch threads. Its
+(`$TMPDIR/meshws-nodes-UID/<pid>`) and runs `cores // live nodes` compute threads. Its
 compute thread looks again every few seconds (`retune`, between steps), so a head
 started alone uses every core and drops to half when a tail starts beside it. Without
 this, two nodes each spin every core's OpenMP threads: on a 2-core machine, 16
@@ -81,15 +81,14 @@ class CoreShare:
             log.debug("cannot count this host's nodes: %s", exc)
         self.apply()
         if self.threads != before:
-            log.info("%d meshws nodes on this host share its %d cores: %d torch threads here (was %d)",
+            log.info("%d meshws nodes on this host share its %d cores: %d compute threads here (was %d)",
                      self.nodes, self.cores, self.threads, before)
 
     def apply(self) -> None:
-        """Set this thread's torch thread count to the share (torch keeps the count per calling thread)."""
-        import torch
+        """Give the share to whichever library multiplies (torch, or numpy's OpenBLAS: `model.blas`)."""
+        from .model import blas
 
-        if torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
+        blas.set_threads(self.threads)
 
     def describe(self) -> dict[str, object]:
         return {"threads": self.threads,

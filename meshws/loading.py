@@ -13,7 +13,8 @@ def load_backend(settings: NodeSettings, threads: int | None = None) -> ShardBac
     shard_settings = ShardSettings(dtype=settings.dtype, wire_dtype=settings.wire_dtype,
                                    max_sessions=settings.max_sessions, cache_ttl=settings.cache_ttl,
                                    max_cache_bytes=settings.max_cache_bytes, threads=threads or settings.threads,
-                                   compute=settings.compute, quant=settings.quant, compile=settings.compile)
+                                   compute=settings.compute, quant=settings.quant, compile=settings.compile,
+                                   matmul=settings.matmul)
     return ModelShard(settings.model, start, end, shard_settings, cache_dir=settings.cache_dir)
 
 

@@ -1,10 +1,12 @@
-"""Nodes on one host split its cores: registration, counting, stale entries, and the torch setting."""
+"""Nodes on one host split its cores: registration, counting, stale entries, and the thread setting."""
 
 import asyncio
 import os
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,12 +14,23 @@ import torch
 from fakes import FakeBackend
 from meshws.cores import RETUNE_SECONDS, CoreShare
 from meshws.mesh.compute import ComputeWorker
+from meshws.model import blas
+
+
+def _lookalike():
+    """A process whose command line names meshws, as a node's does: returned once it has exec'd (before,
+    /proc shows the parent's command line, and the count would rightly take it for a stranger)."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "meshws"])
+    deadline = time.monotonic() + 10
+    while b"meshws" not in Path(f"/proc/{sleeper.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return sleeper
 
 
 def test_nodes_on_one_host_share_the_cores_and_forget_the_dead(tmp_path):
     share = CoreShare(tmp_path, cores=4)
     assert (share.nodes, share.threads) == (1, 4)
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "meshws"])
+    other = _lookalike()
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         (tmp_path / str(other.pid)).touch()  # another node registered
@@ -39,17 +52,17 @@ def test_nodes_on_one_host_share_the_cores_and_forget_the_dead(tmp_path):
 
 def test_more_nodes_than_cores_still_get_one_thread_each(tmp_path):
     shares = [CoreShare(tmp_path, cores=2, pid=os.getpid())]
-    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "meshws"]) for _ in range(2)]
+    sleepers = [_lookalike() for _ in range(2)]
     try:
         for sleeper in sleepers:
             (tmp_path / str(sleeper.pid)).touch()
         assert shares[0].count() == 3 and shares[0].threads == 1
-        before = torch.get_num_threads()
+        before = blas.threads()
         try:
             shares[0].apply()
-            assert torch.get_num_threads() == 1
+            assert blas.threads() == 1
         finally:
-            torch.set_num_threads(before)
+            blas.set_threads(before)
     finally:
         for sleeper in sleepers:
             sleeper.kill()

@@ -36,14 +36,14 @@ def _cat_bias(*modules: Any) -> torch.Tensor | None:
 class _Layer:
     """One decoder layer's packed weights."""
 
-    def __init__(self, module: Any, kind: str, dtype: torch.dtype, quant: str | None) -> None:
+    def __init__(self, module: Any, kind: str, dtype: torch.dtype, quant: str | None, openblas: bool) -> None:
         attn, mlp = module.self_attn, module.mlp
         self.qkv = pack_linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                               _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), dtype, quant)
-        self.o = pack_linear(attn.o_proj.weight, attn.o_proj.bias, dtype, quant)
+                               _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), dtype, quant, openblas)
+        self.o = pack_linear(attn.o_proj.weight, attn.o_proj.bias, dtype, quant, openblas)
         self.gate_up = pack_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                                   _cat_bias(mlp.gate_proj, mlp.up_proj), dtype, quant)
-        self.down = pack_linear(mlp.down_proj.weight, mlp.down_proj.bias, dtype, quant)
+                                   _cat_bias(mlp.gate_proj, mlp.up_proj), dtype, quant, openblas)
+        self.down = pack_linear(mlp.down_proj.weight, mlp.down_proj.bias, dtype, quant, openblas)
         # In order: input, post-attention (Gemma: then pre- and post-feedforward, q and k norms).
         names = ["input_layernorm", "post_attention_layernorm"]
         if kind == "gemma3":
@@ -90,11 +90,13 @@ class LeanLayers:
     fits = True  # batched decode runs through `run_rows`
     compiled = False
 
-    def __init__(self, model: Any, kind: str, dtype: torch.dtype, quant: str | None = None) -> None:
+    def __init__(self, model: Any, kind: str, dtype: torch.dtype, quant: str | None = None,
+                 openblas: bool = False) -> None:
         base, config = model.model, model.config
         self.kind = kind
         self.dtype = dtype
         self.quant = quant
+        self.openblas = openblas and dtype == torch.float32 and quant is None  # float32 products on OpenBLAS
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -109,7 +111,7 @@ class LeanLayers:
             self.window = None
         self.layers = []
         for index, module in enumerate(base.layers):  # each layer's mapped file is let go once packed
-            self.layers.append(_Layer(module, kind, dtype, quant))
+            self.layers.append(_Layer(module, kind, dtype, quant, self.openblas))
             base.layers[index] = torch.nn.Identity()
         self.final_norm = base.norm  # identity on a shard that is not the tail
         self._rotary = base.rotary_emb
@@ -119,7 +121,7 @@ class LeanLayers:
         self._after = self._after_attention
         self.lm_head: Linear | None = None
         if getattr(model, "lm_head", None) is not None:  # the tail's LM head, packed like the layers
-            self.lm_head = pack_linear(model.lm_head.weight, model.lm_head.bias, dtype, quant)
+            self.lm_head = pack_linear(model.lm_head.weight, model.lm_head.bias, dtype, quant, self.openblas)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The packed LM head (a tail only)."""
@@ -128,7 +130,7 @@ class LeanLayers:
 
     def describe(self) -> str:
         return (f"lean {self.kind}" + (f", {self.quant} weights" if self.quant else "")
-                + (", compiled" if self.compiled else ""))
+                + (", OpenBLAS products" if self.openblas else "") + (", compiled" if self.compiled else ""))
 
     def _linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head] * (self.lm_head is not None)
@@ -332,10 +334,10 @@ def _mask(past: int, count: int, window: int | None) -> torch.Tensor | None:
     return allowed
 
 
-def lean_layers(model: Any, dtype: torch.dtype, quant: str | None = None) -> LeanLayers | None:
+def lean_layers(model: Any, dtype: torch.dtype, quant: str | None = None, openblas: bool = False) -> LeanLayers | None:
     """The lean path for this shard's model, or None if its architecture has none."""
     kind = architecture(model.config)
     if kind is None:
         return None
-    return LeanLayers(model, kind, dtype, quant)
+    return LeanLayers(model, kind, dtype, quant, openblas)
 

@@ -1,6 +1,7 @@
 """The lean path's storage: linear weights packed as tensors (float, or int8 in FBGEMM's form), and KV buffers.
 
-`pack_linear` turns a weight (and bias) into the `Linear` that `linear` runs; with
+`pack_linear` turns a weight (and bias) into the `Linear` that `linear` runs: float32
+weights multiplied by OpenBLAS are kept `[in, out]` with a numpy view (`blas`); with
 `quant="int8"` the weight is int8 with one scale per output channel, prepacked for
 FBGEMM's int8 GEMM (`quantized::linear_dynamic`), and each row of activations is
 quantized to int8 on the fly with its own scale. `LeanCache` holds one session's keys
@@ -13,6 +14,7 @@ import functools
 import warnings
 from typing import Any, NamedTuple
 
+import numpy
 import torch
 import torch.nn.functional as F
 
@@ -34,6 +36,7 @@ class Linear(NamedTuple):
     bias: torch.Tensor | None
     int8: Any = None  # torch's LinearPackedParams (a ScriptObject) or None
     shape: tuple[int, int] = (0, 0)  # (out, in)
+    host: Any = None  # a numpy view `[in, out]` of the weight's storage when OpenBLAS multiplies it
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors held (an int8 matrix lives inside FBGEMM's packed object: see `int8_bytes`)."""
@@ -51,9 +54,13 @@ class Linear(NamedTuple):
         return padded + out * 20
 
 
-def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, quant: str | None) -> Linear:
+def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, quant: str | None,
+                openblas: bool = False) -> Linear:
     bias = None if bias is None else bias.detach().to(dtype).contiguous()
     shape = (weight.shape[0], weight.shape[1])
+    if openblas and quant != "int8":  # OpenBLAS reads [in, out] faster for every shape here (`blas`)
+        storage = weight.detach().to(torch.float32).t().contiguous()
+        return Linear(storage.t(), bias, None, shape, storage.numpy())
     if quant != "int8":
         weight = weight.detach().to(dtype)
         if dtype == torch.float32 and weight.shape[0] > weight.shape[1]:  # wide: kept [in, out] (see `linear`)
@@ -72,6 +79,8 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
 
 def linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
     """`x @ weight.T + bias` in x's dtype."""
+    if packed.host is not None and not torch.compiler.is_compiling():
+        return _openblas_linear(x, packed)
     if packed.int8 is None:
         # A float weight is [out, in], or a transposed view of [in, out] for outputs wider than inputs: one
         # row through 576 -> 3072 reads 12.2 GB/s that way against 7.8 (2-core AVX2, cold weights), while
@@ -79,6 +88,14 @@ def linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
         # bf16 keeps [out, in]: its kernels round differently per layout, and bf16 output stays generate()'s.
         return F.linear(x, packed.weight, packed.bias)
     return _int8_linear(x, packed)
+
+
+def _openblas_linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.from_numpy(numpy.matmul(rows.float().numpy(), packed.host))
+    if packed.bias is not None:
+        out += packed.bias
+    return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
 @torch.compiler.disable  # FBGEMM's op is opaque to inductor, and the row scaling must round as it does eagerly

@@ -34,6 +34,7 @@ class ShardSettings:
     compute: str = "auto"  # "lean" (packed weights, `lean`), "transformers", or "auto": lean where it exists
     quant: str | None = None  # "int8": int8 linear weights (needs the lean path); None or "none": float
     compile: bool = False  # run the lean path's layer pieces through torch.compile (warmed up at start)
+    matmul: str = "auto"  # float32 products on "torch", "openblas", or "auto" (`blas.choose_matmul`)
     dtype_was_auto: bool = False  # set by `checked`: the dtype was chosen for this CPU
 
     def checked(self) -> tuple["ShardSettings", str]:
@@ -46,6 +47,8 @@ class ShardSettings:
             raise ValueError(f"compute must be auto, lean or transformers, not {self.compute!r}")
         if self.quant not in (None, "none", "int8"):
             raise ValueError(f"quant must be int8 or none, not {self.quant!r}")
+        if self.matmul not in ("auto", "torch", "openblas"):
+            raise ValueError(f"matmul must be auto, torch or openblas, not {self.matmul!r}")
         dtype, reason = choose_dtype(self.dtype)
         quant = None if self.quant == "none" else self.quant
         return replace(self, dtype=dtype, quant=quant, dtype_was_auto=self.dtype == "auto"), reason

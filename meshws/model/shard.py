@@ -25,6 +25,7 @@ from .compiled import compile_lean
 from .constraints import Grammars
 from .lean import LeanLayers, lean_layers
 from .packed import int8_kernel_runs
+from . import blas
 from .memory import default_cache_budget, process_memory, tensor_bytes
 from .sampling import DEFAULT as GREEDY
 from .sampling import SamplingParams, prompt_token_logprobs, token_logprobs, verify_drafts
@@ -51,8 +52,6 @@ class ModelShard:
         self.settings, self.dtype_reason = (settings or ShardSettings()).checked()
         if self.settings.dtype_was_auto:
             log.info("compute dtype %s: %s", self.settings.dtype, self.dtype_reason)
-        if self.settings.threads:
-            torch.set_num_threads(self.settings.threads)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         started = time.monotonic()
         resolved = model if isinstance(model, ResolvedModel) else locate_model(model, cache_dir)
@@ -125,7 +124,8 @@ class ModelShard:
     @property
     def compute_facts(self) -> dict[str, Any]:
         return {"path": self.compute_path, "dtype": self.settings.dtype, "dtype_reason": self.dtype_reason,
-                "threads": torch.get_num_threads(), "compile_seconds": self.compile_seconds}
+                "matmul": self.matmul, "matmul_reason": self.matmul_reason, "threads": blas.threads(),
+                "compile_seconds": self.compile_seconds}
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The weights this shard holds in memory."""
@@ -134,14 +134,17 @@ class ModelShard:
 
     def _lean_path(self, model_id: str) -> LeanLayers | None:
         """Pack the layers for the lean path (and let go of transformers' copies), or None: the transformers path."""
-        wanted = self.settings.compute
-        if self.settings.quant == "int8" and not int8_kernel_runs():
+        wanted, quant = self.settings.compute, self.settings.quant
+        if quant == "int8" and not int8_kernel_runs():
             raise ValueError("int8 weights need FBGEMM's int8 GEMM (torch on an x86 CPU), which this torch lacks")
-        lean = None if wanted == "transformers" else lean_layers(self.model, self.compute_dtype, self.settings.quant)
+        matmul = blas.choose_matmul(self.settings.matmul, quant or self.settings.dtype, self.settings.compile)
+        lean = None if wanted == "transformers" else lean_layers(self.model, self.compute_dtype, quant,
+                                                                 matmul[0] == "openblas")
+        self.matmul, self.matmul_reason = matmul if lean is not None else ("torch", "the transformers path")
+        blas.take_threads(self.matmul, self.matmul_reason, self.settings.threads)
         if lean is None:
-            if wanted == "lean" or self.settings.quant:
-                raise ValueError(f"{model_id} ({self.config.model_type}) has no lean path"
-                                 + (" (int8 weights need it)" if self.settings.quant else ""))
+            if wanted == "lean" or quant:
+                raise ValueError(f"{model_id} ({self.config.model_type}) has no lean path" + " for int8" * bool(quant))
             return None
         self.model.model.layers = torch.nn.ModuleList()  # the packed copies replace them
         if lean.lm_head is not None:  # the packed LM head replaces the module's

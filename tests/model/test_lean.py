@@ -5,17 +5,20 @@ path, which is lean for both architectures, against transformers' `generate()`; 
 tests compare the two paths directly, and check the buffers' bookkeeping.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from helpers import run_chain
+from meshws.model import blas
 from meshws.model.backend import DecodeStep
 from meshws.model.packed import CACHE_BLOCK, LeanCache
 from meshws.model.shard import ModelShard, ShardSettings
 
 pytestmark = pytest.mark.real_model
 
-LEAN = ShardSettings(dtype="float32", compute="lean")
+LEAN = ShardSettings(dtype="float32", compute="lean")  # float products on whichever library this CPU suits
 PLAIN = ShardSettings(dtype="float32", compute="transformers")
 
 
@@ -30,17 +33,29 @@ def plain(embedded_model):
 
 
 def test_the_shard_says_which_path_it_runs(embedded_model, plain):
-    lean = ModelShard(embedded_model, 20, 30, LEAN)
+    lean = ModelShard(embedded_model, 20, 30, replace(LEAN, matmul="torch"))
     assert lean.compute_path == "lean llama" and plain.compute_path == "transformers"
     assert lean.compute_facts["path"] == "lean llama" and lean.compute_facts["dtype"] == "float32"
+    assert (lean.compute_facts["matmul"], plain.compute_facts["matmul"]) == ("torch", "torch")
     assert len(lean.model.model.layers) == 0, "transformers' copies of the layers are let go"
     assert lean.weight_bytes == 4 * lean.parameter_count()
+    before = blas.threads()
+    try:
+        host = ModelShard(embedded_model, 20, 30, replace(LEAN, matmul="openblas", threads=2))
+        assert host.compute_path == "lean llama, OpenBLAS products" and host.compute_facts["matmul"] == "openblas"
+        assert host.weight_bytes == 4 * host.parameter_count(), "the numpy views are the weights, not copies"
+        assert (blas.threads(), torch.get_num_threads()) == (2, 1), "OpenBLAS gets the threads, torch keeps one"
+    finally:
+        blas.take_threads("torch", "", before)
+    assert torch.get_num_threads() == before
 
 
+@pytest.mark.parametrize("matmul", ["torch", "openblas"])
 @pytest.mark.parametrize("cuts", [(), (15,), (7, 19)], ids=["whole", "two", "three"])
-def test_every_split_gives_the_transformers_tokens(embedded_model, plain, cuts):
+def test_every_split_gives_the_transformers_tokens(embedded_model, plain, cuts, matmul):
     bounds = [0, *cuts, 30]
-    shards = [ModelShard(embedded_model, a, b, LEAN) for a, b in zip(bounds, bounds[1:])]
+    shards = [ModelShard(embedded_model, a, b, replace(LEAN, matmul=matmul)) for a, b in zip(bounds, bounds[1:])]
+    assert all(shard.compute_facts["matmul"] == matmul for shard in shards)
     ids = _chat(plain, "Explain in detail how a bicycle works.")
     want = run_chain([plain], ids, 24, "plain")
     assert run_chain(shards, ids, 24, "lean") == want

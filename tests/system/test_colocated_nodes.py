@@ -5,6 +5,7 @@ import time
 import pytest
 
 from meshws.cores import usable_cores
+from meshws.model.blas import choose_matmul
 from meshws.tools.launch import NodeProcess, free_port
 
 pytestmark = [pytest.mark.real_model, pytest.mark.processes]
@@ -27,7 +28,10 @@ def test_hand_started_head_and_tail_share_the_cores():
         while tail.health()["compute"]["threads"] != share and time.monotonic() < deadline:
             time.sleep(0.5)
         assert tail.health()["compute"]["threads"] == share
-        assert head.health()["compute"]["path"] == "lean llama"
+        matmul, _ = choose_matmul("auto", "float32", compiled=False)  # what this CPU suits (AMD: OpenBLAS)
+        compute = head.health()["compute"]
+        assert compute["path"] == "lean llama" + ", OpenBLAS products" * (matmul == "openblas")
+        assert compute["matmul"] == matmul and compute["matmul_reason"]
     finally:
         for node in (head, tail):
             if node is not None:

@@ -1,0 +1,119 @@
+"""Which library multiplies a float32 shard's weights, and who gets the threads.
+
+torch's x86 builds multiply with MKL. On an AMD EPYC (AVX2, 2 cores) MKL 2024.2 reads a
+decode step's weights at 9-12 GB/s, while the OpenBLAS that numpy ships reads the same
+weights, stored `[in, out]`, at 18-21 GB/s and multiplies 16 rows 1.4-2x faster (one
+thread or two; `python -m meshws.bench` compares the two in its decode-step table). So
+`--matmul auto` runs float32 products on OpenBLAS when the CPU is not Intel's (MKL's own
+ground, not measured here); `torch` and `openblas` choose by hand.
+
+Each library keeps a pool of threads that spin for a while when idle. Give both pools
+every core and each steals the other's: a full node fell from 26 to 4 tok/s. So while
+OpenBLAS multiplies, it gets the process's threads and torch keeps one (norms,
+attention, sampling: small); otherwise torch has them. The pools are the process's, so
+this state is too: `use_openblas`, `use_torch`, `set_threads`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import logging
+
+import numpy
+import torch
+
+log = logging.getLogger("meshws.shard")
+
+_openblas: Any = None  # threadpoolctl's handle on numpy's OpenBLAS while the products run there
+
+
+def _find_openblas() -> Any:
+    """numpy's OpenBLAS (threadpoolctl's controller for it), or None when numpy multiplies with something else."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return None
+    numpy.ones(1) @ numpy.ones(1)  # numpy's BLAS is loaded by now; threadpoolctl finds loaded libraries
+    found = ThreadpoolController().select(internal_api="openblas").lib_controllers
+    return found[0] if found else None
+
+
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ""
+    for line in cpuinfo.splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def choose_matmul(requested: str, dtype: str, compiled: bool, vendor: str | None = None,
+                  openblas: bool | None = None) -> tuple[str, str]:
+    """"openblas" or "torch" for a lean shard asked for `requested` (auto, torch, openblas), and why."""
+    if requested == "torch":
+        return "torch", "asked for"
+    if dtype != "float32":
+        return "torch", f"OpenBLAS has no {dtype} products"
+    if compiled:
+        return "torch", "compiled graphs call torch's own products"
+    if not (_find_openblas() is not None if openblas is None else openblas):
+        return "torch", "numpy here does not multiply with OpenBLAS (or threadpoolctl is missing)"
+    if requested == "openblas":
+        return "openblas", "asked for"
+    vendor = cpu_vendor() if vendor is None else vendor
+    if vendor == "GenuineIntel":
+        return "torch", "an Intel CPU: MKL's own ground"
+    return "openblas", f"MKL reads weights at half OpenBLAS's speed on this CPU ({vendor or 'vendor unknown'})"
+
+
+def use_openblas(threads: int) -> None:
+    """Products on OpenBLAS with `threads` threads; torch keeps one."""
+    global _openblas
+    _openblas = _openblas or _find_openblas()
+    if _openblas is None:
+        raise RuntimeError("numpy here does not multiply with OpenBLAS")
+    torch.set_num_threads(1)
+    _openblas.set_num_threads(max(1, threads))
+
+
+def use_torch(threads: int) -> None:
+    """Products on torch with `threads` threads (OpenBLAS, if it was in use, drops to one: it must not spin)."""
+    global _openblas
+    if _openblas is not None:
+        _openblas.set_num_threads(1)
+        _openblas = None
+    torch.set_num_threads(max(1, threads))
+
+
+def take_threads(matmul: str, reason: str, threads: int | None) -> None:
+    """A shard starts: the process's threads (`threads`, or as many as now) go to the library it multiplies with."""
+    log.info("float products on %s: %s", matmul, reason)
+    if matmul == "openblas":
+        use_openblas(threads or torch.get_num_threads())
+    elif _openblas is not None:  # another shard in this process had them
+        use_torch(threads or _openblas.get_num_threads())
+    elif threads:
+        torch.set_num_threads(threads)
+
+
+def set_threads(threads: int) -> None:
+    """The compute's thread count, given to whichever library multiplies (between steps: cheap when unchanged)."""
+    threads = max(1, threads)
+    if _openblas is not None:
+        if _openblas.get_num_threads() != threads:
+            _openblas.set_num_threads(threads)
+    elif torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def threads() -> int:
+    return _openblas.get_num_threads() if _openblas is not None else torch.get_num_threads()
+
+
+def multiplier() -> str:
+    return "openblas" if _openblas is not None else "torch"
