@@ -71,18 +71,17 @@ class CoreShare:
 
     def retune(self) -> None:
         """(On the compute thread, between steps.) Count again now and then; follow a changed share."""
-        if time.monotonic() - self._checked < RETUNE_SECONDS:
-            return
-        before = self.threads
-        try:
-            self.count()
-        except OSError as exc:  # the directory went away (a /tmp cleaner): keep the share we have
-            self._checked = time.monotonic()
-            log.debug("cannot count this host's nodes: %s", exc)
-        self.apply()
-        if self.threads != before:
-            log.info("%d meshws nodes on this host share its %d cores: %d compute threads here (was %d)",
-                     self.nodes, self.cores, self.threads, before)
+        if time.monotonic() - self._checked >= RETUNE_SECONDS:
+            before = self.threads
+            try:
+                self.count()
+            except OSError as exc:  # the directory went away (a /tmp cleaner): keep the share we have
+                self._checked = time.monotonic()
+                log.debug("cannot count this host's nodes: %s", exc)
+            if self.threads != before:
+                log.info("%d meshws nodes on this host share its %d cores: %d compute threads here (was %d)",
+                         self.nodes, self.cores, self.threads, before)
+        self.apply()  # every time: cheap when nothing changed, and the compute thread's first job needs it
 
     def apply(self) -> None:
         """Give the share to whichever library multiplies (torch, or numpy's OpenBLAS: `model.blas`)."""

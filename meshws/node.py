@@ -12,6 +12,7 @@ first (`Node.shutdown`): no new connections, running work finishes within
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import socket
@@ -45,6 +46,7 @@ from .mesh.membership import Announcer, ask_assignment
 from .mesh.metrics import NodeMetrics
 from .mesh.shard_service import ShardService
 from .mesh.wire import ChainHop, Hello
+from .model import blas
 from .model.backend import ShardBackend
 from .reports import NodeReports
 
@@ -110,7 +112,9 @@ class Node(NodeReports):
         self.advertise = self.settings.advertise or f"{scheme}://{self._public_host()}:{self.port}"
         self.worker = ComputeWorker(self.backend, live_sessions=self._live_sessions,
                                     prefill_chunk=self.settings.prefill_chunk,
-                                    retune=self.cores.retune if self.cores else None,
+                                    # the compute thread takes the threads (torch counts them per thread)
+                                    retune=self.cores.retune if self.cores else functools.partial(
+                                        blas.set_threads, self.settings.threads or blas.threads()),
                                     micro_batches=self._micro_batches)
         sessions = self.backend.sessions
         self.metrics = NodeMetrics(sessions=lambda: len(sessions), cache_bytes=lambda: sessions.total_bytes,

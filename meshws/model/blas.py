@@ -102,12 +102,15 @@ def take_threads(matmul: str, reason: str, threads: int | None) -> None:
 
 
 def set_threads(threads: int) -> None:
-    """The compute's thread count, given to whichever library multiplies (between steps: cheap when unchanged)."""
+    """The compute's thread count, given to whichever library multiplies; called on the thread that computes
+    (torch keeps the count per thread: one set on a loading thread does not reach the compute thread).
+    Cheap when nothing changes: the compute worker calls it between jobs."""
     threads = max(1, threads)
     if _openblas is not None:
         if _openblas.get_num_threads() != threads:
             _openblas.set_num_threads(threads)
-    elif torch.get_num_threads() != threads:
+        threads = 1
+    if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
 
 

@@ -235,8 +235,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
         args.tokens, args.repeats = min(args.tokens, 4), 1
     os.environ.update(MODEL_ENV)
 
+    import torch
     from transformers import AutoConfig, AutoTokenizer
 
+    from ..model import blas
     from ..model.source import model_cache, resolve_model
 
     resolved = resolve_model(args.model, os.environ.get("MESHWS_CACHE_DIR"), tokenizer=True)
@@ -259,8 +261,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     bandwidth = measure_bandwidth()
     report["bandwidth_gb_s"] = round(bandwidth / 1e9, 2)
     llama = measure_llama_cpp(gguf_of(args.model), prompt_ids, args.tokens)
+    threads = torch.get_num_threads()
     for dtype in args.dtype:
         print(f"measuring {dtype} ...", flush=True)
+        blas.take_threads("torch", "generate() multiplies with torch", threads)  # an earlier shard may hold them
         result: dict[str, Any] = {"generate": measure_generate(whole, dtype, prompt_ids, args.tokens),
                                   "generate_sessions": measure_generate_sessions(whole, dtype, prompt_ids,
                                                                                  args.tokens, args.sessions),

@@ -32,6 +32,12 @@ def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return buffer.nbytes / best
 
 
+def _auto_matmul() -> str:
+    from ..model.blas import choose_matmul
+
+    return choose_matmul("auto", "float32", False)[0]
+
+
 def measure_decode_step(resolved: Any, dtype: str, bandwidth: float, steps: int = 20,
                         context: int = 64) -> dict[str, Any]:
     """ms per one-token decode step of a 15-layer middle shard, per compute path, and its ratio to the floor."""
@@ -41,9 +47,13 @@ def measure_decode_step(resolved: Any, dtype: str, bandwidth: float, steps: int 
     from ..model.tensors import positions
 
     results: dict[str, Any] = {}
-    for name, settings in (("transformers", ShardSettings(dtype=dtype, compute="transformers")),
-                           ("lean", ShardSettings(dtype=dtype, compute="lean")),
-                           ("lean_int8", ShardSettings(dtype=dtype, compute="lean", quant="int8"))):
+    paths = [("transformers", ShardSettings(dtype=dtype, compute="transformers")),
+             ("lean", ShardSettings(dtype=dtype, compute="lean")),  # float products on what this CPU suits (`blas`)
+             ("lean_int8", ShardSettings(dtype=dtype, compute="lean", quant="int8"))]
+    if dtype == "float32":  # the other float multiplier, to compare
+        other = "torch" if _auto_matmul() == "openblas" else "openblas"
+        paths.insert(2, (f"lean_{other}", ShardSettings(dtype=dtype, compute="lean", matmul=other)))
+    for name, settings in paths:
         shard = ModelShard(resolved, 5, 20, settings)
         width = shard.hidden_size
         with torch.inference_mode():
