@@ -17,8 +17,9 @@ this state is too: `use_openblas`, `use_torch`, `set_threads`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+import ctypes
+import itertools
 import logging
 
 import numpy
@@ -26,18 +27,46 @@ import torch
 
 log = logging.getLogger("meshws.shard")
 
-_openblas: Any = None  # threadpoolctl's handle on numpy's OpenBLAS while the products run there
+class OpenBLAS:
+    """numpy's OpenBLAS library, its process-wide thread count set from whichever thread computes.
+
+    (threadpoolctl finds the library; its own setter only obeys the first thread that used it,
+    here the loading thread, and silently ignores the compute thread.)
+    """
+
+    def __init__(self, path: str) -> None:
+        library = ctypes.CDLL(path)
+        for prefix, suffix in itertools.product(("", "scipy_"), ("", "64_", "_64")):  # as numpy's wheels name them
+            if hasattr(library, f"{prefix}openblas_get_num_threads{suffix}"):
+                self._get = getattr(library, f"{prefix}openblas_get_num_threads{suffix}")
+                self._set = getattr(library, f"{prefix}openblas_set_num_threads{suffix}")
+                return
+        raise OSError(f"{path} has no openblas_set_num_threads")
+
+    def get_num_threads(self) -> int:
+        return int(self._get())
+
+    def set_num_threads(self, threads: int) -> None:
+        self._set(ctypes.c_int(threads))
 
 
-def _find_openblas() -> Any:
-    """numpy's OpenBLAS (threadpoolctl's controller for it), or None when numpy multiplies with something else."""
+_openblas: OpenBLAS | None = None  # numpy's OpenBLAS while the products run there
+
+
+def _find_openblas() -> OpenBLAS | None:
+    """numpy's OpenBLAS, or None when numpy multiplies with something else (or threadpoolctl is missing)."""
     try:
-        from threadpoolctl import ThreadpoolController
+        from threadpoolctl import threadpool_info
     except ImportError:
         return None
     numpy.ones(1) @ numpy.ones(1)  # numpy's BLAS is loaded by now; threadpoolctl finds loaded libraries
-    found = ThreadpoolController().select(internal_api="openblas").lib_controllers
-    return found[0] if found else None
+    for found in threadpool_info():
+        if found.get("internal_api") == "openblas" and found.get("threading_layer") == "pthreads":
+            try:
+                return OpenBLAS(found["filepath"])
+            except OSError:
+                return None
+    return None
 
 
 def cpu_vendor(cpuinfo: str | None = None) -> str:
@@ -62,7 +91,7 @@ def choose_matmul(requested: str, dtype: str, compiled: bool, vendor: str | None
     if compiled:
         return "torch", "compiled graphs call torch's own products"
     if not (_find_openblas() is not None if openblas is None else openblas):
-        return "torch", "numpy here does not multiply with OpenBLAS (or threadpoolctl is missing)"
+        return "torch", "numpy here does not multiply with a pthreads OpenBLAS (or threadpoolctl is missing)"
     if requested == "openblas":
         return "openblas", "asked for"
     vendor = cpu_vendor() if vendor is None else vendor

@@ -1,6 +1,8 @@
 """`--matmul`: which library multiplies float32 weights, who gets the threads, and that OpenBLAS's products
 are the same linear layers (the golden tests in `test_lean` run whole models both ways)."""
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,6 +49,30 @@ def test_openblas_gets_the_threads_and_torch_keeps_one():
     finally:
         blas.use_torch(before)
     assert torch.get_num_threads() == before
+
+
+@needs_openblas
+def test_the_compute_thread_sets_what_the_loading_thread_set():
+    """A node loads its shard on one thread and computes on another; the core share changes on the latter.
+    (threadpoolctl's setter obeys only the first thread that used it: the share never reached OpenBLAS.)"""
+    before = blas.threads()
+    seen = []
+    try:
+        loader = threading.Thread(target=blas.take_threads, args=("openblas", "asked for", 2))
+        loader.start()
+        loader.join()
+        assert blas.threads() == 2
+
+        def compute():
+            blas.set_threads(1)
+            seen.append((blas.threads(), torch.get_num_threads()))
+
+        worker = threading.Thread(target=compute)  # started while the loading thread could still be alive
+        worker.start()
+        worker.join()
+        assert seen == [(1, 1)] and blas.threads() == 1, "the OpenBLAS count is the process's"
+    finally:
+        blas.use_torch(before)
 
 
 @needs_openblas
