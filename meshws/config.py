@@ -34,7 +34,7 @@ class NodeSettings:
     compile: bool = False  # torch.compile the lean path at start
     matmul: str = "auto"  # float32 products: torch (MKL), openblas (numpy's), or auto: openblas on non-Intel CPUs
     wire_dtype: str = "bfloat16"  # dtype of hidden states between nodes
-    threads: int | None = None  # torch threads; default: torch's choice
+    threads: int | None = None  # compute threads (torch's or OpenBLAS's); default: the host's share
     max_frame_bytes: int = 64 * 1024 * 1024  # largest websocket frame accepted
     compress_min_bytes: int = 64 * 1024  # tensor bodies at least this big are zstd-compressed if it pays
     step_timeout: float = 120.0  # seconds the head waits for one step's answer
@@ -86,7 +86,7 @@ _HELP = {
     "max_cache_bytes": "byte budget for all KV caches on this node, e.g. 2G; least recently used dropped beyond "
                        "(default: half the memory free when the node starts)",
     "dtype": "compute dtype: auto picks bfloat16 where the CPU multiplies it natively (AVX-512-BF16, AMX) and "
-             "float32 elsewhere (bf16 is emulated there, and slower in batches); float32 is bit-exact with generate()",
+             "float32 elsewhere (bf16 is emulated there, and slower in batches); float32 gives generate()'s tokens",
     "compute": "what runs the decoder layers: lean (packed weights, in-place KV buffers; Llama-style and Gemma-3), "
                "transformers (its modules), or auto (lean where the architecture has it)",
     "compile": "run the lean path through torch.compile (compiled at start, cached on disk for restarts); "
@@ -96,8 +96,8 @@ _HELP = {
     "matmul": "what multiplies float32 weights on the lean path: torch (MKL on x86), openblas (numpy's), or auto: "
               "OpenBLAS where the CPU is not Intel's (there MKL reads weights at about half the speed; see the README)",
     "wire_dtype": "dtype of hidden states sent between nodes",
-    "threads": "torch intra-op threads (default: the host's cores split between the meshws nodes running on it, "
-               "followed as nodes come and go)",
+    "threads": "compute threads: torch's, or OpenBLAS's while it multiplies (default: the host's cores split "
+               "between the meshws nodes running on it, followed as nodes come and go)",
     "max_frame_bytes": "largest websocket frame this node accepts, e.g. 64M",
     "compress_min_bytes": "tensor bodies at least this large are zstd-compressed when that saves 10%%",
     "step_timeout": "seconds the head waits for one step before calling the pipeline failed",

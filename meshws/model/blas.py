@@ -2,7 +2,7 @@
 
 torch's x86 builds multiply with MKL. On an AMD EPYC (AVX2, 2 cores) MKL 2024.2 reads a
 decode step's weights at 9-12 GB/s, while the OpenBLAS that numpy ships reads the same
-weights, stored `[in, out]`, at 18-21 GB/s and multiplies 16 rows 1.4-2x faster (one
+weights, stored `[in, out]`, at 18-21 GB/s and multiplies 16 rows 1.2-2x faster (one
 thread or two; `python -m meshws.bench` compares the two in its decode-step table). So
 `--matmul auto` runs float32 products on OpenBLAS when the CPU is not Intel's (MKL's own
 ground, not measured here); `torch` and `openblas` choose by hand.
