@@ -32,7 +32,7 @@ class NodeSettings:
     compute: str = "auto"  # what runs the layers: lean (packed weights) where the architecture has it, else transformers
     quant: str = "none"  # int8: linear weights as int8 with per-channel scales (lean path)
     compile: bool = False  # torch.compile the lean path at start
-    matmul: str = "auto"  # float32 products: torch (MKL), openblas (numpy's), or auto: openblas on non-Intel CPUs
+    matmul: str = "auto"  # float32 products: torch (MKL), openblas (numpy's), or auto: openblas on AMD CPUs
     wire_dtype: str = "bfloat16"  # dtype of hidden states between nodes
     threads: int | None = None  # compute threads (torch's or OpenBLAS's); default: the host's share
     max_frame_bytes: int = 64 * 1024 * 1024  # largest websocket frame accepted
@@ -94,7 +94,7 @@ _HELP = {
     "quant": "int8: store linear weights as int8 with a scale per output channel, run by FBGEMM (about half of fp32's "
              "memory, faster decode; slightly different output, see the README); needs the lean path",
     "matmul": "what multiplies float32 weights on the lean path: torch (MKL on x86), openblas (numpy's), or auto: "
-              "OpenBLAS where the CPU is not Intel's (there MKL reads weights at about half the speed; see the README)",
+              "OpenBLAS on AMD CPUs (MKL reads weights there at about half the speed; see the README)",
     "wire_dtype": "dtype of hidden states sent between nodes",
     "threads": "compute threads: torch's, or OpenBLAS's while it multiplies (default: the host's cores split "
                "between the meshws nodes running on it, followed as nodes come and go)",

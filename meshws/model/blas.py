@@ -4,8 +4,8 @@ torch's x86 builds multiply with MKL. On an AMD EPYC (AVX2, 2 cores) MKL 2024.2 
 decode step's weights at 9-12 GB/s, while the OpenBLAS that numpy ships reads the same
 weights, stored `[in, out]`, at 18-21 GB/s and multiplies 16 rows 1.2-2x faster (one
 thread or two; `python -m meshws.bench` compares the two in its decode-step table). So
-`--matmul auto` runs float32 products on OpenBLAS when the CPU is not Intel's (MKL's own
-ground, not measured here); `torch` and `openblas` choose by hand.
+`--matmul auto` runs float32 products on OpenBLAS on AMD CPUs (the one kind measured; on
+Intel's MKL is on its own ground); `torch` and `openblas` choose by hand.
 
 Each library keeps a pool of threads that spin for a while when idle. Give both pools
 every core and each steals the other's: a full node fell from 26 to 4 tok/s. So while
@@ -60,12 +60,13 @@ def _find_openblas() -> OpenBLAS | None:
     except ImportError:
         return None
     numpy.ones(1) @ numpy.ones(1)  # numpy's BLAS is loaded by now; threadpoolctl finds loaded libraries
-    for found in threadpool_info():
-        if found.get("internal_api") == "openblas" and found.get("threading_layer") == "pthreads":
-            try:
-                return OpenBLAS(found["filepath"])
-            except OSError:
-                return None
+    found = [lib["filepath"] for lib in threadpool_info()
+             if lib.get("internal_api") == "openblas" and lib.get("threading_layer") == "pthreads"]
+    for path in sorted(found, key=lambda path: "numpy" not in path):  # numpy's own first (scipy may bring one)
+        try:
+            return OpenBLAS(path)
+        except (OSError, AttributeError):
+            continue
     return None
 
 
@@ -95,9 +96,9 @@ def choose_matmul(requested: str, dtype: str, compiled: bool, vendor: str | None
     if requested == "openblas":
         return "openblas", "asked for"
     vendor = cpu_vendor() if vendor is None else vendor
-    if vendor == "GenuineIntel":
-        return "torch", "an Intel CPU: MKL's own ground"
-    return "openblas", f"MKL reads weights at half OpenBLAS's speed on this CPU ({vendor or 'vendor unknown'})"
+    if vendor == "AuthenticAMD":
+        return "openblas", "an AMD CPU: MKL reads weights at about half OpenBLAS's speed here"
+    return "torch", f"torch's own products: OpenBLAS was measured faster only on AMD CPUs ({vendor or 'vendor unknown'})"
 
 
 def use_openblas(threads: int) -> None:
@@ -119,15 +120,14 @@ def use_torch(threads: int) -> None:
     torch.set_num_threads(max(1, threads))
 
 
-def take_threads(matmul: str, reason: str, threads: int | None) -> None:
-    """A shard starts: the process's threads (`threads`, or as many as now) go to the library it multiplies with."""
+def take_threads(matmul: str, reason: str, count: int | None) -> None:
+    """A shard starts: the process's threads (`count`, or as many as now) go to the library it multiplies with."""
     log.info("float products on %s: %s", matmul, reason)
+    count = count or threads()  # as many as the process computes with now
     if matmul == "openblas":
-        use_openblas(threads or torch.get_num_threads())
-    elif _openblas is not None:  # another shard in this process had them
-        use_torch(threads or _openblas.get_num_threads())
-    elif threads:
-        torch.set_num_threads(threads)
+        use_openblas(count)
+    else:  # (OpenBLAS, if another shard in this process had the threads, drops to one)
+        use_torch(count)
 
 
 def set_threads(threads: int) -> None:
@@ -144,7 +144,9 @@ def set_threads(threads: int) -> None:
 
 
 def threads() -> int:
+    """The threads the process computes with: OpenBLAS's while it multiplies, else torch's (this thread's)."""
     return _openblas.get_num_threads() if _openblas is not None else torch.get_num_threads()
+
 
 
 def multiplier() -> str:

@@ -91,8 +91,9 @@ def linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
 
 
 def _openblas_linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.from_numpy(numpy.matmul(rows.float().numpy(), packed.host))
+    rows = x.detach().reshape(-1, x.shape[-1]).float().numpy()
+    with numpy.errstate(all="ignore"):  # inf and NaN rows give NaN rows, as torch's product does, without warnings
+        out = torch.from_numpy(numpy.matmul(rows, packed.host))
     if packed.bias is not None:
         out += packed.bias
     return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from helpers import ROOT
+from meshws.model.blas import choose_matmul
 
 pytestmark = [pytest.mark.real_model, pytest.mark.processes]
 
@@ -24,9 +25,13 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
         for name in ("full_node", "full_node_int8"):
             assert entry[name]["per_session_tok_s"] > 0 and "ratio_to_generate" in entry[name]
         steps = entry["decode_step"]
-        assert set(steps) == {"transformers", "lean", "lean_int8"}
-        assert [steps[name]["path"] for name in ("transformers", "lean", "lean_int8")] == [
-            "transformers", "lean llama", "lean llama, int8 weights"]
+        # the lean step runs on the multiplier this CPU suits, and again on the other one
+        lean = {matmul: "lean llama" + ", OpenBLAS products" * (choose_matmul(matmul, dtype, False)[0] == "openblas")
+                for matmul in ("auto", "torch", "openblas")}
+        other = "torch" if choose_matmul("auto", dtype, False)[0] == "openblas" else "openblas"
+        assert set(steps) == {"transformers", "lean", f"lean_{other}", "lean_int8"}
+        assert [steps[name]["path"] for name in ("transformers", "lean", f"lean_{other}", "lean_int8")] == [
+            "transformers", lean["auto"], lean[other], "lean llama, int8 weights"]
         for step in steps.values():
             assert step["step_ms"] > 0 and step["floor_ms"] > 0 and step["over_floor"] > 0
         # a byte per weight, padded by FBGEMM (576 inputs take 1024): 0.40x of fp32's 15 layers
