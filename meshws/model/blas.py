@@ -16,16 +16,16 @@ this state is too: `use_openblas`, `use_torch`, `set_threads`.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import ctypes
 import itertools
 import logging
+from pathlib import Path
 
 import numpy
 import torch
 
 log = logging.getLogger("meshws.shard")
+
 
 class OpenBLAS:
     """numpy's OpenBLAS library, its process-wide thread count set from whichever thread computes.
@@ -98,7 +98,7 @@ def choose_matmul(requested: str, dtype: str, compiled: bool, vendor: str | None
     vendor = cpu_vendor() if vendor is None else vendor
     if vendor == "AuthenticAMD":
         return "openblas", "an AMD CPU: MKL reads weights at about half OpenBLAS's speed here"
-    return "torch", f"torch's own products: OpenBLAS was measured faster only on AMD CPUs ({vendor or 'vendor unknown'})"
+    return "torch", f"OpenBLAS was measured faster only on AMD CPUs ({vendor or 'vendor unknown'} here)"
 
 
 def use_openblas(threads: int) -> None:
@@ -146,7 +146,6 @@ def set_threads(threads: int) -> None:
 def threads() -> int:
     """The threads the process computes with: OpenBLAS's while it multiplies, else torch's (this thread's)."""
     return _openblas.get_num_threads() if _openblas is not None else torch.get_num_threads()
-
 
 
 def multiplier() -> str:

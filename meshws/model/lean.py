@@ -10,6 +10,7 @@ operation by operation, so fp32 output is the transformers path's.
 
 `--quant int8` stores every linear weight as int8 with one scale per output channel
 and runs it with FBGEMM's int8 GEMM, each row of activations quantized on its own (`packed.linear`).
+Float32 weights may be multiplied by numpy's OpenBLAS instead of torch's MKL (`blas`, `--matmul`).
 
 Another architecture (or one with features the lean path lacks, such as attention
 logit soft-capping) gets `None` from `lean_layers` and keeps the transformers path.

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
+from . import blas
 from .backend import DecodeStep, PrefillRun, PrefillStep, StepResult, TailTokenResult, TensorPayload, TokenLogprob
 from .batched import RowRunner, Rows, decode_rows
 from .cache_store import KVCacheMiss, SessionCacheStore
@@ -25,7 +26,6 @@ from .compiled import compile_lean
 from .constraints import Grammars
 from .lean import LeanLayers, lean_layers
 from .packed import int8_kernel_runs
-from . import blas
 from .memory import default_cache_budget, process_memory, tensor_bytes
 from .sampling import DEFAULT as GREEDY
 from .sampling import SamplingParams, prompt_token_logprobs, token_logprobs, verify_drafts
