@@ -17,12 +17,14 @@ this state is too: `use_openblas`, `use_torch`, `set_threads`.
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import logging
-from pathlib import Path
 
 import numpy
 import torch
+
+from .cpu import cpu_vendor
 
 log = logging.getLogger("meshws.shard")
 
@@ -53,6 +55,7 @@ class OpenBLAS:
 _openblas: OpenBLAS | None = None  # numpy's OpenBLAS while the products run there
 
 
+@functools.cache  # the libraries a process has loaded do not change: looked up once, not per shard
 def _find_openblas() -> OpenBLAS | None:
     """numpy's OpenBLAS, or None when numpy multiplies with something else (or threadpoolctl is missing)."""
     try:
@@ -68,18 +71,6 @@ def _find_openblas() -> OpenBLAS | None:
         except (OSError, AttributeError):
             continue
     return None
-
-
-def cpu_vendor(cpuinfo: str | None = None) -> str:
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return ""
-    for line in cpuinfo.splitlines():
-        if line.startswith("vendor_id"):
-            return line.split(":", 1)[1].strip()
-    return ""
 
 
 def choose_matmul(requested: str, dtype: str, compiled: bool, vendor: str | None = None,

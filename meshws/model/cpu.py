@@ -1,4 +1,4 @@
-"""What this CPU does well: the compute dtype `--dtype auto` picks, and why.
+"""What this CPU does well: the compute dtype `--dtype auto` picks, and why; its flags and vendor.
 
 bf16 pays only where the CPU multiplies bf16 natively (AVX-512-BF16 or AMX); elsewhere
 torch emulates it, and batched bf16 matmuls run several times slower than fp32 (on an
@@ -12,17 +12,27 @@ from pathlib import Path
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The feature flags of this machine's CPU (Linux `/proc/cpuinfo`); empty where unknown."""
+def _cpuinfo_field(names: tuple[str, ...], cpuinfo: str | None) -> str:
+    """The first `/proc/cpuinfo` field (Linux) named one of `names`, or "" where unknown."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return set()
+            return ""
     for line in cpuinfo.splitlines():
-        if line.startswith(("flags", "Features")):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        if line.startswith(names):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The feature flags of this machine's CPU; empty where unknown."""
+    return set(_cpuinfo_field(("flags", "Features"), cpuinfo).split())
+
+
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """"AuthenticAMD", "GenuineIntel", ...; "" where unknown (`blas.choose_matmul`)."""
+    return _cpuinfo_field(("vendor_id",), cpuinfo)
 
 
 def choose_dtype(requested: str, flags: set[str] | None = None) -> tuple[str, str]:

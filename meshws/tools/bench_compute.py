@@ -32,17 +32,12 @@ def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return buffer.nbytes / best
 
 
-def _auto_matmul() -> str:
-    from ..model.blas import choose_matmul
-
-    return choose_matmul("auto", "float32", False)[0]
-
-
 def measure_decode_step(resolved: Any, dtype: str, bandwidth: float, steps: int = 20,
                         context: int = 64) -> dict[str, Any]:
     """ms per one-token decode step of a 15-layer middle shard, per compute path, and its ratio to the floor."""
     import torch
 
+    from ..model.blas import choose_matmul
     from ..model.shard import ModelShard, ShardSettings
     from ..model.tensors import positions
 
@@ -51,7 +46,7 @@ def measure_decode_step(resolved: Any, dtype: str, bandwidth: float, steps: int 
              ("lean", ShardSettings(dtype=dtype, compute="lean")),  # float products on what this CPU suits (`blas`)
              ("lean_int8", ShardSettings(dtype=dtype, compute="lean", quant="int8"))]
     if dtype == "float32":  # the other float multiplier, to compare
-        other = "torch" if _auto_matmul() == "openblas" else "openblas"
+        other = "torch" if choose_matmul("auto", dtype, False)[0] == "openblas" else "openblas"
         paths.insert(2, (f"lean_{other}", ShardSettings(dtype=dtype, compute="lean", matmul=other)))
     for name, settings in paths:
         shard = ModelShard(resolved, 5, 20, settings)

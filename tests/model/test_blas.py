@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from meshws.model import blas
+from meshws.model.cpu import cpu_vendor
 from meshws.model.packed import linear, pack_linear
 
 AMD = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2\n"
@@ -18,8 +19,8 @@ needs_openblas = pytest.mark.skipif(blas.choose_matmul("openblas", "float32", Fa
 
 
 def test_auto_takes_openblas_for_float32_on_amd_and_says_why():
-    assert blas.cpu_vendor(AMD) == "AuthenticAMD" and blas.cpu_vendor(INTEL) == "GenuineIntel"
-    assert blas.cpu_vendor("") == ""
+    assert cpu_vendor(AMD) == "AuthenticAMD" and cpu_vendor(INTEL) == "GenuineIntel"
+    assert cpu_vendor("") == ""
     choice, reason = blas.choose_matmul("auto", "float32", False, vendor="AuthenticAMD", openblas=True)
     assert choice == "openblas" and "AMD" in reason
     for vendor in ("GenuineIntel", ""):  # MKL's own ground; and CPUs where OpenBLAS was not measured
