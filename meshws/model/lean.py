@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache_store import KVCacheMiss
+from .native import Kernels
 from .packed import LeanCache, Linear, linear, pack_linear
 
 
@@ -37,14 +38,15 @@ def _cat_bias(*modules: Any) -> torch.Tensor | None:
 class _Layer:
     """One decoder layer's packed weights."""
 
-    def __init__(self, module: Any, kind: str, dtype: torch.dtype, quant: str | None, openblas: bool) -> None:
+    def __init__(self, module: Any, kind: str, dtype: torch.dtype, quant: str | None, openblas: bool,
+                 native: Kernels | None) -> None:
         attn, mlp = module.self_attn, module.mlp
         self.qkv = pack_linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                               _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), dtype, quant, openblas)
-        self.o = pack_linear(attn.o_proj.weight, attn.o_proj.bias, dtype, quant, openblas)
+                               _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), dtype, quant, openblas, native)
+        self.o = pack_linear(attn.o_proj.weight, attn.o_proj.bias, dtype, quant, openblas, native)
         self.gate_up = pack_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                                   _cat_bias(mlp.gate_proj, mlp.up_proj), dtype, quant, openblas)
-        self.down = pack_linear(mlp.down_proj.weight, mlp.down_proj.bias, dtype, quant, openblas)
+                                   _cat_bias(mlp.gate_proj, mlp.up_proj), dtype, quant, openblas, native)
+        self.down = pack_linear(mlp.down_proj.weight, mlp.down_proj.bias, dtype, quant, openblas, native)
         # In order: input, post-attention (Gemma: then pre- and post-feedforward, q and k norms).
         names = ["input_layernorm", "post_attention_layernorm"]
         if kind == "gemma3":
@@ -92,12 +94,13 @@ class LeanLayers:
     compiled = False
 
     def __init__(self, model: Any, kind: str, dtype: torch.dtype, quant: str | None = None,
-                 openblas: bool = False) -> None:
+                 openblas: bool = False, native: Kernels | None = None) -> None:
         base, config = model.model, model.config
         self.kind = kind
         self.dtype = dtype
         self.quant = quant
         self.openblas = openblas and dtype == torch.float32 and quant is None  # float32 products on OpenBLAS
+        self.native = native if quant == "int8" else None  # int8 products on meshws's kernel, else FBGEMM's
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -112,7 +115,7 @@ class LeanLayers:
             self.window = None
         self.layers = []
         for index, module in enumerate(base.layers):  # each layer's mapped file is let go once packed
-            self.layers.append(_Layer(module, kind, dtype, quant, self.openblas))
+            self.layers.append(_Layer(module, kind, dtype, quant, self.openblas, self.native))
             base.layers[index] = torch.nn.Identity()
         self.final_norm = base.norm  # identity on a shard that is not the tail
         self._rotary = base.rotary_emb
@@ -122,7 +125,8 @@ class LeanLayers:
         self._after = self._after_attention
         self.lm_head: Linear | None = None
         if getattr(model, "lm_head", None) is not None:  # the tail's LM head, packed like the layers
-            self.lm_head = pack_linear(model.lm_head.weight, model.lm_head.bias, dtype, quant, self.openblas)
+            self.lm_head = pack_linear(model.lm_head.weight, model.lm_head.bias, dtype, quant, self.openblas,
+                                       self.native)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The packed LM head (a tail only)."""
@@ -130,7 +134,8 @@ class LeanLayers:
         return linear(hidden, self.lm_head)
 
     def describe(self) -> str:
-        return (f"lean {self.kind}" + (f", {self.quant} weights" if self.quant else "")
+        kernel = " (meshws kernel)" if self.native else " (FBGEMM)"
+        return (f"lean {self.kind}" + (f", {self.quant} weights{kernel}" if self.quant else "")
                 + (", OpenBLAS products" if self.openblas else "") + (", compiled" if self.compiled else ""))
 
     def _linears(self) -> list[Linear]:
@@ -146,7 +151,8 @@ class LeanLayers:
 
     @property
     def int8_parameters(self) -> int:
-        return sum(lin.shape[0] * lin.shape[1] for lin in self._linears() if lin.int8 is not None)
+        quantized = [lin for lin in self._linears() if lin.int8 is not None or lin.codes is not None]
+        return sum(lin.shape[0] * lin.shape[1] for lin in quantized)
 
     def new_cache(self) -> LeanCache:
         return LeanCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
@@ -335,10 +341,11 @@ def _mask(past: int, count: int, window: int | None) -> torch.Tensor | None:
     return allowed
 
 
-def lean_layers(model: Any, dtype: torch.dtype, quant: str | None = None, openblas: bool = False) -> LeanLayers | None:
+def lean_layers(model: Any, dtype: torch.dtype, quant: str | None = None, openblas: bool = False,
+                native: Kernels | None = None) -> LeanLayers | None:
     """The lean path for this shard's model, or None if its architecture has none."""
     kind = architecture(model.config)
     if kind is None:
         return None
-    return LeanLayers(model, kind, dtype, quant, openblas)
+    return LeanLayers(model, kind, dtype, quant, openblas, native)
 

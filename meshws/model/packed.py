@@ -18,7 +18,10 @@ import numpy
 import torch
 import torch.nn.functional as F
 
+from .native import Kernels, kernels  # noqa: F401 (the shard picks its int8 kernel here)
+
 CACHE_BLOCK = 128  # positions a session's key/value buffers grow by (at least)
+NATIVE_TOP = 127  # int8 weights for meshws's kernel use the whole signed range
 INT8_TOP = 63  # int8 weights in [-63, 63]: with 8-bit activations FBGEMM's AVX2 pair sums stay below 2**15
 ROTATION = 64  # the Hadamard block activations and weights are turned by (int8; widths it divides)
 FBGEMM_K_BLOCK, FBGEMM_N_BLOCK = 512, 8  # FBGEMM's AVX2 packing pads inputs and outputs to these
@@ -37,16 +40,22 @@ class Linear(NamedTuple):
     int8: Any = None  # torch's LinearPackedParams (a ScriptObject) or None
     shape: tuple[int, int] = (0, 0)  # (out, in)
     host: Any = None  # a numpy view `[in, out]` of the weight's storage when OpenBLAS multiplies it
+    codes: torch.Tensor | None = None  # int8 `[out, in]` for meshws's own kernel (`native`), with...
+    scales: torch.Tensor | None = None  # ...one float32 scale per output channel
+    kernels: Kernels | None = None  # the library that multiplies `codes`
 
     def tensors(self) -> list[torch.Tensor]:
-        """The tensors held (an int8 matrix lives inside FBGEMM's packed object: see `int8_bytes`)."""
+        """The float tensors held (an int8 matrix and its scales are counted apart: see `int8_bytes`)."""
         return [t for t in (self.weight, self.bias) if t is not None]
 
     @property
     def int8_bytes(self) -> int:
-        """Bytes of the packed int8 matrix as FBGEMM holds it: a byte per weight, the inputs padded to its
-        blocks of 512 and the outputs to 8 (576 inputs take 1024), and per output channel a double
-        scale, an int64 zero point and an int32 column sum."""
+        """Bytes of the int8 matrix: for meshws's kernel a byte per weight and a float scale per output;
+        as FBGEMM packs it, a byte per weight, the inputs padded to its blocks of 512 and the outputs
+        to 8 (576 inputs take 1024), and per output channel a double scale, an int64 zero point and
+        an int32 column sum."""
+        if self.codes is not None and self.scales is not None:
+            return self.codes.nbytes + self.scales.nbytes
         if self.int8 is None:
             return 0
         out, inputs = self.shape
@@ -55,9 +64,15 @@ class Linear(NamedTuple):
 
 
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, quant: str | None,
-                openblas: bool = False) -> Linear:
+                openblas: bool = False, native: Kernels | None = None) -> Linear:
     bias = None if bias is None else bias.detach().to(dtype).contiguous()
     shape = (weight.shape[0], weight.shape[1])
+    if quant == "int8" and native is not None:  # one byte per weight, widened in registers (`native`)
+        weight = weight.detach().float()
+        scale = weight.abs().amax(dim=1).clamp(min=1e-30) / NATIVE_TOP
+        codes = torch.clamp(torch.round(weight / scale[:, None]), -NATIVE_TOP, NATIVE_TOP).to(torch.int8)
+        return Linear(None, None if bias is None else bias.float(), None, shape, None, codes.contiguous(),
+                      scale.contiguous(), native)
     if openblas and quant != "int8":  # OpenBLAS reads [in, out] faster for every shape here (`blas`)
         storage = weight.detach().to(torch.float32).t().contiguous()
         return Linear(storage.t(), bias, None, shape, storage.numpy())
@@ -81,6 +96,8 @@ def linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
     """`x @ weight.T + bias` in x's dtype."""
     if packed.host is not None and not torch.compiler.is_compiling():
         return _openblas_linear(x, packed)
+    if packed.codes is not None:
+        return _native_linear(x, packed)
     if packed.int8 is None:
         # A float weight is [out, in], or a transposed view of [in, out] for outputs wider than inputs: one
         # row through 576 -> 3072 reads 12.2 GB/s that way against 7.8 (2-core AVX2, cold weights), while
@@ -96,6 +113,14 @@ def _openblas_linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
         out = torch.from_numpy(numpy.matmul(rows, packed.host))
     if packed.bias is not None:
         out += packed.bias
+    return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+
+
+@torch.compiler.disable  # a ctypes call: opaque to inductor
+def _native_linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
+    assert packed.kernels is not None and packed.scales is not None and packed.codes is not None
+    rows = x.detach().reshape(-1, x.shape[-1]).float()
+    out = packed.kernels.int8_linear(rows, packed.codes, packed.scales, packed.bias, torch.get_num_threads())
     return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 

@@ -25,7 +25,7 @@ from .cache_store import KVCacheMiss, SessionCacheStore
 from .compiled import compile_lean
 from .constraints import Grammars
 from .lean import LeanLayers, lean_layers
-from .packed import int8_kernel_runs
+from .packed import int8_kernel_runs, kernels
 from .memory import default_cache_budget, process_memory, tensor_bytes
 from .sampling import DEFAULT as GREEDY
 from .sampling import SamplingParams, prompt_token_logprobs, token_logprobs, verify_drafts
@@ -39,14 +39,8 @@ log = logging.getLogger("meshws.shard")
 
 
 class ModelShard:
-    def __init__(
-        self,
-        model: str | ResolvedModel | None,
-        start: int,
-        end: int | None = None,
-        settings: ShardSettings | None = None,
-        cache_dir: Path | str | None = None,
-    ) -> None:
+    def __init__(self, model: str | ResolvedModel | None, start: int, end: int | None = None,
+                 settings: ShardSettings | None = None, cache_dir: Path | str | None = None) -> None:
         from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
         self.settings, self.dtype_reason = (settings or ShardSettings()).checked()
@@ -135,11 +129,12 @@ class ModelShard:
     def _lean_path(self, model_id: str) -> LeanLayers | None:
         """Pack the layers for the lean path (and let go of transformers' copies), or None: the transformers path."""
         wanted, quant = self.settings.compute, self.settings.quant
-        if quant == "int8" and not int8_kernel_runs():
-            raise ValueError("int8 weights need FBGEMM's int8 GEMM (torch on an x86 CPU), which this torch lacks")
+        native = kernels() if quant == "int8" else None
+        if quant == "int8" and native is None and not int8_kernel_runs():
+            raise ValueError("int8 weights need a C compiler (meshws's kernel) or FBGEMM (torch on an x86 CPU)")
         matmul = blas.choose_matmul(self.settings.matmul, quant or self.settings.dtype, self.settings.compile)
         lean = None if wanted == "transformers" else lean_layers(self.model, self.compute_dtype, quant,
-                                                                 matmul[0] == "openblas")
+                                                                 matmul[0] == "openblas", native)
         self.matmul, self.matmul_reason = matmul if lean is not None else ("torch", "the transformers path")
         blas.take_threads(self.matmul, self.matmul_reason, self.settings.threads)
         if lean is None:
@@ -150,7 +145,7 @@ class ModelShard:
         if lean.lm_head is not None:  # the packed LM head replaces the module's
             embed = self.model.model.embed_tokens
             if embed is not None and embed.weight.data_ptr() == self.model.lm_head.weight.data_ptr() \
-                    and lean.lm_head.int8 is None:  # tied, float: the embeddings read the packed copy (one copy)
+                    and lean.lm_head.weight is not None:  # tied, float: the embeddings read the packed copy (one copy)
                 embed.weight = torch.nn.Parameter(lean.lm_head.weight, requires_grad=False)
             self.model.lm_head = None
         return lean

@@ -93,9 +93,13 @@ def test_growing_keeps_what_the_buffers_hold():
     assert cache.length == 2
 
 
-@pytest.mark.parametrize("quant", [None, "int8"])
-def test_batched_lean_rows_equal_each_row_alone(embedded_model, quant):
+@pytest.mark.parametrize("quant", [None, "int8", "int8-fbgemm"])
+def test_batched_lean_rows_equal_each_row_alone(embedded_model, quant, monkeypatch):
+    if quant == "int8-fbgemm":  # the int8 path where meshws's kernel cannot be built
+        monkeypatch.setattr("meshws.model.shard.kernels", lambda: None)
+        quant = "int8"
     shard = ModelShard(embedded_model, 0, 30, ShardSettings(dtype="float32", compute="lean", quant=quant))
+    assert shard.compute_path.endswith("(FBGEMM)" if quant and not shard.lean.native else "")
     texts = ["Hi", "Write a short story about a robot who learns to paint.", "What is 2 + 2?"]
     prompts = [_chat(shard, text) for text in texts]
     alone, batched = [], []

@@ -8,6 +8,7 @@ import pytest
 
 from helpers import ROOT
 from meshws.model.blas import choose_matmul
+from meshws.model.native import kernels
 
 pytestmark = [pytest.mark.real_model, pytest.mark.processes]
 
@@ -29,12 +30,13 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
         lean = {matmul: "lean llama" + ", OpenBLAS products" * (choose_matmul(matmul, dtype, False)[0] == "openblas")
                 for matmul in ("auto", "torch", "openblas")}
         other = "torch" if choose_matmul("auto", dtype, False)[0] == "openblas" else "openblas"
+        kernel = "(meshws kernel)" if kernels() else "(FBGEMM)"
         assert set(steps) == {"transformers", "lean", f"lean_{other}", "lean_int8"}
         assert [steps[name]["path"] for name in ("transformers", "lean", f"lean_{other}", "lean_int8")] == [
-            "transformers", lean["auto"], lean[other], "lean llama, int8 weights"]
+            "transformers", lean["auto"], lean[other], "lean llama, int8 weights " + kernel]
         for step in steps.values():
             assert step["step_ms"] > 0 and step["floor_ms"] > 0 and step["over_floor"] > 0
-        # a byte per weight, padded by FBGEMM (576 inputs take 1024): 0.40x of fp32's 15 layers
+        # a byte per weight (0.25x of fp32's 15 layers), padded by FBGEMM (576 inputs take 1024): 0.40x
         assert steps["lean_int8"]["weight_mib"] < 0.45 * steps["lean"]["weight_mib"] * (2 if dtype == "bfloat16" else 1)
         llama = entry["llama_cpp"]  # an optional extra: measured only where llama-cpp-python is installed
         assert llama is None or (llama["decode_tok_s"] > 0 and "ratio_to_llama_cpp" in entry["full_node"])

@@ -1,10 +1,10 @@
 """A node with `--quant int8` answers, and its greedy output mostly agrees with the float model.
 
 Agreement is measured per prompt as "the first AGREE_TOKENS greedy tokens are identical".
-`python -m meshws.tools.quality` measured 6 of these 8 prompts agreeing over 8 tokens on
-SmolLM2-135M, with the weight-only kernel and again with FBGEMM's (and a mean log-likelihood
-of a fixed text within 0.2 % of fp32's; top-1 agreement 91 %), so the
-threshold below leaves room for one more prompt to part early, not for a broken kernel:
+`python -m meshws.tools.quality --tokens 8` on SmolLM2-135M (2-core AMD EPYC with AVX-512)
+measured 6 of these 8 prompts agreeing with meshws's kernel (float activations; top-1
+agreement on a fixed text 95 %) and 4 with FBGEMM's (8-bit activations too; 90 %), so the
+thresholds below leave room for one more prompt to part early, not for a broken kernel:
 a wrong scale or layout gives noise that agrees on no prompt.
 """
 
@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 
 from helpers import complete_ids
+from meshws.model.native import kernels
 from meshws.model.shard import ModelShard, ShardSettings
 from meshws.tools.launch import Mesh
 from meshws.tools.quality import PROMPTS
@@ -21,7 +22,7 @@ from meshws.tools.quality import PROMPTS
 pytestmark = [pytest.mark.real_model, pytest.mark.processes]
 
 AGREE_TOKENS = 8
-AT_LEAST = 5  # of the 8 prompts
+AT_LEAST = 5 if kernels() else 3  # of the 8 prompts, on meshws's kernel or else FBGEMM's
 
 
 def test_an_int8_node_answers_and_mostly_agrees_with_float(embedded_model):
@@ -52,8 +53,8 @@ def test_an_int8_node_answers_and_mostly_agrees_with_float(embedded_model):
         health, answers = asyncio.run(ask())
     finally:
         mesh.stop()
-    assert health["compute"]["path"] == "lean llama, int8 weights"
-    # int8 layers and LM head (FBGEMM pads 576 inputs to 1024: 320 MiB in all) beside fp32 embeddings (513 MiB)
+    assert health["compute"]["path"] == "lean llama, int8 weights " + ("(meshws kernel)" if kernels() else "(FBGEMM)")
+    # int8 layers and LM head (237 MiB; FBGEMM pads 576 inputs to 1024: 320 MiB) beside fp32 embeddings (513 MiB)
     assert health["weight_bytes"] < 0.7 * 4 * 134_515_008
     assert all(len(tokens) == AGREE_TOKENS for tokens in answers), answers
     agreeing = sum(got == want for got, want in zip(answers, expected))

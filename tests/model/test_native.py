@@ -1,0 +1,102 @@
+"""meshws's int8 kernel (`native`): built with the machine's compiler, exact to float rounding, and a
+row's bits never depend on its batch, on the thread count or on which loop of the kernel ran it."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from meshws.model import native
+from meshws.model.packed import NATIVE_TOP, linear, pack_linear
+
+KERNELS = native.kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler here")
+
+
+def _codes(out_features, in_features, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
+    scales = torch.rand(out_features, generator=generator) * 0.01
+    bias = torch.randn(out_features, generator=generator)
+    return codes, scales, bias
+
+
+@needs_kernels
+@pytest.mark.parametrize("out_features, in_features", [(96, 576), (7, 13), (5, 19), (4096, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 70, 131])
+def test_products_equal_the_dequantized_matrix(out_features, in_features, rows):
+    codes, scales, bias = _codes(out_features, in_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    exact = x.double() @ (codes.double() * scales.double()[:, None]).T + bias.double()
+    for with_bias in (True, False):
+        got = KERNELS.int8_linear(x, codes, scales, bias if with_bias else None, 2)
+        want = exact if with_bias else exact - bias.double()
+        assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
+
+
+@needs_kernels
+@pytest.mark.parametrize("in_features", [576, 100])
+def test_a_row_gives_the_same_bits_alone_in_any_batch_and_on_any_threads(in_features):
+    # 4096 x 1536 is past the work at which the kernel starts threads, and 131 rows past the
+    # block that widens weights once: every loop of the kernel is in this comparison.
+    codes, scales, bias = _codes(4096, in_features, seed=1)
+    rows = torch.randn(131, in_features, generator=torch.Generator().manual_seed(2))
+    rows[1] *= 1000.0
+    batched = KERNELS.int8_linear(rows, codes, scales, bias, 2)
+    assert torch.equal(KERNELS.int8_linear(rows, codes, scales, bias, 1), batched)
+    for index in (0, 1, 2, 64, 130):
+        alone = KERNELS.int8_linear(rows[index : index + 1], codes, scales, bias, 2)
+        assert torch.equal(alone, batched[index : index + 1])
+    assert torch.equal(KERNELS.int8_linear(rows[3:5], codes, scales, bias, 1), batched[3:5])
+
+
+@needs_kernels
+def test_a_row_of_nan_or_inf_spoils_only_itself_and_empty_batches_work():
+    codes, scales, bias = _codes(96, 192)
+    rows = torch.randn(4, 192)
+    clean = KERNELS.int8_linear(rows, codes, scales, bias, 1)
+    rows[0, 5], rows[2, 0] = float("nan"), float("inf")
+    out = KERNELS.int8_linear(rows, codes, scales, bias, 1)
+    assert torch.isnan(out[0]).all() and not torch.isfinite(out[2]).any()
+    assert torch.equal(out[[1, 3]], clean[[1, 3]])
+    assert KERNELS.int8_linear(torch.empty(0, 192), codes, scales, bias, 1).shape == (0, 96)
+    with pytest.raises(ValueError, match="float32 rows of width 192"):
+        KERNELS.int8_linear(torch.randn(2, 191), codes, scales, bias, 1)
+
+
+@needs_kernels
+def test_packed_int8_weights_keep_the_whole_range_and_stay_close_to_float():
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 576, generator=generator) * 0.05, torch.randn(96, generator=generator)
+    weight[3, 7] = 2.0  # one outlier costs only its own channel's precision
+    packed = pack_linear(weight, bias, torch.bfloat16, "int8", native=KERNELS)
+    assert packed.codes.dtype == torch.int8 and packed.codes.abs().max() == NATIVE_TOP
+    assert packed.tensors() == [packed.bias] and packed.int8_bytes == 96 * 576 + 96 * 4
+    rows = torch.randn(2, 3, 576, generator=generator)
+    exact = torch.nn.functional.linear(rows, weight, bias)
+    out = linear(rows.to(torch.bfloat16), packed)
+    assert out.shape == (2, 3, 96) and out.dtype == torch.bfloat16
+    error = (linear(rows, packed) - exact).norm() / exact.norm()
+    assert error < 0.02, error  # FBGEMM's path (8-bit rows too) is held to 0.03 in test_packed
+
+
+def test_the_library_is_built_once_per_cache_and_not_without_a_compiler(tmp_path):
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here")
+    probe = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout);"
+             "from meshws.model import native; k = native.kernels(); print('LOADED', k is not None)")
+    env = {"PATH": "/usr/bin:/bin", "MESHWS_CACHE_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+
+    def run(**extra):
+        return subprocess.run([sys.executable, "-c", probe], env={**env, **extra}, capture_output=True, text=True,
+                              timeout=300, check=True).stdout
+
+    first, second = run(), run()
+    assert "built the native kernels" in first and "LOADED True" in first
+    assert "built" not in second and "LOADED True" in second  # the cached library
+    assert len(list((tmp_path / "native").glob("kernels-*.so"))) == 1
+    assert "LOADED False" in run(CC=str(tmp_path / "no-such-compiler"))
+    assert "LOADED False" in run(MESHWS_NATIVE="0")
