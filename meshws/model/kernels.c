@@ -1,176 +1,293 @@
 /* meshws native kernels, built on first use by `native.py` with the machine's C compiler.
 
-   int8_linear: y[r, o] = scale[o] * sum_k x[r, k] * w[o, k] (+ bias[o]) for float32
-   activations x [rows, in] and int8 weights w [out, in] (one scale per output channel).
-   Weights are widened to float in registers, so one token's product reads a byte per
-   weight and nothing else.
+   mw_linear: y[r, o] = scale[o] * sum_k x[r, k] * w[o, k] (+ bias[o]) for float32
+   activations x [rows, in] and weights w [out, in] of one of two kinds:
+     KIND_INT8  int8, one float scale per output channel;
+     KIND_BF16  bfloat16, no scale (a bf16 model's own weights).
+   Weights are widened to float in registers, so one token's product reads each weight's
+   bytes once and nothing else. (A bf16 times a bf16 value is exact in float, so the bf16
+   kind gives torch's bf16 product up to the order of the sums.)
 
-   Every (row, output) pair sums in the same order whatever the batch: eight lanes, each
-   a fused multiply-add chain over k = lane, lane + 8, ...; then the lanes pairwise
-   ((0+4)+(2+6)) + ((1+5)+(3+7)); then the inputs past the last multiple of 8 one by
-   one. So a row's result never depends on the rows batched with it, on how the outputs
-   are split between threads, or on which loop below computed it. */
+   Every (row, output) pair sums in the same order whatever the batch: LANES lanes, each a
+   fused multiply-add chain over k = lane, lane + LANES, ...; then the lanes pairwise as a
+   tree; then the inputs past the last multiple of LANES one by one. So a row's result never
+   depends on the rows batched with it, on how outputs are split between threads, or on
+   which loop below computed it. (LANES is 16 with AVX-512, else 8: machines differ.) */
 
+#define _GNU_SOURCE
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#include <time.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
-#define MW_AVX2 1
+#define LANES 16
+#define MAX_ROWS 4 /* 32 vector registers: 4 rows x 4 outputs of accumulators */
+typedef __m512 vec;
+#define vzero() _mm512_setzero_ps()
+#define vload(p) _mm512_loadu_ps(p)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vstore(p, v) _mm512_storeu_ps(p, v)
+#define widen_i8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define widen_bf16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LANES 8
+#define MAX_ROWS 2 /* 16 vector registers */
+typedef __m256 vec;
+#define vzero() _mm256_setzero_ps()
+#define vload(p) _mm256_loadu_ps(p)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vstore(p, v) _mm256_storeu_ps(p, v)
+#define widen_i8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define widen_bf16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #else
-#define MW_AVX2 0
+#define LANES 8
+#define MAX_ROWS 2
+#define GENERIC 1
 #endif
 
+#define KIND_INT8 0
+#define KIND_BF16 1
 #define OUT_TILE 4   /* outputs computed together */
-#define ROW_TILE 2   /* rows computed together */
 #define ROW_BLOCK 64 /* rows that share one widening of a tile's weights */
 
 typedef struct {
     const float *x;
-    const int8_t *w;
+    const void *w;
     const float *scale, *bias;
     float *y;
     int64_t rows, in, out, o_begin, o_end;
+    int kind;
 } job_t;
 
-int mw_avx2(void) { return MW_AVX2; }
+int mw_lanes(void) { return LANES; }
 
-static float finish(const float lanes[8], const float *x, const float *wf, const int8_t *w, int64_t k, int64_t in) {
+static inline float weight_at(const void *w, int kind, int64_t index) {
+    if (kind == KIND_INT8)
+        return (float)((const int8_t *)w)[index];
+    uint32_t bits = (uint32_t)((const uint16_t *)w)[index] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static float finish(const float *lanes, const float *x, const float *wf, const job_t *j, int64_t o, int64_t k) {
+#if LANES == 16
+    float sum = (((lanes[0] + lanes[8]) + (lanes[4] + lanes[12])) + ((lanes[2] + lanes[10]) + (lanes[6] + lanes[14])))
+              + (((lanes[1] + lanes[9]) + (lanes[5] + lanes[13])) + ((lanes[3] + lanes[11]) + (lanes[7] + lanes[15])));
+#else
     float sum = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
-    for (; k < in; k++)
-        sum = fmaf(x[k], wf ? wf[k] : (float)w[k], sum);
+#endif
+    for (; k < j->in; k++)
+        sum = fmaf(x[k], wf ? wf[k] : weight_at(j->w, j->kind, o * j->in + k), sum);
     return sum;
 }
 
 static void store(const job_t *j, int64_t r, int64_t o, float sum) {
-    float v = sum * j->scale[o];
+    float v = j->scale ? sum * j->scale[o] : sum;
     j->y[r * j->out + o] = j->bias ? v + j->bias[o] : v;
 }
 
-/* Rows [r0, r0 + nr) by outputs [o0, o0 + no), nr <= ROW_TILE, no <= OUT_TILE. Weights are read
-   from int8 (`wf` NULL) or from their widened copy `wf` ([no, in] floats). */
-static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r0, int nr, int64_t o0, int no, const float *wf) {
-    const int64_t in = j->in, whole = in - in % 8;
-    float lanes[ROW_TILE][OUT_TILE][8];
-#if MW_AVX2
-    __m256 acc[ROW_TILE][OUT_TILE];
-    for (int i = 0; i < ROW_TILE; i++)
+/* Rows [r0, r0 + nr) by outputs [o0, o0 + no), nr <= MAX_ROWS, no <= OUT_TILE. Weights are read
+   in their own kind (`wf` NULL) or from their widened copy `wf` ([no, in] floats). */
+static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r0, int nr, int64_t o0, int no,
+                                                       const float *wf, int kind) {
+    const int64_t in = j->in, whole = in - in % LANES;
+    float lanes[MAX_ROWS][OUT_TILE][LANES];
+#ifndef GENERIC
+    vec acc[MAX_ROWS][OUT_TILE];
+    for (int i = 0; i < MAX_ROWS; i++)
         for (int c = 0; c < OUT_TILE; c++)
-            acc[i][c] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < whole; k += 8) {
-        __m256 wv[OUT_TILE];
-        for (int c = 0; c < no; c++)
-            wv[c] = wf ? _mm256_loadu_ps(wf + c * in + k)
-                       : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                             _mm_loadl_epi64((const __m128i *)(j->w + (o0 + c) * in + k))));
+            acc[i][c] = vzero();
+    for (int64_t k = 0; k < whole; k += LANES) {
+        vec wv[OUT_TILE];
+        for (int c = 0; c < no; c++) {
+            int64_t at = (o0 + c) * in + k;
+            wv[c] = wf ? vload(wf + c * in + k)
+                       : kind == KIND_INT8 ? widen_i8((const int8_t *)j->w + at) : widen_bf16((const uint16_t *)j->w + at);
+        }
         for (int i = 0; i < nr; i++) {
-            __m256 xv = _mm256_loadu_ps(j->x + (r0 + i) * in + k);
+            vec xv = vload(j->x + (r0 + i) * in + k);
             for (int c = 0; c < no; c++)
-                acc[i][c] = _mm256_fmadd_ps(xv, wv[c], acc[i][c]);
+                acc[i][c] = vfma(xv, wv[c], acc[i][c]);
         }
     }
     for (int i = 0; i < nr; i++)
         for (int c = 0; c < no; c++)
-            _mm256_storeu_ps(lanes[i][c], acc[i][c]);
+            vstore(lanes[i][c], acc[i][c]);
 #else
     for (int i = 0; i < nr; i++)
         for (int c = 0; c < no; c++)
-            for (int l = 0; l < 8; l++)
+            for (int l = 0; l < LANES; l++)
                 lanes[i][c][l] = 0.0f;
-    for (int64_t k = 0; k < whole; k += 8)
+    for (int64_t k = 0; k < whole; k += LANES)
         for (int i = 0; i < nr; i++)
             for (int c = 0; c < no; c++)
-                for (int l = 0; l < 8; l++) {
-                    float wv = wf ? wf[c * in + k + l] : (float)j->w[(o0 + c) * in + k + l];
+                for (int l = 0; l < LANES; l++) {
+                    float wv = wf ? wf[c * in + k + l] : weight_at(j->w, kind, (o0 + c) * in + k + l);
                     lanes[i][c][l] = fmaf(j->x[(r0 + i) * in + k + l], wv, lanes[i][c][l]);
                 }
 #endif
     for (int i = 0; i < nr; i++)
         for (int c = 0; c < no; c++)
-            store(j, r0 + i, o0 + c,
-                  finish(lanes[i][c], j->x + (r0 + i) * in, wf ? wf + c * in : NULL, j->w + (o0 + c) * in, whole, in));
+            store(j, r0 + i, o0 + c, finish(lanes[i][c], j->x + (r0 + i) * in, wf ? wf + c * in : NULL, j, o0 + c, whole));
 }
 
-/* The constant-size tiles, so the compiler keeps the accumulators in registers. */
-static void tile_1x4(const job_t *j, int64_t r0, int64_t o0, const float *wf) { tile(j, r0, 1, o0, OUT_TILE, wf); }
-static void tile_2x4(const job_t *j, int64_t r0, int64_t o0, const float *wf) { tile(j, r0, 2, o0, OUT_TILE, wf); }
+/* Constant-size tiles, so the compiler keeps the accumulators in registers. */
+static void decode_tile(const job_t *j, int nr, int64_t o0) {
+    if (j->kind == KIND_INT8)
+        nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_INT8) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_INT8);
+    else
+        nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_BF16) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_BF16);
+}
+
+static void batch_tile(const job_t *j, int64_t r0, int64_t o0, const float *wf) {
+    tile(j, r0, MAX_ROWS, o0, OUT_TILE, wf, KIND_INT8); /* the kind is not read: weights come from wf */
+}
 
 static void run(const job_t *j) {
     const int64_t in = j->in;
-    if (j->rows <= ROW_TILE) { /* a decode step: weights widened in registers, read once */
+    if (j->rows <= 2) { /* a decode step: weights widened in registers, read once */
         for (int64_t o = j->o_begin; o < j->o_end; o += OUT_TILE) {
             int no = (int)(j->o_end - o < OUT_TILE ? j->o_end - o : OUT_TILE);
             if (no == OUT_TILE)
-                j->rows == 2 ? tile_2x4(j, 0, o, NULL) : tile_1x4(j, 0, o, NULL);
+                decode_tile(j, (int)j->rows, o);
             else
-                tile(j, 0, (int)j->rows, o, no, NULL);
+                tile(j, 0, (int)j->rows, o, no, NULL, j->kind);
         }
         return;
     }
     float *wf = malloc(sizeof(float) * OUT_TILE * in); /* a tile's weights widened once per block of rows */
-    if (!wf) { /* no scratch: the same sums, widening in registers */
-        for (int64_t o = j->o_begin; o < j->o_end; o += OUT_TILE) {
-            int no = (int)(j->o_end - o < OUT_TILE ? j->o_end - o : OUT_TILE);
-            for (int64_t r = 0; r < j->rows; r += ROW_TILE)
-                tile(j, r, (int)(j->rows - r < ROW_TILE ? j->rows - r : ROW_TILE), o, no, NULL);
-        }
-        return;
-    }
     for (int64_t block = 0; block < j->rows; block += ROW_BLOCK) {
         int64_t block_end = block + ROW_BLOCK < j->rows ? block + ROW_BLOCK : j->rows;
         for (int64_t o = j->o_begin; o < j->o_end; o += OUT_TILE) {
             int no = (int)(j->o_end - o < OUT_TILE ? j->o_end - o : OUT_TILE);
-            for (int c = 0; c < no; c++)
-                for (int64_t k = 0; k < in; k++)
-                    wf[c * in + k] = (float)j->w[(o + c) * in + k];
+            if (wf)
+                for (int c = 0; c < no; c++)
+                    for (int64_t k = 0; k < in; k++)
+                        wf[c * in + k] = weight_at(j->w, j->kind, (o + c) * in + k);
             int64_t r = block;
-            if (no == OUT_TILE)
-                for (; r + ROW_TILE <= block_end; r += ROW_TILE)
-                    tile_2x4(j, r, o, wf);
-            for (; r < block_end; r += ROW_TILE)
-                tile(j, r, (int)(block_end - r < ROW_TILE ? block_end - r : ROW_TILE), o, no, wf);
+            if (no == OUT_TILE && wf)
+                for (; r + MAX_ROWS <= block_end; r += MAX_ROWS)
+                    batch_tile(j, r, o, wf);
+            for (; r < block_end; r += MAX_ROWS) /* no scratch: the same sums, widening in registers */
+                tile(j, r, (int)(block_end - r < MAX_ROWS ? block_end - r : MAX_ROWS), o, no, wf, j->kind);
         }
     }
     free(wf);
 }
 
-static void *run_thread(void *arg) {
-    run((const job_t *)arg);
+/* Helper threads, started on first need and kept: a product is handed out by bumping `ticket`;
+   every helper takes its share (possibly empty) and counts `remaining` down. An idle helper
+   spins (yielding its core) for SPIN_NS after its last share, since a decode step's products
+   come tens of microseconds apart, then sleeps on `wake`. One product at a time uses them
+   (`busy`); a caller that finds them taken computes alone. */
+
+#define MAX_THREADS 64
+#define THREAD_WORK 100000 /* multiply-adds below which one thread does it all */
+#define SPIN_NS 200000
+
+static struct {
+    pthread_mutex_t busy, sleep;
+    pthread_cond_t wake;
+    atomic_uint ticket;
+    atomic_int remaining;
+    int helpers;
+    unsigned first_ticket[MAX_THREADS];
+    job_t jobs[MAX_THREADS];
+} pool = {.busy = PTHREAD_MUTEX_INITIALIZER, .sleep = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+
+/* A forked child has none of its parent's helpers (nor a consistent pool): it starts over. */
+static void forget_helpers(void) {
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_mutex_init(&pool.sleep, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.helpers = 0;
+}
+
+__attribute__((constructor)) static void on_load(void) { pthread_atfork(NULL, NULL, forget_helpers); }
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void *helper(void *arg) {
+    int me = (int)(intptr_t)arg;
+    unsigned seen = pool.first_ticket[me];
+    for (;;) {
+        unsigned ticket = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+        if (ticket == seen) {
+            int64_t until = now_ns() + SPIN_NS;
+            while ((ticket = atomic_load_explicit(&pool.ticket, memory_order_acquire)) == seen && now_ns() < until)
+                sched_yield();
+            if (ticket == seen) {
+                pthread_mutex_lock(&pool.sleep);
+                while ((ticket = atomic_load_explicit(&pool.ticket, memory_order_acquire)) == seen)
+                    pthread_cond_wait(&pool.wake, &pool.sleep);
+                pthread_mutex_unlock(&pool.sleep);
+            }
+        }
+        seen = ticket;
+        run(&pool.jobs[me]);
+        atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_release);
+    }
     return NULL;
 }
 
-#define MAX_THREADS 64
-#define THREAD_WORK 4000000 /* multiply-adds below which one thread does it all (starting one costs ~50 us) */
+/* Thread t's outputs of `threads`: whole tiles, the last share ending at `out`; past `threads`, none. */
+static job_t share(const job_t *whole, int64_t tiles, int t, int threads) {
+    job_t part = *whole;
+    int64_t begin = t < threads ? tiles * t / threads * OUT_TILE : whole->out;
+    int64_t end = t < threads ? tiles * (t + 1) / threads * OUT_TILE : whole->out;
+    part.o_begin = begin < whole->out ? begin : whole->out;
+    part.o_end = end < whole->out ? end : whole->out;
+    return part;
+}
 
-/* Returns 0, or -1 if a thread could not start (the product is then complete anyway). */
-int mw_int8_linear(const float *x, int64_t rows, int64_t in, const int8_t *w, const float *scale,
-                   const float *bias, float *y, int64_t out, int threads) {
-    int64_t work = rows * in * out;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads < 1 || work < THREAD_WORK) threads = 1;
+/* threads: how many may compute (the caller's share of the cores). */
+void mw_linear(const float *x, int64_t rows, int64_t in, const void *w, int kind, const float *scale,
+               const float *bias, float *y, int64_t out, int threads) {
+    job_t whole = {x, w, scale, bias, y, rows, in, out, 0, out, kind};
     int64_t tiles = (out + OUT_TILE - 1) / OUT_TILE;
-    if (threads > tiles) threads = (int)tiles;
-    job_t jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0}, failed = 0;
-    for (int t = 0; t < threads; t++) {
-        jobs[t] = (job_t){x, w, scale, bias, y, rows, in, out, 0, 0};
-        jobs[t].o_begin = tiles * t / threads * OUT_TILE;
-        int64_t end = tiles * (t + 1) / threads * OUT_TILE;
-        jobs[t].o_end = end < out ? end : out;
+    if (threads > MAX_THREADS)
+        threads = MAX_THREADS;
+    if (threads > tiles)
+        threads = (int)tiles;
+    if (threads < 2 || rows * in * out < THREAD_WORK || pthread_mutex_trylock(&pool.busy) != 0) {
+        run(&whole);
+        return;
     }
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&ids[t], NULL, run_thread, &jobs[t]) == 0;
-    run(&jobs[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(ids[t], NULL);
-        else {
-            run(&jobs[t]);
-            failed = 1;
-        }
+    while (pool.helpers < threads - 1) {
+        pthread_t id;
+        int me = pool.helpers + 1;
+        pool.first_ticket[me] = atomic_load(&pool.ticket);
+        if (pthread_create(&id, NULL, helper, (void *)(intptr_t)me) != 0)
+            break;
+        pthread_detach(id);
+        pool.helpers = me;
     }
-    return failed ? -1 : 0;
+    if (threads > pool.helpers + 1)
+        threads = pool.helpers + 1;
+    for (int t = 1; t <= pool.helpers; t++)
+        pool.jobs[t] = share(&whole, tiles, t, threads);
+    atomic_store_explicit(&pool.remaining, pool.helpers, memory_order_relaxed);
+    atomic_fetch_add_explicit(&pool.ticket, 1, memory_order_release);
+    pthread_mutex_lock(&pool.sleep);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.sleep);
+    job_t mine = share(&whole, tiles, 0, threads);
+    run(&mine);
+    while (atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0)
+        sched_yield();
+    pthread_mutex_unlock(&pool.busy);
 }

@@ -1,9 +1,11 @@
 """meshws's own kernels (`kernels.c`), built on first use with this machine's C compiler.
 
-int8 weights times float32 activations, the weights widened in registers: one token's
-product reads a byte per weight and no more. On a 2-core AMD EPYC (AVX2) one row reads
-11-12 GB/s on one thread, where FBGEMM's int8 GEMM, which must first quantize the row,
-moved about 8 GB/s and loses precision on the activations.
+int8 (or bfloat16) weights times float32 activations, the weights widened in registers:
+one token's product reads each weight's bytes once and no more. On a 2-core AMD EPYC
+(AVX-512) one row of int8 reads 13-15 GB/s per thread and 16-28 GB/s on both cores, where
+FBGEMM's int8 GEMM, which must first quantize the row to 8 bits, moved about 8 GB/s and
+lost precision on the activations. The kernel keeps its own helper threads (`kernels.c`);
+the caller says how many threads it may use (the node's share of the cores).
 
 The library is compiled once per source, compiler and CPU (`-O3 -march=native`) into
 the cache folder (`$MESHWS_CACHE_DIR/native`, else `~/.cache/meshws/models/native`) and
@@ -35,29 +37,36 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-pthread"]
 
 
+KINDS = {torch.int8: 0, torch.bfloat16: 1}  # the weight kinds of `mw_linear`
+
+
 class Kernels:
     """The loaded library."""
 
     def __init__(self, path: Path) -> None:
         library = ctypes.CDLL(str(path))
-        self.avx2 = bool(library.mw_avx2())
-        self._int8_linear = library.mw_int8_linear
-        self._int8_linear.restype = ctypes.c_int
-        self._int8_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                      ctypes.c_int]
+        self.lanes = int(library.mw_lanes())
+        self._linear = library.mw_linear
+        self._linear.restype = None
+        self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
         self.path = path
 
-    def int8_linear(self, rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                    bias: torch.Tensor | None, threads: int) -> torch.Tensor:
-        """`rows @ (codes * scales[:, None]).T + bias`: rows float32 `[n, in]`, codes int8 `[out, in]`."""
+    def linear(self, rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
+               bias: torch.Tensor | None, threads: int) -> torch.Tensor:
+        """`rows @ (weight * scales[:, None]).T + bias` in float32: rows float32 `[n, in]`, weight int8 (with
+        `scales`) or bfloat16 `[out, in]`, contiguous."""
+        if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != weight.shape[1]:
+            raise ValueError(f"the kernel takes float32 rows of width {weight.shape[1]}, not {tuple(rows.shape)}")
+        if weight.dtype not in KINDS or (scales is None) == (weight.dtype == torch.int8):
+            raise ValueError("the kernel takes int8 weights with scales, or bfloat16 weights without")
+        assert weight.is_contiguous() and (bias is None or bias.dtype == torch.float32)
         rows = rows.contiguous()
-        if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != codes.shape[1]:
-            raise ValueError(f"int8_linear takes float32 rows of width {codes.shape[1]}, not {tuple(rows.shape)}")
-        out = torch.empty(rows.shape[0], codes.shape[0])
+        out = torch.empty(rows.shape[0], weight.shape[0])
         if rows.shape[0]:
-            self._int8_linear(rows.data_ptr(), rows.shape[0], rows.shape[1], codes.data_ptr(), scales.data_ptr(),
-                              None if bias is None else bias.data_ptr(), out.data_ptr(), codes.shape[0], threads)
+            self._linear(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), KINDS[weight.dtype],
+                         None if scales is None else scales.data_ptr(), None if bias is None else bias.data_ptr(),
+                         out.data_ptr(), weight.shape[0], threads)
         return out
 
 

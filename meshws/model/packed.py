@@ -120,7 +120,7 @@ def _openblas_linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
 def _native_linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
     assert packed.kernels is not None and packed.scales is not None and packed.codes is not None
     rows = x.detach().reshape(-1, x.shape[-1]).float()
-    out = packed.kernels.int8_linear(rows, packed.codes, packed.scales, packed.bias, torch.get_num_threads())
+    out = packed.kernels.linear(rows, packed.codes, packed.scales, packed.bias, torch.get_num_threads())
     return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 

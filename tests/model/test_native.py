@@ -1,5 +1,5 @@
-"""meshws's int8 kernel (`native`): built with the machine's compiler, exact to float rounding, and a
-row's bits never depend on its batch, on the thread count or on which loop of the kernel ran it."""
+"""meshws's kernel (`native`): built with the machine's compiler, exact to float rounding, and a row's
+bits never depend on its batch, on the thread count or on which loop of the kernel ran it."""
 
 import shutil
 import subprocess
@@ -31,7 +31,7 @@ def test_products_equal_the_dequantized_matrix(out_features, in_features, rows):
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     exact = x.double() @ (codes.double() * scales.double()[:, None]).T + bias.double()
     for with_bias in (True, False):
-        got = KERNELS.int8_linear(x, codes, scales, bias if with_bias else None, 2)
+        got = KERNELS.linear(x, codes, scales, bias if with_bias else None, 2)
         want = exact if with_bias else exact - bias.double()
         assert got.dtype == torch.float32 and got.shape == (rows, out_features)
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
@@ -45,26 +45,40 @@ def test_a_row_gives_the_same_bits_alone_in_any_batch_and_on_any_threads(in_feat
     codes, scales, bias = _codes(4096, in_features, seed=1)
     rows = torch.randn(131, in_features, generator=torch.Generator().manual_seed(2))
     rows[1] *= 1000.0
-    batched = KERNELS.int8_linear(rows, codes, scales, bias, 2)
-    assert torch.equal(KERNELS.int8_linear(rows, codes, scales, bias, 1), batched)
+    batched = KERNELS.linear(rows, codes, scales, bias, 2)
+    assert torch.equal(KERNELS.linear(rows, codes, scales, bias, 1), batched)
     for index in (0, 1, 2, 64, 130):
-        alone = KERNELS.int8_linear(rows[index : index + 1], codes, scales, bias, 2)
+        alone = KERNELS.linear(rows[index : index + 1], codes, scales, bias, 2)
         assert torch.equal(alone, batched[index : index + 1])
-    assert torch.equal(KERNELS.int8_linear(rows[3:5], codes, scales, bias, 1), batched[3:5])
+    assert torch.equal(KERNELS.linear(rows[3:5], codes, scales, bias, 1), batched[3:5])
 
 
 @needs_kernels
 def test_a_row_of_nan_or_inf_spoils_only_itself_and_empty_batches_work():
     codes, scales, bias = _codes(96, 192)
     rows = torch.randn(4, 192)
-    clean = KERNELS.int8_linear(rows, codes, scales, bias, 1)
+    clean = KERNELS.linear(rows, codes, scales, bias, 1)
     rows[0, 5], rows[2, 0] = float("nan"), float("inf")
-    out = KERNELS.int8_linear(rows, codes, scales, bias, 1)
+    out = KERNELS.linear(rows, codes, scales, bias, 1)
     assert torch.isnan(out[0]).all() and not torch.isfinite(out[2]).any()
     assert torch.equal(out[[1, 3]], clean[[1, 3]])
-    assert KERNELS.int8_linear(torch.empty(0, 192), codes, scales, bias, 1).shape == (0, 96)
+    assert KERNELS.linear(torch.empty(0, 192), codes, scales, bias, 1).shape == (0, 96)
     with pytest.raises(ValueError, match="float32 rows of width 192"):
-        KERNELS.int8_linear(torch.randn(2, 191), codes, scales, bias, 1)
+        KERNELS.linear(torch.randn(2, 191), codes, scales, bias, 1)
+    with pytest.raises(ValueError, match="int8 weights with scales"):
+        KERNELS.linear(rows, codes, None, bias, 1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 5, 131])
+def test_bfloat16_weights_give_the_exact_products_up_to_the_order_of_sums(rows):
+    generator = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(4099, 37, generator=generator) * 0.05).to(torch.bfloat16)
+    x = torch.randn(rows, 37, generator=generator)
+    exact = x.double() @ weight.double().T
+    got = KERNELS.linear(x, weight, None, None, 2)
+    assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-6)
+    assert torch.equal(KERNELS.linear(x[-1:], weight, None, None, 1), got[-1:])
 
 
 @needs_kernels
@@ -100,3 +114,32 @@ def test_the_library_is_built_once_per_cache_and_not_without_a_compiler(tmp_path
     assert len(list((tmp_path / "native").glob("kernels-*.so"))) == 1
     assert "LOADED False" in run(CC=str(tmp_path / "no-such-compiler"))
     assert "LOADED False" in run(MESHWS_NATIVE="0")
+
+
+@needs_kernels
+def test_products_from_several_threads_at_once_and_after_a_fork_are_right():
+    import os
+    import signal
+    import threading
+
+    codes, scales, bias = _codes(4096, 576, seed=3)  # past the work at which helper threads join in
+    rows = torch.randn(3, 576, generator=torch.Generator().manual_seed(4))
+    want = KERNELS.linear(rows, codes, scales, bias, 2)
+    wrong = []
+
+    def hammer():  # one caller has the helpers, the others compute alone: the same bits either way
+        for _ in range(50):
+            if not torch.equal(KERNELS.linear(rows, codes, scales, bias, 2), want):
+                wrong.append(1)
+
+    callers = [threading.Thread(target=hammer) for _ in range(3)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert not wrong
+    child = os.fork()  # the child has none of the parent's helper threads: it must start its own
+    if child == 0:
+        signal.alarm(60)  # a hang ends the child, not the test run
+        os._exit(0 if torch.equal(KERNELS.linear(rows, codes, scales, bias, 2), want) else 1)
+    assert os.waitpid(child, 0)[1] == 0
