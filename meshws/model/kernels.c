@@ -56,6 +56,7 @@ typedef __m256 vec;
 
 #define KIND_INT8 0
 #define KIND_BF16 1
+#define KIND_F32 2 /* (attention's caches only) */
 #define OUT_TILE 4   /* outputs computed together */
 #define ROW_BLOCK 64 /* rows that share one widening of a tile's weights */
 
@@ -71,6 +72,8 @@ typedef struct {
 int mw_lanes(void) { return LANES; }
 
 static inline float weight_at(const void *w, int kind, int64_t index) {
+    if (kind == KIND_F32)
+        return ((const float *)w)[index];
     if (kind == KIND_INT8)
         return (float)((const int8_t *)w)[index];
     uint32_t bits = (uint32_t)((const uint16_t *)w)[index] << 16;
@@ -79,13 +82,18 @@ static inline float weight_at(const void *w, int kind, int64_t index) {
     return value;
 }
 
-static float finish(const float *lanes, const float *x, const float *wf, const job_t *j, int64_t o, int64_t k) {
+/* The lanes summed pairwise as a tree, written out: a loop here cost a fifth of a product's time. */
+static inline float reduce(const float *lanes) {
 #if LANES == 16
-    float sum = (((lanes[0] + lanes[8]) + (lanes[4] + lanes[12])) + ((lanes[2] + lanes[10]) + (lanes[6] + lanes[14])))
-              + (((lanes[1] + lanes[9]) + (lanes[5] + lanes[13])) + ((lanes[3] + lanes[11]) + (lanes[7] + lanes[15])));
+    return (((lanes[0] + lanes[8]) + (lanes[4] + lanes[12])) + ((lanes[2] + lanes[10]) + (lanes[6] + lanes[14])))
+         + (((lanes[1] + lanes[9]) + (lanes[5] + lanes[13])) + ((lanes[3] + lanes[11]) + (lanes[7] + lanes[15])));
 #else
-    float sum = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+    return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
 #endif
+}
+
+static float finish(const float *lanes, const float *x, const float *wf, const job_t *j, int64_t o, int64_t k) {
+    float sum = reduce(lanes);
     for (; k < j->in; k++)
         sum = fmaf(x[k], wf ? wf[k] : weight_at(j->w, j->kind, o * j->in + k), sum);
     return sum;
@@ -185,24 +193,28 @@ static void run(const job_t *j) {
     free(wf);
 }
 
-/* Helper threads, started on first need and kept: a product is handed out by bumping `ticket`;
-   every helper takes its share (possibly empty) and counts `remaining` down. An idle helper
-   spins (yielding its core) for SPIN_NS after its last share, since a decode step's products
-   come tens of microseconds apart, then sleeps on `wake`. One product at a time uses them
-   (`busy`); a caller that finds them taken computes alone. */
+/* Helper threads, started on first need and kept. `parallel` hands out a range of units by
+   bumping `ticket`; helper t computes its share (possibly none) and counts `remaining` down.
+   An idle helper spins (yielding its core) for SPIN_NS after its last share, since a decode
+   step's products come tens of microseconds apart, then sleeps on `wake`. One call at a
+   time uses them (`busy`); a caller that finds them taken computes alone. */
 
 #define MAX_THREADS 64
 #define THREAD_WORK 100000 /* multiply-adds below which one thread does it all */
 #define SPIN_NS 200000
+
+typedef void (*work_fn)(const void *task, int64_t begin, int64_t end);
 
 static struct {
     pthread_mutex_t busy, sleep;
     pthread_cond_t wake;
     atomic_uint ticket;
     atomic_int remaining;
-    int helpers;
+    int helpers, threads;
     unsigned first_ticket[MAX_THREADS];
-    job_t jobs[MAX_THREADS];
+    work_fn work;
+    const void *task;
+    int64_t units;
 } pool = {.busy = PTHREAD_MUTEX_INITIALIZER, .sleep = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
 
 /* A forked child has none of its parent's helpers (nor a consistent pool): it starts over. */
@@ -219,6 +231,11 @@ static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void share(int t) {
+    if (t < pool.threads)
+        pool.work(pool.task, pool.units * t / pool.threads, pool.units * (t + 1) / pool.threads);
 }
 
 static void *helper(void *arg) {
@@ -238,33 +255,20 @@ static void *helper(void *arg) {
             }
         }
         seen = ticket;
-        run(&pool.jobs[me]);
+        share(me);
         atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_release);
     }
     return NULL;
 }
 
-/* Thread t's outputs of `threads`: whole tiles, the last share ending at `out`; past `threads`, none. */
-static job_t share(const job_t *whole, int64_t tiles, int t, int threads) {
-    job_t part = *whole;
-    int64_t begin = t < threads ? tiles * t / threads * OUT_TILE : whole->out;
-    int64_t end = t < threads ? tiles * (t + 1) / threads * OUT_TILE : whole->out;
-    part.o_begin = begin < whole->out ? begin : whole->out;
-    part.o_end = end < whole->out ? end : whole->out;
-    return part;
-}
-
-/* threads: how many may compute (the caller's share of the cores). */
-void mw_linear(const float *x, int64_t rows, int64_t in, const void *w, int kind, const float *scale,
-               const float *bias, float *y, int64_t out, int threads) {
-    job_t whole = {x, w, scale, bias, y, rows, in, out, 0, out, kind};
-    int64_t tiles = (out + OUT_TILE - 1) / OUT_TILE;
+/* work(task, begin, end) over units [0, units), split evenly over up to `threads` threads. */
+static void parallel(work_fn work, const void *task, int64_t units, int threads) {
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
-    if (threads > tiles)
-        threads = (int)tiles;
-    if (threads < 2 || rows * in * out < THREAD_WORK || pthread_mutex_trylock(&pool.busy) != 0) {
-        run(&whole);
+    if (threads > units)
+        threads = (int)units;
+    if (threads < 2 || pthread_mutex_trylock(&pool.busy) != 0) {
+        work(task, 0, units);
         return;
     }
     while (pool.helpers < threads - 1) {
@@ -276,18 +280,130 @@ void mw_linear(const float *x, int64_t rows, int64_t in, const void *w, int kind
         pthread_detach(id);
         pool.helpers = me;
     }
-    if (threads > pool.helpers + 1)
-        threads = pool.helpers + 1;
-    for (int t = 1; t <= pool.helpers; t++)
-        pool.jobs[t] = share(&whole, tiles, t, threads);
+    pool.work = work;
+    pool.task = task;
+    pool.units = units;
+    pool.threads = threads < pool.helpers + 1 ? threads : pool.helpers + 1;
     atomic_store_explicit(&pool.remaining, pool.helpers, memory_order_relaxed);
     atomic_fetch_add_explicit(&pool.ticket, 1, memory_order_release);
     pthread_mutex_lock(&pool.sleep);
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.sleep);
-    job_t mine = share(&whole, tiles, 0, threads);
-    run(&mine);
+    share(0);
     while (atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0)
         sched_yield();
     pthread_mutex_unlock(&pool.busy);
+}
+
+static void linear_tiles(const void *task, int64_t begin, int64_t end) {
+    job_t part = *(const job_t *)task;
+    part.o_begin = begin * OUT_TILE;
+    part.o_end = end * OUT_TILE < part.out ? end * OUT_TILE : part.out;
+    run(&part);
+}
+
+/* threads: how many may compute (the caller's share of the cores). */
+void mw_linear(const float *x, int64_t rows, int64_t in, const void *w, int kind, const float *scale,
+               const float *bias, float *y, int64_t out, int threads) {
+    job_t whole = {x, w, scale, bias, y, rows, in, out, 0, out, kind};
+    parallel(linear_tiles, &whole, (out + OUT_TILE - 1) / OUT_TILE, rows * in * out < THREAD_WORK ? 1 : threads);
+}
+
+/* mw_attend: one query position per row against that row's own cache (a decode step of a batch
+   of sessions whose caches differ in length), after writing the row's new key and value there.
+
+   Row r's cache is keys[r], values[r]: [kv_heads, capacity[r], dim] of the cache's kind (float32
+   or bfloat16). Its new key and value (new_keys, new_values: [rows, kv_heads, dim], the same
+   kind) go to position at[r]; it attends to positions low[r] .. at[r]. Queries q and the
+   output are float32 [rows, heads, dim]; query head h reads key head h / (heads / kv_heads).
+   Scores and softmax are float32: s = scale * q.k (the dot in lanes as above), then
+   exp(s - max) summed in position order, and the output sum_t e_t v_t / sum_t e_t. A row's
+   result is the same alone or in any batch, on any thread count. */
+
+typedef struct {
+    int64_t rows, heads, kv_heads, dim;
+    const float *q;
+    const void *new_keys, *new_values;
+    void *const *keys, *const *values;
+    const int64_t *capacity, *low, *at;
+    int kind;
+    float scale;
+    float *out;
+} attend_t;
+
+static float dot(const float *q, const void *k, int kind, int64_t dim) {
+    const int64_t whole = dim - dim % LANES;
+    float lanes[LANES];
+#ifndef GENERIC
+    vec acc = vzero();
+    for (int64_t d = 0; d < whole; d += LANES)
+        acc = vfma(vload(q + d), kind == KIND_F32 ? vload((const float *)k + d) : widen_bf16((const uint16_t *)k + d), acc);
+    vstore(lanes, acc);
+#else
+    for (int l = 0; l < LANES; l++)
+        lanes[l] = 0.0f;
+    for (int64_t d = 0; d < whole; d += LANES)
+        for (int l = 0; l < LANES; l++)
+            lanes[l] = fmaf(q[d + l], weight_at(k, kind, d + l), lanes[l]);
+#endif
+    float sum = reduce(lanes);
+    for (int64_t d = whole; d < dim; d++)
+        sum = fmaf(q[d], weight_at(k, kind, d), sum);
+    return sum;
+}
+
+static void attend_units(const void *task, int64_t begin, int64_t end) {
+    const attend_t *a = task;
+    const int64_t dim = a->dim, group = a->heads / a->kv_heads;
+    const size_t size = a->kind == KIND_F32 ? 4 : 2;
+    for (int64_t unit = begin; unit < end; unit++) { /* one row's one key head and its query heads */
+        const int64_t row = unit / a->kv_heads, head = unit % a->kv_heads;
+        const int64_t low = a->low[row], at = a->at[row], count = at - low + 1;
+        char *keys = (char *)a->keys[row] + (size_t)(head * a->capacity[row]) * dim * size;
+        char *values = (char *)a->values[row] + (size_t)(head * a->capacity[row]) * dim * size;
+        memcpy(keys + (size_t)at * dim * size, (const char *)a->new_keys + (size_t)unit * dim * size, dim * size);
+        memcpy(values + (size_t)at * dim * size, (const char *)a->new_values + (size_t)unit * dim * size, dim * size);
+        float *scores = malloc(sizeof(float) * (size_t)(count * group + dim));
+        if (!scores)
+            abort(); /* a few kilobytes: nothing sensible is left to do */
+        float *value = scores + count * group;
+        for (int64_t g = 0; g < group; g++) {
+            const float *q = a->q + ((row * a->heads) + head * group + g) * dim;
+            float *s = scores + g * count, top = -INFINITY, total = 0.0f;
+            for (int64_t t = 0; t < count; t++) {
+                s[t] = a->scale * dot(q, keys + (size_t)(low + t) * dim * size, a->kind, dim);
+                top = s[t] > top ? s[t] : top;
+            }
+            for (int64_t t = 0; t < count; t++) {
+                s[t] = expf(s[t] - top);
+                total += s[t];
+            }
+            for (int64_t d = 0; d < dim; d++)
+                value[d] = 0.0f;
+            for (int64_t t = 0; t < count; t++) {
+                const char *v = values + (size_t)(low + t) * dim * size;
+                if (a->kind == KIND_F32)
+                    for (int64_t d = 0; d < dim; d++)
+                        value[d] = fmaf(s[t], ((const float *)v)[d], value[d]);
+                else
+                    for (int64_t d = 0; d < dim; d++)
+                        value[d] = fmaf(s[t], weight_at(v, KIND_BF16, d), value[d]);
+            }
+            float *out = a->out + ((row * a->heads) + head * group + g) * dim;
+            for (int64_t d = 0; d < dim; d++)
+                out[d] = value[d] / total;
+        }
+        free(scores);
+    }
+}
+
+void mw_attend(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const float *q, const void *new_keys,
+               const void *new_values, void *const *keys, void *const *values, const int64_t *capacity,
+               const int64_t *low, const int64_t *at, int kind, float scale, float *out, int threads) {
+    attend_t task = {rows, heads, kv_heads, dim, q, new_keys, new_values, keys, values, capacity, low, at,
+                     kind, scale, out};
+    int64_t work = 0;
+    for (int64_t r = 0; r < rows; r++)
+        work += (at[r] - low[r] + 1) * heads * dim * 2;
+    parallel(attend_units, &task, rows * kv_heads, work < THREAD_WORK ? 1 : threads);
 }

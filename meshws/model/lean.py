@@ -4,9 +4,11 @@ For the architectures meshws knows (Llama-style, e.g. SmolLM2; Gemma-3) the laye
 repacked once at load: q/k/v fused into one matrix, gate/up into one, norm weights
 prepared (Gemma's `1 + w`), rotary tables computed once per layer type. A session's
 keys and values live in `LeanCache`: per-layer buffers grown in blocks and written in
-place, so a decode step allocates no cache objects. Attention is torch's
-`scaled_dot_product_attention`. The arithmetic follows transformers' own modules
-operation by operation, so fp32 output is the transformers path's.
+place, so a decode step allocates no cache objects. A decode step's attention, for one
+session or a batch of them, is one call of meshws's kernel over every row's own cache
+(`native.Kernels.attend`; torch's sdpa row by row where the kernel cannot be built);
+prefill attention is torch's `scaled_dot_product_attention`. The rest follows
+transformers' own modules operation by operation, so fp32 tokens are the transformers path's.
 
 `--quant int8` stores every linear weight as int8 with one scale per output channel
 and runs it with FBGEMM's int8 GEMM, each row of activations quantized on its own (`packed.linear`).
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache_store import KVCacheMiss
-from .native import Kernels
+from .native import AttendRows, Kernels
 from .packed import LeanCache, Linear, linear, pack_linear
 
 
@@ -100,7 +102,9 @@ class LeanLayers:
         self.dtype = dtype
         self.quant = quant
         self.openblas = openblas and dtype == torch.float32 and quant is None  # float32 products on OpenBLAS
+        self.kernels = native  # decode attention on meshws's kernel (else torch's sdpa, row by row)
         self.native = native if quant == "int8" else None  # int8 products on meshws's kernel, else FBGEMM's
+        self.attention = "meshws kernel" if native else "torch sdpa"
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -245,6 +249,8 @@ class LeanLayers:
         total = past + count
         if cache is None and past:
             raise ValueError("a stateless step starts at position 0")
+        if cache is not None and count == 1:  # a decode step: a batch of one row
+            return self.run_rows(hidden, position_ids, [cache])
         if cache is not None:
             _room(cache, past, total)
         rope = self._rope(position_ids[0], total)
@@ -261,11 +267,8 @@ class LeanLayers:
                 if cache is not None:
                     cache.keys[index][:, :, past:total] = k
                     cache.values[index][:, :, past:total] = v
-                    low = max(0, total - window - count + 1) if window and count == 1 else 0
-                    k = cache.keys[index][:, :, low:total]
-                    v = cache.values[index][:, :, low:total]
-                if count == 1:
-                    return self._attend_one(q, k, v)
+                    k = cache.keys[index][:, :, :total]
+                    v = cache.values[index][:, :, :total]
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                       scale=self.scaling, enable_gqa=self.heads != self.kv_heads)
 
@@ -293,12 +296,17 @@ class LeanLayers:
         for cache, past in zip(caches, pasts):
             _room(cache, past, past + 1)
         rope = self._rope(flat, max(pasts) + 1)
+        rows = None if self.kernels is None else AttendRows.per_type(caches, pasts, self.layer_types, self.window,
+                                                                    self.scaling)
+        threads = torch.get_num_threads()
         for index, layer in enumerate(self.layers):
             layer_type = self.layer_types[index]
             window = self.window if layer_type == "sliding_attention" else None
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int = index,
                        window: int | None = window) -> torch.Tensor:
+                if rows is not None:  # one kernel for all rows, each on its own cache (writes them too)
+                    return self.kernels.attend(q, k, v, rows[self.layer_types[index]], index, threads)
                 outputs = []
                 for row, (cache, past) in enumerate(zip(caches, pasts)):
                     cache.keys[index][:, :, past : past + 1] = k[row : row + 1]

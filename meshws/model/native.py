@@ -25,7 +25,9 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any, Sequence
 
+import numpy
 import torch
 
 from .cpu import cpu_flags
@@ -37,7 +39,7 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-pthread"]
 
 
-KINDS = {torch.int8: 0, torch.bfloat16: 1}  # the weight kinds of `mw_linear`
+KINDS = {torch.int8: 0, torch.bfloat16: 1, torch.float32: 2}  # weights of `mw_linear` (not float32), caches of `mw_attend`
 
 
 class Kernels:
@@ -50,7 +52,30 @@ class Kernels:
         self._linear.restype = None
         self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        self._attend = library.mw_attend
+        self._attend.restype = None
+        self._attend.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 8 + [ctypes.c_int, ctypes.c_float,
+                                                                              ctypes.c_void_p, ctypes.c_int]
         self.path = path
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: "AttendRows", layer: int,
+               threads: int) -> torch.Tensor:
+        """One decode step's attention in `layer` for rows of different sessions (`caches`): row r's new key
+        and value (`k`, `v` `[rows, kv_heads, 1, dim]`, the caches' dtype) are written at its position in
+        its own cache, and its query (`q` `[rows, heads, 1, dim]`) attends to its positions there."""
+        rows, heads, _, dim = q.shape
+        if k.shape != (rows, caches.kv_heads, 1, dim) or k.dtype != caches.dtype or heads % caches.kv_heads:
+            raise ValueError(f"keys {tuple(k.shape)} {k.dtype} do not fit caches of {caches.kv_heads} heads {caches.dtype}")
+        pointers = caches.pointers(layer)
+        query = q.detach().reshape(rows, heads, dim).float().contiguous()
+        new_keys = k.detach().reshape(rows, caches.kv_heads, dim).contiguous()
+        new_values = v.detach().reshape(rows, caches.kv_heads, dim).to(k.dtype).contiguous()
+        out = torch.empty(rows, heads, dim)
+        self._attend(rows, heads, caches.kv_heads, dim, query.data_ptr(), new_keys.data_ptr(), new_values.data_ptr(),
+                     pointers.ctypes.data, pointers.ctypes.data + 8 * rows, caches.capacity.ctypes.data,
+                     caches.low_at.ctypes.data, caches.low_at.ctypes.data + 8 * rows, KINDS[caches.dtype],
+                     caches.scale, out.data_ptr(), threads)
+        return out.view(rows, heads, 1, dim).to(q.dtype)
 
     def linear(self, rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
                bias: torch.Tensor | None, threads: int) -> torch.Tensor:
@@ -58,7 +83,7 @@ class Kernels:
         `scales`) or bfloat16 `[out, in]`, contiguous."""
         if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != weight.shape[1]:
             raise ValueError(f"the kernel takes float32 rows of width {weight.shape[1]}, not {tuple(rows.shape)}")
-        if weight.dtype not in KINDS or (scales is None) == (weight.dtype == torch.int8):
+        if weight.dtype not in (torch.int8, torch.bfloat16) or (scales is None) == (weight.dtype == torch.int8):
             raise ValueError("the kernel takes int8 weights with scales, or bfloat16 weights without")
         assert weight.is_contiguous() and (bias is None or bias.dtype == torch.float32)
         rows = rows.contiguous()
@@ -105,3 +130,36 @@ def kernels() -> Kernels | None:
         detail = getattr(error, "stderr", "") or error
         log.warning("the native kernels did not build (%s): int8 weights run on FBGEMM", str(detail).strip()[:500])
         return None
+
+
+class AttendRows:
+    """A decode step's rows for `Kernels.attend`, checked once for all layers: row r is at position
+    `at[r]` of its cache `caches[r]` (a `LeanCache`) and attends from `low[r]`. The caches must have
+    room for `at` (the kernel writes there) and hold keys of one dtype and shape."""
+
+    def __init__(self, caches: Sequence[Any], low: Sequence[int], at: Sequence[int], scale: float) -> None:
+        first = caches[0]
+        self.caches, self.scale = caches, scale
+        self.dtype, (self.kv_heads, self.dim) = first.dtype, first.shape
+        self.capacity = numpy.array([cache.capacity for cache in caches], dtype=numpy.int64)
+        self.low_at = numpy.array([list(low), list(at)], dtype=numpy.int64).reshape(2, len(caches))
+        if self.dtype not in (torch.float32, torch.bfloat16) or any(
+                cache.dtype != self.dtype or cache.shape != first.shape for cache in caches):
+            raise ValueError("attention takes caches of one shape, in float32 or bfloat16")
+        if not ((0 <= self.low_at[0]) & (self.low_at[0] <= self.low_at[1]) & (self.low_at[1] < self.capacity)).all():
+            raise ValueError("each row attends within its cache: 0 <= low <= at < capacity")
+
+    @classmethod
+    def per_type(cls, caches: Sequence[Any], pasts: Sequence[int], layer_types: Sequence[str], window: int | None,
+                 scale: float) -> dict[str, "AttendRows"]:
+        """Per layer type, rows at `pasts` attending to all they hold, or (sliding attention) the last `window`."""
+        found = {}
+        for layer_type in set(layer_types):
+            span = window if layer_type == "sliding_attention" else None
+            found[layer_type] = cls(caches, [max(0, past + 1 - span) if span else 0 for past in pasts], pasts, scale)
+        return found
+
+    def pointers(self, layer: int) -> numpy.ndarray:
+        """Every row's key buffer in `layer`, then every row's value buffer."""
+        return numpy.array([cache.keys[layer].data_ptr() for cache in self.caches]
+                           + [cache.values[layer].data_ptr() for cache in self.caches], dtype=numpy.uint64)

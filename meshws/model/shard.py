@@ -119,6 +119,7 @@ class ModelShard:
     def compute_facts(self) -> dict[str, Any]:
         return {"path": self.compute_path, "dtype": self.settings.dtype, "dtype_reason": self.dtype_reason,
                 "matmul": self.matmul, "matmul_reason": self.matmul_reason, "threads": blas.threads(),
+                "attention": self.lean.attention if self.lean is not None else "transformers",
                 "compile_seconds": self.compile_seconds}
 
     def held_tensors(self) -> list[torch.Tensor]:
@@ -129,7 +130,7 @@ class ModelShard:
     def _lean_path(self, model_id: str) -> LeanLayers | None:
         """Pack the layers for the lean path (and let go of transformers' copies), or None: the transformers path."""
         wanted, quant = self.settings.compute, self.settings.quant
-        native = kernels() if quant == "int8" else None
+        native = kernels() if wanted != "transformers" else None  # decode attention, and int8 products
         if quant == "int8" and native is None and not int8_kernel_runs():
             raise ValueError("int8 weights need a C compiler (meshws's kernel) or FBGEMM (torch on an x86 CPU)")
         matmul = blas.choose_matmul(self.settings.matmul, quant or self.settings.dtype, self.settings.compile)

@@ -13,6 +13,7 @@ import torch
 from helpers import run_chain
 from meshws.model import blas
 from meshws.model.backend import DecodeStep
+from meshws.model.native import kernels
 from meshws.model.packed import CACHE_BLOCK, LeanCache
 from meshws.model.shard import ModelShard, ShardSettings
 
@@ -38,6 +39,8 @@ def test_the_shard_says_which_path_it_runs(embedded_model, plain):
     lean = ModelShard(embedded_model, 20, 30, replace(LEAN, matmul="torch"))
     assert lean.compute_path == "lean llama" and plain.compute_path == "transformers"
     assert lean.compute_facts["path"] == "lean llama" and lean.compute_facts["dtype"] == "float32"
+    assert lean.compute_facts["attention"] == ("meshws kernel" if kernels() else "torch sdpa")
+    assert plain.compute_facts["attention"] == "transformers"
     assert (lean.compute_facts["matmul"], plain.compute_facts["matmul"]) == ("torch", "torch")
     assert len(lean.model.model.layers) == 0, "transformers' copies of the layers are let go"
     assert lean.weight_bytes == 4 * lean.parameter_count()

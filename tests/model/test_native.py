@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from meshws.model import native
-from meshws.model.packed import NATIVE_TOP, linear, pack_linear
+from meshws.model.native import AttendRows
+from meshws.model.packed import NATIVE_TOP, LeanCache, linear, pack_linear
 
 KERNELS = native.kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler here")
@@ -143,3 +144,54 @@ def test_products_from_several_threads_at_once_and_after_a_fork_are_right():
         signal.alarm(60)  # a hang ends the child, not the test run
         os._exit(0 if torch.equal(KERNELS.linear(rows, codes, scales, bias, 2), want) else 1)
     assert os.waitpid(child, 0)[1] == 0
+
+
+def _caches(lengths, dtype, kv_heads=3, dim=64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    found = []
+    for length in lengths:
+        cache = LeanCache(2, kv_heads, dim, dtype)
+        cache.reserve(length + 1)
+        for buffers in (cache.keys, cache.values):
+            for buffer in buffers:
+                buffer.copy_(torch.randn(buffer.shape, generator=generator).to(dtype))
+        cache.length = length
+        found.append(cache)
+    return found
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_over_caches_of_different_lengths_equals_sdpa_row_by_row(dtype):
+    lengths = [0, 4, 39, 300]
+    caches = _caches(lengths, dtype)
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(4, 9, 1, 64, generator=generator).to(dtype)
+    k, v = (torch.randn(4, 3, 1, 64, generator=generator).to(dtype) for _ in range(2))
+    low = [0, 0, 7, 0]  # the third row attends as through a sliding window from position 7
+    out = KERNELS.attend(q, k, v, AttendRows(caches, low, lengths, 0.125), 1, 2)
+    assert out.shape == q.shape and out.dtype == dtype
+    for row, (cache, start, at) in enumerate(zip(caches, low, lengths)):
+        assert torch.equal(cache.keys[1][0, :, at], k[row, :, 0]) and torch.equal(cache.values[1][0, :, at], v[row, :, 0])
+        assert not torch.equal(cache.keys[0][0, :, at], k[row, :, 0]), "only the layer asked for is written"
+        keys, values = (buffer[1][:, :, start : at + 1].float() for buffer in (cache.keys, cache.values))
+        want = torch.nn.functional.scaled_dot_product_attention(q[row : row + 1].float(), keys, values, scale=0.125,
+                                                                 enable_gqa=True)
+        assert torch.allclose(out[row : row + 1].float(), want, atol=1e-5 if dtype == torch.float32 else 1e-2)
+        alone = KERNELS.attend(q[row : row + 1], k[row : row + 1], v[row : row + 1],
+                               AttendRows([cache], [start], [at], 0.125), 1, 1)
+        assert torch.equal(alone, out[row : row + 1])
+
+
+@needs_kernels
+def test_decode_attention_refuses_rows_outside_their_caches():
+    caches = _caches([5, 5], torch.float32)
+    with pytest.raises(ValueError, match="within its cache"):
+        AttendRows(caches, [0, 0], [5, caches[1].capacity], 0.125)  # past the buffer: the kernel would write there
+    with pytest.raises(ValueError, match="within its cache"):
+        AttendRows(caches, [3, 0], [2, 5], 0.125)
+    with pytest.raises(ValueError, match="one shape"):
+        AttendRows([*caches, *_caches([5], torch.bfloat16)], [0, 0, 0], [5, 5, 5], 0.125)
+    rows = AttendRows(caches, [0, 0], [5, 5], 0.125)
+    with pytest.raises(ValueError, match="do not fit"):
+        KERNELS.attend(torch.randn(2, 9, 1, 64), torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64), rows, 0, 1)
