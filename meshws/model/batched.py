@@ -47,7 +47,10 @@ class RowShard(ShardBackend, Protocol):
     def tensor_from_bytes(self, body: bytes | memoryview, shape: Sequence[int], dtype: str) -> torch.Tensor: ...
 
     def finish(self, hidden: torch.Tensor, past_len: int, sampling: SamplingParams | None,
-               history: Sequence[int], generated_from: int | None) -> StepResult: ...
+               history: Sequence[int], generated_from: int | None, drafts: Sequence[int] = (),
+               logits: torch.Tensor | None = None) -> StepResult: ...
+
+    def last_logits(self, hidden: torch.Tensor, rows: int | None = None) -> torch.Tensor: ...
 
 
 Row = tuple[int, CacheEntry, torch.Tensor, int]  # (index in the steps, cache entry, hidden state, past length)
@@ -158,13 +161,20 @@ def decode_rows(shard: RowShard, steps: Sequence[DecodeStep]) -> list[StepResult
         except Exception as exc:  # one row may be at fault: each row alone, so only it fails
             _rows_alone(shard, steps, rows, results, exc)
             return results  # type: ignore[return-value]
+        logits = None
+        if shard.is_tail:  # every row's logits in one product: the LM head's weights are read once, not per row
+            try:
+                logits = shard.last_logits(hidden.reshape(1, len(rows), hidden.shape[-1]), len(rows))
+            except Exception:  # then each row's own, so that only a row at fault fails
+                logits = None
         for position, (index, entry, _, past) in enumerate(rows):
             step = steps[index]
             entry.seq_len = past + 1
             try:
                 shard.sessions.resize(step.session_id, cache_nbytes(entry.cache))
-                results[index] = shard.finish(hidden[position : position + 1], past, step.sampling,
-                                               step.history, step.generated_from)
+                results[index] = shard.finish(hidden[position : position + 1], past, step.sampling, step.history,
+                                               step.generated_from,
+                                               logits=None if logits is None else logits[position : position + 1])
             except Exception as exc:
                 results[index] = exc
     return results  # type: ignore[return-value]

@@ -317,8 +317,10 @@ class ModelShard:
     def tensor_from_bytes(self, body: bytes | memoryview, shape: Sequence[int], dtype: str) -> torch.Tensor:
         return tensor_from_bytes(body, shape, dtype, self.hidden_size, self.compute_dtype)
 
-    def finish(self, hidden: torch.Tensor, past_len: int, sampling: SamplingParams | None,
-               history: Sequence[int], generated_from: int | None, drafts: Sequence[int] = ()) -> StepResult:
+    def finish(self, hidden: torch.Tensor, past_len: int, sampling: SamplingParams | None, history: Sequence[int],
+               generated_from: int | None, drafts: Sequence[int] = (), logits: torch.Tensor | None = None) -> StepResult:
+        """The step's result: on the tail, its token(s) chosen from `logits` (of its last positions; computed here
+        unless given); elsewhere, the hidden states to send on."""
         if not self.is_tail:
             return payload_from_tensor(hidden, past_len, self.settings.wire_dtype)
         position, sampling, grammar = past_len + hidden.shape[1], sampling or GREEDY, (sampling or GREEDY).grammar
@@ -326,7 +328,7 @@ class ModelShard:
             raise ValueError(f"{len(drafts)} drafts need more than the step's {hidden.shape[1]} positions")
         constraint = self.grammars.matcher(grammar, history[generated_from or len(history):]) if grammar else None
         # The last len(drafts) + 1 positions each choose a token: the drafts are kept while they are the choice.
-        logits = self.last_logits(hidden, len(drafts) + 1)
+        logits = self.last_logits(hidden, len(drafts) + 1) if logits is None else logits
         tokens = verify_drafts(logits, sampling, position - len(drafts), drafts, history, generated_from, constraint)
         if constraint is not None:
             self.grammars.keep(grammar, constraint)
