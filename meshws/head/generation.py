@@ -323,7 +323,7 @@ class Generator:
         history = sequence.ids() if sampling.needs_history else ()
         speculation, last = sequence.speculation, sequence.tokens[-1]
         room = sequence.max_tokens - len(sequence) - 1  # guesses beyond the answer's end are wasted
-        sequence.drafts = tuple(speculation.propose(sequence.ids(), room)) if speculation else ()
+        sequence.drafts = tuple(speculation.propose(sequence.ids(), room, len(self.active))) if speculation else ()
         if sequence.drafts:  # the last token and the guesses, verified by the tail in one lap
             return await self.worker.prefill(PrefillStep(
                 cached_sid, token_ids=[last, *sequence.drafts], mode="decode", past_len=sequence.held,

@@ -104,6 +104,21 @@ static void store(const job_t *j, int64_t r, int64_t o, float sum) {
     j->y[r * j->out + o] = j->bias ? v + j->bias[o] : v;
 }
 
+/* Weights w[at .. at + count) as floats into `to`. */
+static void widen_row(float *to, const void *w, int kind, int64_t at, int64_t count) {
+    int64_t k = 0;
+#ifndef GENERIC
+    if (kind == KIND_INT8)
+        for (; k + LANES <= count; k += LANES)
+            vstore(to + k, widen_i8((const int8_t *)w + at + k));
+    else if (kind == KIND_BF16)
+        for (; k + LANES <= count; k += LANES)
+            vstore(to + k, widen_bf16((const uint16_t *)w + at + k));
+#endif
+    for (; k < count; k++)
+        to[k] = weight_at(w, kind, at + k);
+}
+
 /* Rows [r0, r0 + nr) by outputs [o0, o0 + no), nr <= MAX_ROWS, no <= OUT_TILE. Weights are read
    in their own kind (`wf` NULL) or from their widened copy `wf` ([no, in] floats). */
 static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r0, int nr, int64_t o0, int no,
@@ -180,8 +195,7 @@ static void run(const job_t *j) {
             int no = (int)(j->o_end - o < OUT_TILE ? j->o_end - o : OUT_TILE);
             if (wf)
                 for (int c = 0; c < no; c++)
-                    for (int64_t k = 0; k < in; k++)
-                        wf[c * in + k] = weight_at(j->w, j->kind, (o + c) * in + k);
+                    widen_row(wf + c * in, j->w, j->kind, (o + c) * in, in);
             int64_t r = block;
             if (no == OUT_TILE && wf)
                 for (; r + MAX_ROWS <= block_end; r += MAX_ROWS)

@@ -1,6 +1,7 @@
 """Prompt-lookup drafts and how many the head sends: the rules, without a model."""
 
-from meshws.head.drafts import COOL_DOWN_LAPS, MISSES_BEFORE_COOL_DOWN, NgramDrafter, Speculation
+from meshws.head.drafts import (COOL_DOWN_LAPS, DRAFTS_UP_TO_GENERATIONS, MISSES_BEFORE_COOL_DOWN, NgramDrafter,
+                                Speculation)
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
@@ -48,3 +49,11 @@ def test_guesses_grow_when_kept_shrink_when_refused_and_pause_after_misses():
     assert speculation.propose([1], 10) == [0]  # after the pause, guessing starts small again
     assert speculation.describe() == {"laps": 6, "draft_tokens": 2 + 4 + 6 + 8 + 4 + 2,
                                       "accepted_draft_tokens": 15, "tokens_per_lap": round(21 / 6, 3)}
+
+
+def test_no_guesses_while_more_generations_run_than_a_few():
+    # A lap with guesses is never batched with other sessions' steps: under load, one-token laps go faster.
+    speculation = Speculation(Fixed(list(range(20))), max_tokens=8)
+    assert speculation.propose([1], 10, running=DRAFTS_UP_TO_GENERATIONS + 1) == []
+    assert speculation.k == 2 and speculation.laps == 0, "skipping guesses changes nothing of the lap count"
+    assert speculation.propose([1], 10, running=DRAFTS_UP_TO_GENERATIONS) == [0, 1]
