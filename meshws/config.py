@@ -91,8 +91,9 @@ _HELP = {
                "transformers (its modules), or auto (lean where the architecture has it)",
     "compile": "run the lean path through torch.compile (compiled at start, cached on disk for restarts); "
                "off by default: on CPU it saves little (see the README)",
-    "quant": "int8: store linear weights as int8 with a scale per output channel, run by FBGEMM (about half of fp32's "
-             "memory, faster decode; slightly different output, see the README); needs the lean path",
+    "quant": "int8: store linear weights as int8 with a scale per output channel, run by meshws's kernel (built on "
+             "first use with the C compiler; FBGEMM without one): under half of fp32's memory, several times faster "
+             "decode, slightly different output (see the README); needs the lean path",
     "matmul": "what multiplies float32 weights on the lean path: torch (MKL on x86), openblas (numpy's), or auto: "
               "OpenBLAS on AMD CPUs (MKL reads weights there at about half the speed; see the README)",
     "wire_dtype": "dtype of hidden states sent between nodes",

@@ -64,8 +64,10 @@ class Kernels:
         and value (`k`, `v` `[rows, kv_heads, 1, dim]`, the caches' dtype) are written at its position in
         its own cache, and its query (`q` `[rows, heads, 1, dim]`) attends to its positions there."""
         rows, heads, _, dim = q.shape
-        if k.shape != (rows, caches.kv_heads, 1, dim) or k.dtype != caches.dtype or heads % caches.kv_heads:
-            raise ValueError(f"keys {tuple(k.shape)} {k.dtype} do not fit caches of {caches.kv_heads} heads {caches.dtype}")
+        if rows != len(caches.caches) or dim != caches.dim or heads % caches.kv_heads or k.dtype != caches.dtype \
+                or not k.shape == v.shape == (rows, caches.kv_heads, 1, dim):
+            raise ValueError(f"keys {tuple(k.shape)} {k.dtype} do not fit {len(caches.caches)} caches of "
+                             f"{caches.kv_heads} heads of {caches.dim} {caches.dtype}")
         pointers = caches.pointers(layer)
         query = q.detach().reshape(rows, heads, dim).float().contiguous()
         new_keys = k.detach().reshape(rows, caches.kv_heads, dim).contiguous()
@@ -85,7 +87,10 @@ class Kernels:
             raise ValueError(f"the kernel takes float32 rows of width {weight.shape[1]}, not {tuple(rows.shape)}")
         if weight.dtype not in (torch.int8, torch.bfloat16) or (scales is None) == (weight.dtype == torch.int8):
             raise ValueError("the kernel takes int8 weights with scales, or bfloat16 weights without")
-        assert weight.is_contiguous() and (bias is None or bias.dtype == torch.float32)
+        out_features = weight.shape[0]
+        if not weight.is_contiguous() or any(t is not None and (t.dtype != torch.float32 or t.shape != (out_features,)
+                                                                or not t.is_contiguous()) for t in (scales, bias)):
+            raise ValueError("the kernel takes contiguous weights, and float32 scales and bias of one per output")
         rows = rows.contiguous()
         out = torch.empty(rows.shape[0], weight.shape[0])
         if rows.shape[0]:
