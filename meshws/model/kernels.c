@@ -208,10 +208,12 @@ static void run(const job_t *j) {
 }
 
 /* Helper threads, started on first need and kept. `parallel` hands out a range of units by
-   bumping `ticket`; helper t computes its share (possibly none) and counts `remaining` down.
-   An idle helper spins (yielding its core) for SPIN_NS after its last share, since a decode
-   step's products come tens of microseconds apart, then sleeps on `wake`. One call at a
-   time uses them (`busy`); a caller that finds them taken computes alone. */
+   publishing a new `ticket`: a generation count and how many threads take part. Helper t < that
+   count computes its share and counts `remaining` down; the others go back to sleep at once
+   (a node whose core share shrank must not keep its extra helpers spinning). A helper that
+   took part spins (yielding its core) for SPIN_NS after its share, since a decode step's
+   products come tens of microseconds apart, then sleeps on `wake`. One call at a time uses
+   them (`busy`); a caller that finds them taken computes alone. */
 
 #define MAX_THREADS 64
 #define THREAD_WORK 100000 /* multiply-adds below which one thread does it all */
@@ -222,10 +224,10 @@ typedef void (*work_fn)(const void *task, int64_t begin, int64_t end);
 static struct {
     pthread_mutex_t busy, sleep;
     pthread_cond_t wake;
-    atomic_uint ticket;
+    atomic_ullong ticket; /* generation << 32 | threads taking part */
     atomic_int remaining;
-    int helpers, threads;
-    unsigned first_ticket[MAX_THREADS];
+    int helpers;
+    unsigned long long first_ticket[MAX_THREADS];
     work_fn work;
     const void *task;
     int64_t units;
@@ -247,30 +249,33 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-static void share(int t) {
-    if (t < pool.threads)
-        pool.work(pool.task, pool.units * t / pool.threads, pool.units * (t + 1) / pool.threads);
+static void share(int t, int threads) {
+    pool.work(pool.task, pool.units * t / threads, pool.units * (t + 1) / threads);
 }
 
 static void *helper(void *arg) {
-    int me = (int)(intptr_t)arg;
-    unsigned seen = pool.first_ticket[me];
+    int me = (int)(intptr_t)arg, spin = 0;
+    unsigned long long seen = pool.first_ticket[me], ticket;
     for (;;) {
-        unsigned ticket = atomic_load_explicit(&pool.ticket, memory_order_acquire);
-        if (ticket == seen) {
+        ticket = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+        if (ticket == seen && spin) {
             int64_t until = now_ns() + SPIN_NS;
             while ((ticket = atomic_load_explicit(&pool.ticket, memory_order_acquire)) == seen && now_ns() < until)
                 sched_yield();
-            if (ticket == seen) {
-                pthread_mutex_lock(&pool.sleep);
-                while ((ticket = atomic_load_explicit(&pool.ticket, memory_order_acquire)) == seen)
-                    pthread_cond_wait(&pool.wake, &pool.sleep);
-                pthread_mutex_unlock(&pool.sleep);
-            }
+        }
+        if (ticket == seen) {
+            pthread_mutex_lock(&pool.sleep);
+            while ((ticket = atomic_load_explicit(&pool.ticket, memory_order_acquire)) == seen)
+                pthread_cond_wait(&pool.wake, &pool.sleep);
+            pthread_mutex_unlock(&pool.sleep);
         }
         seen = ticket;
-        share(me);
-        atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_release);
+        int threads = (int)(ticket & 0xffffffffu);
+        spin = me < threads;
+        if (spin) { /* the caller waits for this share before it publishes another ticket */
+            share(me, threads);
+            atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_release);
+        }
     }
     return NULL;
 }
@@ -285,6 +290,7 @@ static void parallel(work_fn work, const void *task, int64_t units, int threads)
         work(task, 0, units);
         return;
     }
+    unsigned long long generation = (atomic_load(&pool.ticket) >> 32) + 1;
     while (pool.helpers < threads - 1) {
         pthread_t id;
         int me = pool.helpers + 1;
@@ -294,16 +300,17 @@ static void parallel(work_fn work, const void *task, int64_t units, int threads)
         pthread_detach(id);
         pool.helpers = me;
     }
+    if (threads > pool.helpers + 1)
+        threads = pool.helpers + 1;
     pool.work = work;
     pool.task = task;
     pool.units = units;
-    pool.threads = threads < pool.helpers + 1 ? threads : pool.helpers + 1;
-    atomic_store_explicit(&pool.remaining, pool.helpers, memory_order_relaxed);
-    atomic_fetch_add_explicit(&pool.ticket, 1, memory_order_release);
+    atomic_store_explicit(&pool.remaining, threads - 1, memory_order_relaxed);
+    atomic_store_explicit(&pool.ticket, generation << 32 | (unsigned)threads, memory_order_release);
     pthread_mutex_lock(&pool.sleep);
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.sleep);
-    share(0);
+    share(0, threads);
     while (atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0)
         sched_yield();
     pthread_mutex_unlock(&pool.busy);

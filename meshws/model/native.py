@@ -1,17 +1,26 @@
 """meshws's own kernels (`kernels.c`), built on first use with this machine's C compiler.
 
-int8 (or bfloat16) weights times float32 activations, the weights widened in registers:
-one token's product reads each weight's bytes once and no more. On a 2-core AMD EPYC
-(AVX-512) one row of int8 reads 13-15 GB/s per thread and 16-28 GB/s on both cores, where
-FBGEMM's int8 GEMM, which must first quantize the row to 8 bits, moved about 8 GB/s and
-lost precision on the activations. The kernel keeps its own helper threads (`kernels.c`);
-the caller says how many threads it may use (the node's share of the cores).
+* `Kernels.linear`: int8 weights (one scale per output channel) times float32 rows, the
+  weights widened in registers, so one token's product reads a byte per weight and no
+  more. On a 2-core AMD EPYC (AVX-512) one row reads 13-15 GB/s per thread and 16-28 GB/s
+  on both cores, where FBGEMM's int8 GEMM, which must first quantize the row to 8 bits,
+  moved about 8 GB/s and lost precision on the activations. (It also takes bf16 weights;
+  the lean path leaves those to torch, whose AVX512-BF16 products win beyond two rows and
+  which measured no slower for one in a node.)
+* `Kernels.attend`: a decode step's attention for a batch of sessions, each row against
+  its own cache of its own length, in one call per layer (torch's bf16 sdpa took 20 us per
+  call at 32 positions and 450 us at 1024 here; this takes 25 and 100, for every row).
+
+A row's result never depends on the rows batched with it or on the thread count. The
+kernels keep their own helper threads; the caller says how many may compute (the node's
+share of the cores).
 
 The library is compiled once per source, compiler and CPU (`-O3 -march=native`) into
 the cache folder (`$MESHWS_CACHE_DIR/native`, else `~/.cache/meshws/models/native`) and
-loaded with ctypes; the compile takes about a second. With no C compiler, or if the
-build fails, `kernels()` is None and int8 weights run on FBGEMM instead (the node says
-which in `/health`). `MESHWS_NATIVE=0` forbids building it.
+loaded with ctypes; the compile takes a few seconds. A library found there that is not
+ours alone (another owner, or writable by others) is never loaded. With no C compiler,
+or if the build fails, `kernels()` is None: int8 weights run on FBGEMM and decode
+attention on torch's sdpa (`/health` says which). `MESHWS_NATIVE=0` forbids building it.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -100,16 +110,32 @@ class Kernels:
         return out
 
 
-def _build(target: Path, compiler: str) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
+def _build(target: Path, compiler: list[str]) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)  # two nodes may build at once
     os.close(handle)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"], check=True, capture_output=True,
+        subprocess.run([*compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"], check=True, capture_output=True,
                        text=True, timeout=120)
+        os.chmod(partial, 0o755)
         os.replace(partial, target)
     finally:
         Path(partial).unlink(missing_ok=True)
+
+
+def _ours(path: Path) -> bool:
+    """Is `path` (a library about to be loaded, or its folder) ours alone: owned by us, writable by no one else?"""
+    facts = path.stat()
+    return facts.st_uid == os.getuid() and not facts.st_mode & 0o022
+
+
+def _key(compiler: list[str]) -> str:
+    """The library's name: its source, the compiler, and what `-march=native` means on this CPU."""
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    native = subprocess.run([*compiler, "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True,
+                            timeout=30).stdout  # the macros the CPU turns on: another CPU, another library
+    return hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode() + native.encode()
+                          + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
 
 
 @functools.cache
@@ -118,22 +144,30 @@ def kernels() -> Kernels | None:
     if os.environ.get("MESHWS_NATIVE", "1") == "0":
         log.info("native kernels off (MESHWS_NATIVE=0)")
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.info("no C compiler: int8 weights run on FBGEMM")
+    configured = shlex.split(os.environ.get("CC", ""))
+    found = shutil.which("cc") or shutil.which("gcc")
+    compiler = configured or ([found] if found else [])
+    if not compiler:
+        log.info("no C compiler: int8 weights run on FBGEMM, decode attention on torch's sdpa")
         return None
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()
-                             + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
-        target = default_cache_dir() / "native" / f"kernels-{key}.so"
-        if not target.is_file():
-            _build(target, compiler)
-            log.info("built the native kernels: %s", target)
-        return Kernels(target)
+        target = default_cache_dir() / "native" / f"kernels-{_key(compiler)}.so"
+        if any(path.exists() and not _ours(path) for path in (target.parent, target)):
+            raise OSError(f"{target} or its folder is not ours alone (owner, or writable by others): not loaded")
+        for attempt in (1, 2):  # a library that does not load (cut short, another libc) is built again, once
+            if attempt == 2 or not target.is_file():
+                _build(target, compiler)
+                log.info("built the native kernels: %s", target)
+            try:
+                return Kernels(target)
+            except OSError:
+                if attempt == 2:
+                    raise
+        return None
     except (OSError, subprocess.SubprocessError, AttributeError) as error:
         detail = getattr(error, "stderr", "") or error
-        log.warning("the native kernels did not build (%s): int8 weights run on FBGEMM", str(detail).strip()[:500])
+        log.warning("the native kernels are not used (%s): int8 weights run on FBGEMM, decode attention on "
+                    "torch's sdpa", str(detail).strip()[:500])
         return None
 
 
@@ -148,6 +182,8 @@ class AttendRows:
         self.dtype, (self.kv_heads, self.dim) = first.dtype, first.shape
         self.capacity = numpy.array([cache.capacity for cache in caches], dtype=numpy.int64)
         self.low_at = numpy.array([list(low), list(at)], dtype=numpy.int64).reshape(2, len(caches))
+        if len({id(cache) for cache in caches}) != len(caches):
+            raise ValueError("a session's cache appears twice in one step")
         if self.dtype not in (torch.float32, torch.bfloat16) or any(
                 cache.dtype != self.dtype or cache.shape != first.shape for cache in caches):
             raise ValueError("attention takes caches of one shape, in float32 or bfloat16")
