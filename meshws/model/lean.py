@@ -250,7 +250,7 @@ class LeanLayers:
         if cache is None and past:
             raise ValueError("a stateless step starts at position 0")
         if cache is not None and count == 1:  # a decode step: a batch of one row
-            return self.run_rows(hidden, position_ids, [cache])
+            return self._run_rows(hidden, position_ids, [cache])
         if cache is not None:
             _room(cache, past, total)
         rope = self._rope(position_ids[0], total)
@@ -291,6 +291,10 @@ class LeanLayers:
         own cache. Every row's cache is grown before any is written, so a failure
         (out of memory) leaves them all as they were.
         """
+        return self._run_rows(hidden, positions, caches)
+
+    def _run_rows(self, hidden: torch.Tensor, positions: torch.Tensor, caches: Sequence[LeanCache]) -> torch.Tensor:
+        # (a lone session's decode step comes here too, from `run`: the same arithmetic, whatever befalls batches)
         flat = positions[:, 0]
         pasts = [int(p) for p in flat]
         for cache, past in zip(caches, pasts):
