@@ -350,7 +350,10 @@ typedef struct {
     int kind;
     float scale;
     float *out;
+    atomic_int *failed; /* set when a unit found no memory for its scores (its cache is left as it was) */
 } attend_t;
+
+#define STACK_SCORES 4096 /* floats of scores kept on the stack; longer rows take the heap */
 
 static float dot(const float *q, const void *k, int kind, int64_t dim) {
     const int64_t whole = dim - dim % LANES;
@@ -380,13 +383,16 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
     for (int64_t unit = begin; unit < end; unit++) { /* one row's one key head and its query heads */
         const int64_t row = unit / a->kv_heads, head = unit % a->kv_heads;
         const int64_t low = a->low[row], at = a->at[row], count = at - low + 1;
+        const size_t need = (size_t)(count * group + dim);
+        float stack[STACK_SCORES], *scores = need <= STACK_SCORES ? stack : malloc(sizeof(float) * need);
+        if (!scores) {
+            atomic_store(a->failed, 1);
+            continue;
+        }
         char *keys = (char *)a->keys[row] + (size_t)(head * a->capacity[row]) * dim * size;
         char *values = (char *)a->values[row] + (size_t)(head * a->capacity[row]) * dim * size;
         memcpy(keys + (size_t)at * dim * size, (const char *)a->new_keys + (size_t)unit * dim * size, dim * size);
         memcpy(values + (size_t)at * dim * size, (const char *)a->new_values + (size_t)unit * dim * size, dim * size);
-        float *scores = malloc(sizeof(float) * (size_t)(count * group + dim));
-        if (!scores)
-            abort(); /* a few kilobytes: nothing sensible is left to do */
         float *value = scores + count * group;
         for (int64_t g = 0; g < group; g++) {
             const float *q = a->q + ((row * a->heads) + head * group + g) * dim;
@@ -414,17 +420,21 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
             for (int64_t d = 0; d < dim; d++)
                 out[d] = value[d] / total;
         }
-        free(scores);
+        if (scores != stack)
+            free(scores);
     }
 }
 
-void mw_attend(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const float *q, const void *new_keys,
+/* Returns 0, or -1 if some row found no memory (the caller undoes the step: see `decode_rows`). */
+int mw_attend(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const float *q, const void *new_keys,
                const void *new_values, void *const *keys, void *const *values, const int64_t *capacity,
                const int64_t *low, const int64_t *at, int kind, float scale, float *out, int threads) {
+    atomic_int failed = 0;
     attend_t task = {rows, heads, kv_heads, dim, q, new_keys, new_values, keys, values, capacity, low, at,
-                     kind, scale, out};
+                     kind, scale, out, &failed};
     int64_t work = 0;
     for (int64_t r = 0; r < rows; r++)
         work += (at[r] - low[r] + 1) * heads * dim * 2;
     parallel(attend_units, &task, rows * kv_heads, work < THREAD_WORK ? 1 : threads);
+    return atomic_load(&failed) ? -1 : 0;
 }

@@ -63,7 +63,7 @@ class Kernels:
         self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
         self._attend = library.mw_attend
-        self._attend.restype = None
+        self._attend.restype = ctypes.c_int
         self._attend.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 8 + [ctypes.c_int, ctypes.c_float,
                                                                               ctypes.c_void_p, ctypes.c_int]
         self.path = path
@@ -83,10 +83,13 @@ class Kernels:
         new_keys = k.detach().reshape(rows, caches.kv_heads, dim).contiguous()
         new_values = v.detach().reshape(rows, caches.kv_heads, dim).to(k.dtype).contiguous()
         out = torch.empty(rows, heads, dim)
-        self._attend(rows, heads, caches.kv_heads, dim, query.data_ptr(), new_keys.data_ptr(), new_values.data_ptr(),
-                     pointers.ctypes.data, pointers.ctypes.data + 8 * rows, caches.capacity.ctypes.data,
-                     caches.low_at.ctypes.data, caches.low_at.ctypes.data + 8 * rows, KINDS[caches.dtype],
-                     caches.scale, out.data_ptr(), threads)
+        failed = self._attend(rows, heads, caches.kv_heads, dim, query.data_ptr(), new_keys.data_ptr(),
+                              new_values.data_ptr(), pointers.ctypes.data, pointers.ctypes.data + 8 * rows,
+                              caches.capacity.ctypes.data, caches.low_at.ctypes.data,
+                              caches.low_at.ctypes.data + 8 * rows, KINDS[caches.dtype], caches.scale,
+                              out.data_ptr(), threads)
+        if failed:
+            raise MemoryError("no memory for a decode step's attention scores")
         return out.view(rows, heads, 1, dim).to(q.dtype)
 
     def linear(self, rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
