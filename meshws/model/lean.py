@@ -10,8 +10,8 @@ session or a batch of them, is one call of meshws's kernel over every row's own 
 prefill attention is torch's `scaled_dot_product_attention`. The rest follows
 transformers' own modules operation by operation, so fp32 tokens are the transformers path's.
 
-`--quant int8` stores every linear weight as int8 with one scale per output channel
-and runs it with FBGEMM's int8 GEMM, each row of activations quantized on its own (`packed.linear`).
+`--quant int8` stores every linear weight as int8 with one scale per output channel and
+runs it on meshws's kernel (float32 activations), else FBGEMM's int8 GEMM (`packed.linear`).
 Float32 weights may be multiplied by numpy's OpenBLAS instead of torch's MKL (`blas`, `--matmul`).
 
 Another architecture (or one with features the lean path lacks, such as attention

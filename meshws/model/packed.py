@@ -1,11 +1,13 @@
-"""The lean path's storage: linear weights packed as tensors (float, or int8 in FBGEMM's form), and KV buffers.
+"""The lean path's storage: linear weights packed as tensors (float, or int8), and KV buffers.
 
 `pack_linear` turns a weight (and bias) into the `Linear` that `linear` runs: float32
-weights multiplied by OpenBLAS are kept `[in, out]` with a numpy view (`blas`); with
-`quant="int8"` the weight is int8 with one scale per output channel, prepacked for
-FBGEMM's int8 GEMM (`quantized::linear_dynamic`), and each row of activations is
-quantized to int8 on the fly with its own scale. `LeanCache` holds one session's keys
-and values for a shard's layers in buffers grown in blocks and written in place.
+weights multiplied by OpenBLAS are kept `[in, out]` with a numpy view (`blas`). With
+`quant="int8"` the weight is int8 with one scale per output channel: over the whole
+signed range for meshws's own kernel (`native`: activations stay float32), or, where it
+cannot be built, prepacked for FBGEMM's int8 GEMM (`quantized::linear_dynamic`), each row
+of activations then quantized to int8 on the fly with its own scale. `LeanCache` holds
+one session's keys and values for a shard's layers in buffers grown in blocks and
+written in place.
 """
 
 from __future__ import annotations
