@@ -1,12 +1,9 @@
 /* meshws native kernels, built on first use by `native.py` with the machine's C compiler.
 
    mw_linear: y[r, o] = scale[o] * sum_k x[r, k] * w[o, k] (+ bias[o]) for float32
-   activations x [rows, in] and weights w [out, in] of one of two kinds:
-     KIND_INT8  int8, one float scale per output channel;
-     KIND_BF16  bfloat16, no scale (a bf16 model's own weights).
-   Weights are widened to float in registers, so one token's product reads each weight's
-   bytes once and nothing else. (A bf16 times a bf16 value is exact in float, so the bf16
-   kind gives torch's bf16 product up to the order of the sums.)
+   activations x [rows, in] and int8 weights w [out, in] with one float scale per output
+   channel. Weights are widened to float in registers, so one token's product reads a byte
+   per weight and nothing else.
 
    Every (row, output) pair sums in the same order whatever the batch: LANES lanes, each a
    fused multiply-add chain over k = lane, lane + LANES, ...; then the lanes pairwise as a
@@ -54,28 +51,23 @@ typedef __m256 vec;
 #define GENERIC 1
 #endif
 
-#define KIND_INT8 0
-#define KIND_BF16 1
-#define KIND_F32 2 /* (attention's caches only) */
+#define KIND_BF16 1 /* attention caches' dtypes (`native.KINDS`) */
+#define KIND_F32 2
 #define OUT_TILE 4   /* outputs computed together */
 #define ROW_BLOCK 64 /* rows that share one widening of a tile's weights */
 
 typedef struct {
     const float *x;
-    const void *w;
+    const int8_t *w;
     const float *scale, *bias;
     float *y;
     int64_t rows, in, out, o_begin, o_end;
-    int kind;
 } job_t;
 
-int mw_lanes(void) { return LANES; }
-
-static inline float weight_at(const void *w, int kind, int64_t index) {
+/* Element `index` of a cache row, float32 or bfloat16 (`KIND_F32`, `KIND_BF16`). */
+static inline float cache_at(const void *w, int kind, int64_t index) {
     if (kind == KIND_F32)
         return ((const float *)w)[index];
-    if (kind == KIND_INT8)
-        return (float)((const int8_t *)w)[index];
     uint32_t bits = (uint32_t)((const uint16_t *)w)[index] << 16;
     float value;
     memcpy(&value, &bits, sizeof value);
@@ -95,34 +87,30 @@ static inline float reduce(const float *lanes) {
 static float finish(const float *lanes, const float *x, const float *wf, const job_t *j, int64_t o, int64_t k) {
     float sum = reduce(lanes);
     for (; k < j->in; k++)
-        sum = fmaf(x[k], wf ? wf[k] : weight_at(j->w, j->kind, o * j->in + k), sum);
+        sum = fmaf(x[k], wf ? wf[k] : (float)j->w[o * j->in + k], sum);
     return sum;
 }
 
 static void store(const job_t *j, int64_t r, int64_t o, float sum) {
-    float v = j->scale ? sum * j->scale[o] : sum;
+    float v = sum * j->scale[o];
     j->y[r * j->out + o] = j->bias ? v + j->bias[o] : v;
 }
 
-/* Weights w[at .. at + count) as floats into `to`. */
-static void widen_row(float *to, const void *w, int kind, int64_t at, int64_t count) {
+/* Weights w[0 .. count) as floats into `to`. */
+static void widen_row(float *to, const int8_t *w, int64_t count) {
     int64_t k = 0;
 #ifndef GENERIC
-    if (kind == KIND_INT8)
-        for (; k + LANES <= count; k += LANES)
-            vstore(to + k, widen_i8((const int8_t *)w + at + k));
-    else if (kind == KIND_BF16)
-        for (; k + LANES <= count; k += LANES)
-            vstore(to + k, widen_bf16((const uint16_t *)w + at + k));
+    for (; k + LANES <= count; k += LANES)
+        vstore(to + k, widen_i8(w + k));
 #endif
     for (; k < count; k++)
-        to[k] = weight_at(w, kind, at + k);
+        to[k] = (float)w[k];
 }
 
 /* Rows [r0, r0 + nr) by outputs [o0, o0 + no), nr <= MAX_ROWS, no <= OUT_TILE. Weights are read
-   in their own kind (`wf` NULL) or from their widened copy `wf` ([no, in] floats). */
+   as int8 (`wf` NULL) or from their widened copy `wf` ([no, in] floats). */
 static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r0, int nr, int64_t o0, int no,
-                                                       const float *wf, int kind) {
+                                                       const float *wf) {
     const int64_t in = j->in, whole = in - in % LANES;
     float lanes[MAX_ROWS][OUT_TILE][LANES];
 #ifndef GENERIC
@@ -134,8 +122,7 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r
         vec wv[OUT_TILE];
         for (int c = 0; c < no; c++) {
             int64_t at = (o0 + c) * in + k;
-            wv[c] = wf ? vload(wf + c * in + k)
-                       : kind == KIND_INT8 ? widen_i8((const int8_t *)j->w + at) : widen_bf16((const uint16_t *)j->w + at);
+            wv[c] = wf ? vload(wf + c * in + k) : widen_i8(j->w + at);
         }
         for (int i = 0; i < nr; i++) {
             vec xv = vload(j->x + (r0 + i) * in + k);
@@ -155,7 +142,7 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r
         for (int i = 0; i < nr; i++)
             for (int c = 0; c < no; c++)
                 for (int l = 0; l < LANES; l++) {
-                    float wv = wf ? wf[c * in + k + l] : weight_at(j->w, kind, (o0 + c) * in + k + l);
+                    float wv = wf ? wf[c * in + k + l] : (float)j->w[(o0 + c) * in + k + l];
                     lanes[i][c][l] = fmaf(j->x[(r0 + i) * in + k + l], wv, lanes[i][c][l]);
                 }
 #endif
@@ -166,14 +153,11 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r
 
 /* Constant-size tiles, so the compiler keeps the accumulators in registers. */
 static void decode_tile(const job_t *j, int nr, int64_t o0) {
-    if (j->kind == KIND_INT8)
-        nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_INT8) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_INT8);
-    else
-        nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_BF16) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_BF16);
+    nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL) : tile(j, 0, 2, o0, OUT_TILE, NULL);
 }
 
 static void batch_tile(const job_t *j, int64_t r0, int64_t o0, const float *wf) {
-    tile(j, r0, MAX_ROWS, o0, OUT_TILE, wf, KIND_INT8); /* the kind is not read: weights come from wf */
+    tile(j, r0, MAX_ROWS, o0, OUT_TILE, wf);
 }
 
 static void run(const job_t *j) {
@@ -184,7 +168,7 @@ static void run(const job_t *j) {
             if (no == OUT_TILE)
                 decode_tile(j, (int)j->rows, o);
             else
-                tile(j, 0, (int)j->rows, o, no, NULL, j->kind);
+                tile(j, 0, (int)j->rows, o, no, NULL);
         }
         return;
     }
@@ -195,13 +179,13 @@ static void run(const job_t *j) {
             int no = (int)(j->o_end - o < OUT_TILE ? j->o_end - o : OUT_TILE);
             if (wf)
                 for (int c = 0; c < no; c++)
-                    widen_row(wf + c * in, j->w, j->kind, (o + c) * in, in);
+                    widen_row(wf + c * in, j->w + (o + c) * in, in);
             int64_t r = block;
             if (no == OUT_TILE && wf)
                 for (; r + MAX_ROWS <= block_end; r += MAX_ROWS)
                     batch_tile(j, r, o, wf);
             for (; r < block_end; r += MAX_ROWS) /* no scratch: the same sums, widening in registers */
-                tile(j, r, (int)(block_end - r < MAX_ROWS ? block_end - r : MAX_ROWS), o, no, wf, j->kind);
+                tile(j, r, (int)(block_end - r < MAX_ROWS ? block_end - r : MAX_ROWS), o, no, wf);
         }
     }
     free(wf);
@@ -324,9 +308,9 @@ static void linear_tiles(const void *task, int64_t begin, int64_t end) {
 }
 
 /* threads: how many may compute (the caller's share of the cores). */
-void mw_linear(const float *x, int64_t rows, int64_t in, const void *w, int kind, const float *scale,
-               const float *bias, float *y, int64_t out, int threads) {
-    job_t whole = {x, w, scale, bias, y, rows, in, out, 0, out, kind};
+void mw_linear(const float *x, int64_t rows, int64_t in, const int8_t *w, const float *scale, const float *bias,
+               float *y, int64_t out, int threads) {
+    job_t whole = {x, w, scale, bias, y, rows, in, out, 0, out};
     parallel(linear_tiles, &whole, (out + OUT_TILE - 1) / OUT_TILE, rows * in * out < THREAD_WORK ? 1 : threads);
 }
 
@@ -368,11 +352,11 @@ static float dot(const float *q, const void *k, int kind, int64_t dim) {
         lanes[l] = 0.0f;
     for (int64_t d = 0; d < whole; d += LANES)
         for (int l = 0; l < LANES; l++)
-            lanes[l] = fmaf(q[d + l], weight_at(k, kind, d + l), lanes[l]);
+            lanes[l] = fmaf(q[d + l], cache_at(k, kind, d + l), lanes[l]);
 #endif
     float sum = reduce(lanes);
     for (int64_t d = whole; d < dim; d++)
-        sum = fmaf(q[d], weight_at(k, kind, d), sum);
+        sum = fmaf(q[d], cache_at(k, kind, d), sum);
     return sum;
 }
 
@@ -414,7 +398,7 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
                         value[d] = fmaf(s[t], ((const float *)v)[d], value[d]);
                 else
                     for (int64_t d = 0; d < dim; d++)
-                        value[d] = fmaf(s[t], weight_at(v, KIND_BF16, d), value[d]);
+                        value[d] = fmaf(s[t], cache_at(v, KIND_BF16, d), value[d]);
             }
             float *out = a->out + ((row * a->heads) + head * group + g) * dim;
             for (int64_t d = 0; d < dim; d++)

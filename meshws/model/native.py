@@ -4,9 +4,9 @@
   weights widened in registers, so one token's product reads a byte per weight and no
   more. On a 2-core AMD EPYC (AVX-512) one row reads 13-15 GB/s per thread and 16-28 GB/s
   on both cores, where FBGEMM's int8 GEMM, which must first quantize the row to 8 bits,
-  moved about 8 GB/s and lost precision on the activations. (It also takes bf16 weights;
-  the lean path leaves those to torch, whose AVX512-BF16 products win beyond two rows and
-  which measured no slower for one in a node.)
+  moved about 8 GB/s and lost precision on the activations. (bf16 weights stay with torch:
+  a bf16 kind of this kernel measured no faster for one row inside a node, and torch's
+  AVX512-BF16 products win beyond two.)
 * `Kernels.attend`: a decode step's attention for a batch of sessions, each row against
   its own cache of its own length, in one call per layer (torch's bf16 sdpa took 20 us per
   call at 32 positions and 450 us at 1024 here; this takes 25 and 100, for every row).
@@ -40,7 +40,6 @@ from typing import Any, Sequence
 import numpy
 import torch
 
-from .cpu import cpu_flags
 from .source import default_cache_dir
 
 log = logging.getLogger("meshws.shard")
@@ -49,7 +48,7 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-pthread"]
 
 
-KINDS = {torch.int8: 0, torch.bfloat16: 1, torch.float32: 2}  # weights of `mw_linear` (not float32), caches of `mw_attend`
+KINDS = {torch.bfloat16: 1, torch.float32: 2}  # the caches `mw_attend` takes
 
 
 class Kernels:
@@ -57,16 +56,14 @@ class Kernels:
 
     def __init__(self, path: Path) -> None:
         library = ctypes.CDLL(str(path))
-        self.lanes = int(library.mw_lanes())
         self._linear = library.mw_linear
         self._linear.restype = None
-        self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
         self._attend = library.mw_attend
         self._attend.restype = ctypes.c_int
         self._attend.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 8 + [ctypes.c_int, ctypes.c_float,
                                                                               ctypes.c_void_p, ctypes.c_int]
-        self.path = path
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: "AttendRows", layer: int,
                threads: int) -> torch.Tensor:
@@ -92,14 +89,14 @@ class Kernels:
             raise MemoryError("no memory for a decode step's attention scores")
         return out.view(rows, heads, 1, dim).to(q.dtype)
 
-    def linear(self, rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
-               bias: torch.Tensor | None, threads: int) -> torch.Tensor:
-        """`rows @ (weight * scales[:, None]).T + bias` in float32: rows float32 `[n, in]`, weight int8 (with
-        `scales`) or bfloat16 `[out, in]`, contiguous."""
+    def linear(self, rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+               threads: int) -> torch.Tensor:
+        """`rows @ (weight * scales[:, None]).T + bias` in float32: rows float32 `[n, in]`, weight int8 `[out, in]`
+        with one float32 scale per output, contiguous."""
         if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != weight.shape[1]:
             raise ValueError(f"the kernel takes float32 rows of width {weight.shape[1]}, not {tuple(rows.shape)}")
-        if weight.dtype not in (torch.int8, torch.bfloat16) or (scales is None) == (weight.dtype == torch.int8):
-            raise ValueError("the kernel takes int8 weights with scales, or bfloat16 weights without")
+        if weight.dtype != torch.int8 or scales is None:
+            raise ValueError("the kernel takes int8 weights with scales")
         out_features = weight.shape[0]
         if not weight.is_contiguous() or any(t is not None and (t.dtype != torch.float32 or t.shape != (out_features,)
                                                                 or not t.is_contiguous()) for t in (scales, bias)):
@@ -107,9 +104,8 @@ class Kernels:
         rows = rows.contiguous()
         out = torch.empty(rows.shape[0], weight.shape[0])
         if rows.shape[0]:
-            self._linear(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), KINDS[weight.dtype],
-                         None if scales is None else scales.data_ptr(), None if bias is None else bias.data_ptr(),
-                         out.data_ptr(), weight.shape[0], threads)
+            self._linear(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), scales.data_ptr(),
+                         None if bias is None else bias.data_ptr(), out.data_ptr(), weight.shape[0], threads)
         return out
 
 
@@ -137,8 +133,8 @@ def _key(compiler: list[str]) -> str:
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     native = subprocess.run([*compiler, "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True,
                             timeout=30).stdout  # the macros the CPU turns on: another CPU, another library
-    return hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode() + native.encode()
-                          + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
+    return hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()
+                          + native.encode()).hexdigest()[:16]
 
 
 @functools.cache

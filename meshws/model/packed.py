@@ -20,7 +20,7 @@ import numpy
 import torch
 import torch.nn.functional as F
 
-from .native import Kernels, kernels  # noqa: F401 (the shard picks its int8 kernel here)
+from .native import Kernels
 
 CACHE_BLOCK = 128  # positions a session's key/value buffers grow by (at least)
 NATIVE_TOP = 127  # int8 weights for meshws's kernel use the whole signed range

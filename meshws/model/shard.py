@@ -25,7 +25,8 @@ from .cache_store import KVCacheMiss, SessionCacheStore
 from .compiled import compile_lean
 from .constraints import Grammars
 from .lean import LeanLayers, lean_layers
-from .packed import int8_kernel_runs, kernels
+from .native import kernels
+from .packed import int8_kernel_runs
 from .memory import default_cache_budget, process_memory, tensor_bytes
 from .sampling import DEFAULT as GREEDY
 from .sampling import SamplingParams, prompt_token_logprobs, token_logprobs, verify_drafts
