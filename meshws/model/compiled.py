@@ -37,6 +37,7 @@ def compile_lean(shard: Any, cache_dir: Path | str | None) -> float:
         raise ValueError("--compile needs the lean path")
     root = (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / "inductor"
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root))
+    lean.fused = None  # decode steps too run through the compiled pieces
     lean._before = torch.compile(lean._before_attention, dynamic=True)
     lean._after = torch.compile(lean._after_attention, dynamic=True)
     lean.compiled = True

@@ -1,9 +1,13 @@
 /* meshws native kernels, built on first use by `native.py` with the machine's C compiler.
 
    mw_linear: y[r, o] = scale[o] * sum_k x[r, k] * w[o, k] (+ bias[o]) for float32
-   activations x [rows, in] and int8 weights w [out, in] with one float scale per output
-   channel. Weights are widened to float in registers, so one token's product reads a byte
-   per weight and nothing else.
+   activations x [rows, in] and weights w [out, in] of one of three kinds:
+     KIND_INT8  int8, one float scale per output channel;
+     KIND_BF16  bfloat16, no scale (a bf16 model's own weights);
+     KIND_F32   float32, no scale.
+   Weights are widened to float in registers, so one token's product reads each weight's
+   bytes once and nothing else. (A bf16 times a bf16 value is exact in float, so the bf16
+   kind gives torch's bf16 product up to the order of the sums.)
 
    Every (row, output) pair sums in the same order whatever the batch: LANES lanes, each a
    fused multiply-add chain over k = lane, lane + LANES, ...; then the lanes pairwise as a
@@ -51,23 +55,27 @@ typedef __m256 vec;
 #define GENERIC 1
 #endif
 
-#define KIND_BF16 1 /* attention caches' dtypes (`native.KINDS`) */
+#define KIND_INT8 0 /* weights' and caches' kinds (`native.KINDS`; caches are bf16 or float32) */
+#define KIND_BF16 1
 #define KIND_F32 2
 #define OUT_TILE 4   /* outputs computed together */
 #define ROW_BLOCK 64 /* rows that share one widening of a tile's weights */
 
 typedef struct {
     const float *x;
-    const int8_t *w;
+    const void *w;
     const float *scale, *bias;
     float *y;
     int64_t rows, in, out, o_begin, o_end;
+    int kind;
 } job_t;
 
-/* Element `index` of a cache row, float32 or bfloat16 (`KIND_F32`, `KIND_BF16`). */
+/* Element `index` of weights or a cache row of `kind`, as a float. */
 static inline float cache_at(const void *w, int kind, int64_t index) {
     if (kind == KIND_F32)
         return ((const float *)w)[index];
+    if (kind == KIND_INT8)
+        return (float)((const int8_t *)w)[index];
     uint32_t bits = (uint32_t)((const uint16_t *)w)[index] << 16;
     float value;
     memcpy(&value, &bits, sizeof value);
@@ -87,30 +95,38 @@ static inline float reduce(const float *lanes) {
 static float finish(const float *lanes, const float *x, const float *wf, const job_t *j, int64_t o, int64_t k) {
     float sum = reduce(lanes);
     for (; k < j->in; k++)
-        sum = fmaf(x[k], wf ? wf[k] : (float)j->w[o * j->in + k], sum);
+        sum = fmaf(x[k], wf ? wf[k] : cache_at(j->w, j->kind, o * j->in + k), sum);
     return sum;
 }
 
 static void store(const job_t *j, int64_t r, int64_t o, float sum) {
-    float v = sum * j->scale[o];
+    float v = j->scale ? sum * j->scale[o] : sum;
     j->y[r * j->out + o] = j->bias ? v + j->bias[o] : v;
 }
 
-/* Weights w[0 .. count) as floats into `to`. */
-static void widen_row(float *to, const int8_t *w, int64_t count) {
+#ifndef GENERIC
+static inline __attribute__((always_inline)) vec widen(const void *w, int kind, int64_t at) {
+    return kind == KIND_INT8   ? widen_i8((const int8_t *)w + at)
+           : kind == KIND_BF16 ? widen_bf16((const uint16_t *)w + at)
+                               : vload((const float *)w + at);
+}
+#endif
+
+/* Weights w[at .. at + count) as floats into `to`. */
+static void widen_row(float *to, const void *w, int kind, int64_t at, int64_t count) {
     int64_t k = 0;
 #ifndef GENERIC
     for (; k + LANES <= count; k += LANES)
-        vstore(to + k, widen_i8(w + k));
+        vstore(to + k, widen(w, kind, at + k));
 #endif
     for (; k < count; k++)
-        to[k] = (float)w[k];
+        to[k] = cache_at(w, kind, at + k);
 }
 
 /* Rows [r0, r0 + nr) by outputs [o0, o0 + no), nr <= MAX_ROWS, no <= OUT_TILE. Weights are read
-   as int8 (`wf` NULL) or from their widened copy `wf` ([no, in] floats). */
+   in their own kind (`wf` NULL) or from their widened copy `wf` ([no, in] floats). */
 static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r0, int nr, int64_t o0, int no,
-                                                       const float *wf) {
+                                                       const float *wf, int kind) {
     const int64_t in = j->in, whole = in - in % LANES;
     float lanes[MAX_ROWS][OUT_TILE][LANES];
 #ifndef GENERIC
@@ -122,7 +138,7 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r
         vec wv[OUT_TILE];
         for (int c = 0; c < no; c++) {
             int64_t at = (o0 + c) * in + k;
-            wv[c] = wf ? vload(wf + c * in + k) : widen_i8(j->w + at);
+            wv[c] = wf ? vload(wf + c * in + k) : widen(j->w, kind, at);
         }
         for (int i = 0; i < nr; i++) {
             vec xv = vload(j->x + (r0 + i) * in + k);
@@ -142,7 +158,7 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r
         for (int i = 0; i < nr; i++)
             for (int c = 0; c < no; c++)
                 for (int l = 0; l < LANES; l++) {
-                    float wv = wf ? wf[c * in + k + l] : (float)j->w[(o0 + c) * in + k + l];
+                    float wv = wf ? wf[c * in + k + l] : cache_at(j->w, kind, (o0 + c) * in + k + l);
                     lanes[i][c][l] = fmaf(j->x[(r0 + i) * in + k + l], wv, lanes[i][c][l]);
                 }
 #endif
@@ -153,11 +169,16 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r
 
 /* Constant-size tiles, so the compiler keeps the accumulators in registers. */
 static void decode_tile(const job_t *j, int nr, int64_t o0) {
-    nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL) : tile(j, 0, 2, o0, OUT_TILE, NULL);
+    if (j->kind == KIND_INT8)
+        nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_INT8) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_INT8);
+    else if (j->kind == KIND_BF16)
+        nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_BF16) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_BF16);
+    else
+        nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_F32) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_F32);
 }
 
 static void batch_tile(const job_t *j, int64_t r0, int64_t o0, const float *wf) {
-    tile(j, r0, MAX_ROWS, o0, OUT_TILE, wf);
+    tile(j, r0, MAX_ROWS, o0, OUT_TILE, wf, KIND_F32); /* the kind is not read: weights come from wf */
 }
 
 static void run(const job_t *j) {
@@ -168,7 +189,7 @@ static void run(const job_t *j) {
             if (no == OUT_TILE)
                 decode_tile(j, (int)j->rows, o);
             else
-                tile(j, 0, (int)j->rows, o, no, NULL);
+                tile(j, 0, (int)j->rows, o, no, NULL, j->kind);
         }
         return;
     }
@@ -179,13 +200,13 @@ static void run(const job_t *j) {
             int no = (int)(j->o_end - o < OUT_TILE ? j->o_end - o : OUT_TILE);
             if (wf)
                 for (int c = 0; c < no; c++)
-                    widen_row(wf + c * in, j->w + (o + c) * in, in);
+                    widen_row(wf + c * in, j->w, j->kind, (o + c) * in, in);
             int64_t r = block;
             if (no == OUT_TILE && wf)
                 for (; r + MAX_ROWS <= block_end; r += MAX_ROWS)
                     batch_tile(j, r, o, wf);
             for (; r < block_end; r += MAX_ROWS) /* no scratch: the same sums, widening in registers */
-                tile(j, r, (int)(block_end - r < MAX_ROWS ? block_end - r : MAX_ROWS), o, no, wf);
+                tile(j, r, (int)(block_end - r < MAX_ROWS ? block_end - r : MAX_ROWS), o, no, wf, j->kind);
         }
     }
     free(wf);
@@ -308,9 +329,9 @@ static void linear_tiles(const void *task, int64_t begin, int64_t end) {
 }
 
 /* threads: how many may compute (the caller's share of the cores). */
-void mw_linear(const float *x, int64_t rows, int64_t in, const int8_t *w, const float *scale, const float *bias,
-               float *y, int64_t out, int threads) {
-    job_t whole = {x, w, scale, bias, y, rows, in, out, 0, out};
+void mw_linear(const float *x, int64_t rows, int64_t in, const void *w, int kind, const float *scale,
+               const float *bias, float *y, int64_t out, int threads) {
+    job_t whole = {x, w, scale, bias, y, rows, in, out, 0, out, kind};
     parallel(linear_tiles, &whole, (out + OUT_TILE - 1) / OUT_TILE, rows * in * out < THREAD_WORK ? 1 : threads);
 }
 
@@ -420,5 +441,146 @@ int mw_attend(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const 
     for (int64_t r = 0; r < rows; r++)
         work += (at[r] - low[r] + 1) * heads * dim * 2;
     parallel(attend_units, &task, rows * kv_heads, work < THREAD_WORK ? 1 : threads);
+    return atomic_load(&failed) ? -1 : 0;
+}
+
+/* mw_decode: a Llama-style decode step through all of a shard's layers in one call, for a batch
+   of rows each at its own position of its own cache (the lean path's `run_rows`, framework-free).
+
+   Per layer, as transformers' modules compute it: x = rmsnorm(h) * w_in; q, k, v = x Wqkv;
+   rotary on q and k (cos, sin per row: [rows, dim], halves rotated as `rotate_half`); the new
+   k, v written to the row's cache and attention as in mw_attend; h += att Wo; x = rmsnorm(h) *
+   w_post; h += (silu(x Wg) * x Wu) Wd. With `round_bf16` every value torch's bf16 path would
+   hold in bfloat16 is rounded to bfloat16 where torch rounds it (after each product, norm,
+   rotary term, activation and sum), so a bf16 model gives its torch tokens up to the order of
+   the sums; otherwise all is float32. The hidden state `h` [rows, hidden] is float32 in and out. */
+
+typedef struct {
+    const void *w;
+    const float *scale, *bias;
+    int64_t out, in;
+    int kind;
+    int _pad;
+} mw_weight;
+
+typedef struct {
+    mw_weight qkv, o, gate_up, down;
+    const float *norm_in, *norm_post;
+} mw_layer;
+
+static inline float to_bf16(float x) { /* round to nearest even, as torch's .to(bfloat16) (NaN kept NaN) */
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        bits |= 0x00400000u;
+    else
+        bits += 0x7fffu + ((bits >> 16) & 1u);
+    bits &= 0xffff0000u;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+#define R(x) (round_bf16 ? to_bf16(x) : (x))
+
+static void product(const mw_weight *w, const float *x, int64_t rows, float *y, int round_bf16, int threads) {
+    mw_linear(x, rows, w->in, w->w, w->kind, w->scale, w->bias, y, w->out, threads);
+    if (round_bf16)
+        for (int64_t i = 0; i < rows * w->out; i++)
+            y[i] = to_bf16(y[i]);
+}
+
+static void rms_norm(const float *h, const float *weight, int64_t width, float eps, float *x, int round_bf16) {
+    float squares = 0.0f;
+    for (int64_t i = 0; i < width; i++)
+        squares += h[i] * h[i];
+    float inverse = 1.0f / sqrtf(squares / (float)width + eps);
+    for (int64_t i = 0; i < width; i++)
+        x[i] = R(weight[i] * R(h[i] * inverse));
+}
+
+static void rotate(float *x, const float *cos, const float *sin, int64_t dim, int round_bf16) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = R(R(a * cos[i]) + R(-b * sin[i]));
+        x[i + half] = R(R(b * cos[i + half]) + R(a * sin[i + half]));
+    }
+}
+
+static void to_cache(void *to, int kind, const float *from, int64_t count) {
+    if (kind == KIND_F32) {
+        memcpy(to, from, sizeof(float) * count);
+        return;
+    }
+    uint16_t *bits = to;
+    for (int64_t i = 0; i < count; i++) {
+        float rounded = to_bf16(from[i]);
+        uint32_t word;
+        memcpy(&word, &rounded, sizeof word);
+        bits[i] = (uint16_t)(word >> 16);
+    }
+}
+
+/* keys, values: [layers][rows] cache buffers; capacity, low, at: [rows]. Returns 0, or -1 when
+   attention found no memory (the caller undoes the step, as for mw_attend). */
+int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width, int64_t heads, int64_t kv_heads,
+              int64_t dim, float eps, float scale, int round_bf16, float *h, const float *cos, const float *sin,
+              void *const *keys, void *const *values, const int64_t *capacity, const int64_t *low,
+              const int64_t *at, int cache_kind, int threads) {
+    const int64_t q_size = heads * dim, kv_size = kv_heads * dim, inter = layer[0].gate_up.out / 2;
+    const int64_t qkv_size = q_size + 2 * kv_size, size = cache_kind == KIND_F32 ? 4 : 2;
+    const int64_t floats = rows * (width + qkv_size + 2 * q_size + width + 3 * inter);
+    float *x = malloc(sizeof(float) * floats);
+    char *fresh = malloc((size_t)(2 * rows * kv_size * size));
+    if (!x || !fresh) {
+        free(x);
+        free(fresh);
+        return -1;
+    }
+    float *qkv = x + rows * width, *q = qkv + rows * qkv_size, *att = q + rows * q_size;
+    float *out = att + rows * q_size, *gate_up = out + rows * width, *act = gate_up + rows * 2 * inter;
+    char *new_keys = fresh, *new_values = fresh + rows * kv_size * size;
+    atomic_int failed = 0;
+    int64_t work = 0;
+    for (int64_t r = 0; r < rows; r++)
+        work += (at[r] - low[r] + 1) * heads * dim * 2;
+    for (int64_t l = 0; l < layers && !atomic_load(&failed); l++) {
+        const mw_layer *p = layer + l;
+        for (int64_t r = 0; r < rows; r++)
+            rms_norm(h + r * width, p->norm_in, width, eps, x + r * width, round_bf16);
+        product(&p->qkv, x, rows, qkv, round_bf16, threads);
+        for (int64_t r = 0; r < rows; r++) {
+            float *row = qkv + r * qkv_size;
+            for (int64_t head = 0; head < heads; head++)
+                rotate(row + head * dim, cos + r * dim, sin + r * dim, dim, round_bf16);
+            for (int64_t head = 0; head < kv_heads; head++)
+                rotate(row + q_size + head * dim, cos + r * dim, sin + r * dim, dim, round_bf16);
+            memcpy(q + r * q_size, row, sizeof(float) * q_size);
+            to_cache(new_keys + r * kv_size * size, cache_kind, row + q_size, kv_size);
+            to_cache(new_values + r * kv_size * size, cache_kind, row + q_size + kv_size, kv_size);
+        }
+        attend_t task = {rows, heads, kv_heads, dim, q, new_keys, new_values, keys + l * rows, values + l * rows,
+                         capacity, low, at, cache_kind, scale, att, &failed};
+        parallel(attend_units, &task, rows * kv_heads, work < THREAD_WORK ? 1 : threads);
+        if (round_bf16)
+            for (int64_t i = 0; i < rows * q_size; i++)
+                att[i] = to_bf16(att[i]);
+        product(&p->o, att, rows, out, round_bf16, threads);
+        for (int64_t i = 0; i < rows * width; i++)
+            h[i] = R(h[i] + out[i]);
+        for (int64_t r = 0; r < rows; r++)
+            rms_norm(h + r * width, p->norm_post, width, eps, x + r * width, round_bf16);
+        product(&p->gate_up, x, rows, gate_up, round_bf16, threads);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < inter; i++) {
+                float g = gate_up[r * 2 * inter + i], u = gate_up[r * 2 * inter + inter + i];
+                act[r * inter + i] = R(R(g / (1.0f + expf(-g))) * u);
+            }
+        product(&p->down, act, rows, out, round_bf16, threads);
+        for (int64_t i = 0; i < rows * width; i++)
+            h[i] = R(h[i] + out[i]);
+    }
+    free(x);
+    free(fresh);
     return atomic_load(&failed) ? -1 : 0;
 }

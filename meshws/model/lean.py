@@ -4,9 +4,11 @@ For the architectures meshws knows (Llama-style, e.g. SmolLM2; Gemma-3) the laye
 repacked once at load: q/k/v fused into one matrix, gate/up into one, norm weights
 prepared (Gemma's `1 + w`), rotary tables computed once per layer type. A session's
 keys and values live in `LeanCache`: per-layer buffers grown in blocks and written in
-place, so a decode step allocates no cache objects. A decode step's attention, for one
-session or a batch of them, is one call of meshws's kernel over every row's own cache
-(`native.Kernels.attend`; torch's sdpa row by row where the kernel cannot be built);
+place, so a decode step allocates no cache objects. A Llama-style decode step, for one
+session or a batch of them, is one call of meshws's kernel through every layer
+(`fused.FusedDecode`). Otherwise a decode step's attention is one kernel call per layer
+over every row's own cache (`native.Kernels.attend`; torch's sdpa row by row where the
+kernel cannot be built);
 prefill attention is torch's `scaled_dot_product_attention`. The rest follows
 transformers' own modules operation by operation, so fp32 tokens are the transformers path's.
 
@@ -26,8 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from .cache_store import KVCacheMiss
+from .fused import FusedDecode
 from .native import AttendRows, Kernels
 from .packed import LeanCache, Linear, linear, pack_linear
+from .tensors import causal_mask, rotate_half
 
 
 def _cat_bias(*modules: Any) -> torch.Tensor | None:
@@ -41,14 +45,15 @@ class _Layer:
     """One decoder layer's packed weights."""
 
     def __init__(self, module: Any, kind: str, dtype: torch.dtype, quant: str | None, openblas: bool,
-                 native: Kernels | None) -> None:
+                 native: Kernels | None, plain: bool) -> None:
         attn, mlp = module.self_attn, module.mlp
+        how = (dtype, quant, openblas, native, plain)
         self.qkv = pack_linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                               _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), dtype, quant, openblas, native)
-        self.o = pack_linear(attn.o_proj.weight, attn.o_proj.bias, dtype, quant, openblas, native)
+                               _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), *how)
+        self.o = pack_linear(attn.o_proj.weight, attn.o_proj.bias, *how)
         self.gate_up = pack_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                                   _cat_bias(mlp.gate_proj, mlp.up_proj), dtype, quant, openblas, native)
-        self.down = pack_linear(mlp.down_proj.weight, mlp.down_proj.bias, dtype, quant, openblas, native)
+                                   _cat_bias(mlp.gate_proj, mlp.up_proj), *how)
+        self.down = pack_linear(mlp.down_proj.weight, mlp.down_proj.bias, *how)
         # In order: input, post-attention (Gemma: then pre- and post-feedforward, q and k norms).
         names = ["input_layernorm", "post_attention_layernorm"]
         if kind == "gemma3":
@@ -96,12 +101,13 @@ class LeanLayers:
     compiled = False
 
     def __init__(self, model: Any, kind: str, dtype: torch.dtype, quant: str | None = None,
-                 openblas: bool = False, native: Kernels | None = None) -> None:
+                 openblas: bool = False, native: Kernels | None = None, fused: bool = True) -> None:
         base, config = model.model, model.config
         self.kind = kind
         self.dtype = dtype
         self.quant = quant
-        self.openblas = openblas and dtype == torch.float32 and quant is None  # float32 products on OpenBLAS
+        fused = fused and native is not None and kind == "llama"  # decode steps in one kernel call (`fused`)
+        self.openblas = openblas and dtype == torch.float32 and quant is None and not fused  # on OpenBLAS
         self.kernels = native  # decode attention on meshws's kernel (else torch's sdpa, row by row)
         self.native = native if quant == "int8" else None  # int8 products on meshws's kernel, else FBGEMM's
         self.attention = "meshws kernel" if native else "torch sdpa"
@@ -119,7 +125,7 @@ class LeanLayers:
             self.window = None
         self.layers = []
         for index, module in enumerate(base.layers):  # each layer's mapped file is let go once packed
-            self.layers.append(_Layer(module, kind, dtype, quant, self.openblas, self.native))
+            self.layers.append(_Layer(module, kind, dtype, quant, self.openblas, self.native, fused))
             base.layers[index] = torch.nn.Identity()
         self.final_norm = base.norm  # identity on a shard that is not the tail
         self._rotary = base.rotary_emb
@@ -130,16 +136,24 @@ class LeanLayers:
         self.lm_head: Linear | None = None
         if getattr(model, "lm_head", None) is not None:  # the tail's LM head, packed like the layers
             self.lm_head = pack_linear(model.lm_head.weight, model.lm_head.bias, dtype, quant, self.openblas,
-                                       self.native)
+                                       self.native, fused)
+        self.fused = FusedDecode(self, native) if fused and native is not None else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The packed LM head (a tail only)."""
-        assert self.lm_head is not None
-        return linear(hidden, self.lm_head)
+        """The packed LM head (a tail only); a float head for one or two rows on meshws's kernel where decode is."""
+        head = self.lm_head
+        assert head is not None
+        if self.fused is None or head.weight is None or hidden.numel() > 2 * hidden.shape[-1]:
+            return linear(hidden, head)
+        rows = hidden.detach().reshape(-1, hidden.shape[-1]).float()
+        bias = None if head.bias is None else head.bias.float()
+        out = self.fused.kernels.linear(rows, head.weight, None, bias, torch.get_num_threads())
+        return out.to(hidden.dtype).view(*hidden.shape[:-1], out.shape[-1])
 
     def describe(self) -> str:
         kernel = " (meshws kernel)" if self.native else " (FBGEMM)"
         return (f"lean {self.kind}" + (f", {self.quant} weights{kernel}" if self.quant else "")
+                + (", decode fused (meshws kernel)" if self.fused else "")
                 + (", OpenBLAS products" if self.openblas else "") + (", compiled" if self.compiled else ""))
 
     def _linears(self) -> list[Linear]:
@@ -214,8 +228,8 @@ class LeanLayers:
         if self.kind == "gemma3":
             q = self._norm(q, norms[-2])
             k = self._norm(k, norms[-1])
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         return q, k, v
 
     def _after_attention(self, hidden: torch.Tensor, attended: torch.Tensor, norms: tuple[torch.Tensor, ...],
@@ -259,7 +273,7 @@ class LeanLayers:
             layer_type = self.layer_types[index]
             window = self.window if layer_type == "sliding_attention" else None
             if layer_type not in masks:
-                masks[layer_type] = _mask(past, count, window)
+                masks[layer_type] = causal_mask(past, count, window)
             mask = masks[layer_type]
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int = index,
@@ -300,9 +314,14 @@ class LeanLayers:
         for cache, past in zip(caches, pasts):
             _room(cache, past, past + 1)
         rope = self._rope(flat, max(pasts) + 1)
+        threads = torch.get_num_threads()
+        if self.fused is not None:  # every layer in one call of meshws's kernel
+            hidden = self.fused.run(hidden, *rope[self.layer_types[0]], caches, pasts, threads)
+            for cache, past in zip(caches, pasts):
+                cache.length = past + 1
+            return self.final_norm(hidden)
         rows = None if self.kernels is None else AttendRows.per_type(caches, pasts, self.layer_types, self.window,
                                                                     self.scaling)
-        threads = torch.get_num_threads()
         for index, layer in enumerate(self.layers):
             layer_type = self.layer_types[index]
             window = self.window if layer_type == "sliding_attention" else None
@@ -334,30 +353,11 @@ def _room(cache: LeanCache, past: int, total: int) -> None:
     cache.reserve(total)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _mask(past: int, count: int, window: int | None) -> torch.Tensor | None:
-    """Which keys each of `count` query positions (from `past`) may see: None when plain causal from 0 will do."""
-    if count == 1:
-        return None  # one query: the keys handed to attention are exactly what it may see
-    if past == 0 and window is None:
-        return None
-    query = torch.arange(past, past + count).unsqueeze(1)
-    key = torch.arange(past + count).unsqueeze(0)
-    allowed = key <= query
-    if window is not None:
-        allowed &= query - key < window
-    return allowed
-
-
 def lean_layers(model: Any, dtype: torch.dtype, quant: str | None = None, openblas: bool = False,
-                native: Kernels | None = None) -> LeanLayers | None:
+                native: Kernels | None = None, fused: bool = True) -> LeanLayers | None:
     """The lean path for this shard's model, or None if its architecture has none."""
     kind = architecture(model.config)
     if kind is None:
         return None
-    return LeanLayers(model, kind, dtype, quant, openblas, native)
+    return LeanLayers(model, kind, dtype, quant, openblas, native, fused)
 

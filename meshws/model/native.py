@@ -1,12 +1,13 @@
 """meshws's own kernels (`kernels.c`), built on first use with this machine's C compiler.
 
-* `Kernels.linear`: int8 weights (one scale per output channel) times float32 rows, the
-  weights widened in registers, so one token's product reads a byte per weight and no
-  more. On a 2-core AMD EPYC (AVX-512) one row reads 13-15 GB/s per thread and 16-28 GB/s
-  on both cores, where FBGEMM's int8 GEMM, which must first quantize the row to 8 bits,
-  moved about 8 GB/s and lost precision on the activations. (bf16 weights stay with torch:
-  a bf16 kind of this kernel measured no faster for one row inside a node, and torch's
-  AVX512-BF16 products win beyond two.)
+* `Kernels.linear`: int8 weights (one scale per output channel), bfloat16 or float32
+  weights times float32 rows, the weights widened in registers, so one token's product
+  reads each weight's bytes once and no more. On a 2-core AMD EPYC (AVX-512) one row of
+  int8 reads 13-15 GB/s per thread and 16-28 GB/s on both cores, where FBGEMM's int8
+  GEMM, which must first quantize the row to 8 bits, moved about 8 GB/s and lost
+  precision on the activations.
+* `mw_decode` (through `fused.FusedDecode`): a Llama-style shard's whole decode step,
+  every layer and row, in one call.
 * `Kernels.attend`: a decode step's attention for a batch of sessions, each row against
   its own cache of its own length, in one call per layer (torch's bf16 sdpa took 20 us per
   call at 32 positions and 450 us at 1024 here; this takes 25 and 100, for every row).
@@ -48,7 +49,7 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-pthread"]
 
 
-KINDS = {torch.bfloat16: 1, torch.float32: 2}  # the caches `mw_attend` takes
+KINDS = {torch.int8: 0, torch.bfloat16: 1, torch.float32: 2}  # weights `mw_linear` takes (caches: the last two)
 
 
 class Kernels:
@@ -58,8 +59,12 @@ class Kernels:
         library = ctypes.CDLL(str(path))
         self._linear = library.mw_linear
         self._linear.restype = None
-        self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        self.decode = library.mw_decode  # called by `fused.FusedDecode`, which checks what it hands over
+        self.decode.restype = ctypes.c_int
+        self.decode.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 8 \
+            + [ctypes.c_int] * 2
         self._attend = library.mw_attend
         self._attend.restype = ctypes.c_int
         self._attend.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 8 + [ctypes.c_int, ctypes.c_float,
@@ -89,14 +94,14 @@ class Kernels:
             raise MemoryError("no memory for a decode step's attention scores")
         return out.view(rows, heads, 1, dim).to(q.dtype)
 
-    def linear(self, rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+    def linear(self, rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None,
                threads: int) -> torch.Tensor:
-        """`rows @ (weight * scales[:, None]).T + bias` in float32: rows float32 `[n, in]`, weight int8 `[out, in]`
-        with one float32 scale per output, contiguous."""
+        """`rows @ (weight * scales[:, None]).T + bias` in float32: rows float32 `[n, in]`, weight `[out, in]`,
+        contiguous, int8 with one float32 scale per output, or bfloat16 or float32 without."""
         if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != weight.shape[1]:
             raise ValueError(f"the kernel takes float32 rows of width {weight.shape[1]}, not {tuple(rows.shape)}")
-        if weight.dtype != torch.int8 or scales is None:
-            raise ValueError("the kernel takes int8 weights with scales")
+        if weight.dtype not in KINDS or (weight.dtype == torch.int8) != (scales is not None):
+            raise ValueError("the kernel takes int8 weights with scales, or bfloat16 or float32 weights without")
         out_features = weight.shape[0]
         if not weight.is_contiguous() or any(t is not None and (t.dtype != torch.float32 or t.shape != (out_features,)
                                                                 or not t.is_contiguous()) for t in (scales, bias)):
@@ -104,8 +109,9 @@ class Kernels:
         rows = rows.contiguous()
         out = torch.empty(rows.shape[0], weight.shape[0])
         if rows.shape[0]:
-            self._linear(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), scales.data_ptr(),
-                         None if bias is None else bias.data_ptr(), out.data_ptr(), weight.shape[0], threads)
+            self._linear(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), KINDS[weight.dtype],
+                         None if scales is None else scales.data_ptr(), None if bias is None else bias.data_ptr(),
+                         out.data_ptr(), weight.shape[0], threads)
         return out
 
 

@@ -66,7 +66,8 @@ class Linear(NamedTuple):
 
 
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, quant: str | None,
-                openblas: bool = False, native: Kernels | None = None) -> Linear:
+                openblas: bool = False, native: Kernels | None = None, plain: bool = False) -> Linear:
+    """`plain`: a float weight stays `[out, in]`, contiguous, as meshws's kernels read it (`fused`)."""
     bias = None if bias is None else bias.detach().to(dtype).contiguous()
     shape = (weight.shape[0], weight.shape[1])
     if quant == "int8" and native is not None:  # one byte per weight, widened in registers (`native`)
@@ -80,7 +81,7 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
         return Linear(storage.t(), bias, None, shape, storage.numpy())
     if quant != "int8":
         weight = weight.detach().to(dtype)
-        if dtype == torch.float32 and weight.shape[0] > weight.shape[1]:  # wide: kept [in, out] (see `linear`)
+        if dtype == torch.float32 and weight.shape[0] > weight.shape[1] and not plain:  # wide: [in, out] (`linear`)
             return Linear(weight.t().contiguous().t(), bias, None, shape)
         return Linear(weight.contiguous(), bias, None, shape)
     weight = _rotated(weight.detach().float())

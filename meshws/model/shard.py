@@ -111,10 +111,8 @@ class ModelShard:
     is_head = property(lambda self: self.layout.is_head)
     is_tail = property(lambda self: self.layout.is_tail)
 
-    @property
-    def compute_path(self) -> str:
-        """What runs the layers: "lean llama", "lean gemma3, int8 weights", or "transformers"."""
-        return self.lean.describe() if self.lean is not None else "transformers"
+    compute_path = property(lambda self: self.lean.describe() if self.lean is not None else "transformers",
+                            doc='What runs the layers: "lean llama", "lean gemma3, int8 weights", or "transformers".')
 
     @property
     def compute_facts(self) -> dict[str, Any]:
@@ -135,9 +133,11 @@ class ModelShard:
         if quant == "int8" and native is None and not int8_kernel_runs():
             raise ValueError("int8 weights need a C compiler (meshws's kernel) or FBGEMM (torch on an x86 CPU)")
         matmul = blas.choose_matmul(self.settings.matmul, quant or self.settings.dtype, self.settings.compile)
-        lean = None if wanted == "transformers" else lean_layers(self.model, self.compute_dtype, quant,
-                                                                 matmul[0] == "openblas", native)
-        self.matmul, self.matmul_reason = matmul if lean is not None else ("torch", "the transformers path")
+        lean = None if wanted == "transformers" else lean_layers(  # fused: decode steps in one kernel call
+            self.model, self.compute_dtype, quant, matmul[0] == "openblas", native,
+            fused=self.settings.matmul != "openblas" and not self.settings.compile)
+        self.matmul, self.matmul_reason = matmul if lean is not None and not lean.fused else (
+            "torch", "the transformers path" if lean is None else "decode runs on meshws's kernel (prefill on torch)")
         blas.take_threads(self.matmul, self.matmul_reason, self.settings.threads)
         if lean is None:
             if wanted == "lean" or quant:

@@ -79,3 +79,22 @@ def crop_cache(cache: Any, length: int) -> None:
 def positions(past_len: int, count: int) -> torch.Tensor:
     """Position ids `[1, count]` starting at `past_len`."""
     return torch.arange(past_len, past_len + count, dtype=torch.long).unsqueeze(0)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def causal_mask(past: int, count: int, window: int | None) -> torch.Tensor | None:
+    """Which keys each of `count` query positions (from `past`) may see: None when plain causal from 0 will do."""
+    if count == 1:
+        return None  # one query: the keys handed to attention are exactly what it may see
+    if past == 0 and window is None:
+        return None
+    query = torch.arange(past, past + count).unsqueeze(1)
+    key = torch.arange(past + count).unsqueeze(0)
+    allowed = key <= query
+    if window is not None:
+        allowed &= query - key < window
+    return allowed

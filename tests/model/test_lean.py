@@ -37,8 +37,9 @@ def plain(embedded_model):
 
 def test_the_shard_says_which_path_it_runs(embedded_model, plain):
     lean = ModelShard(embedded_model, 20, 30, replace(LEAN, matmul="torch"))
-    assert lean.compute_path == "lean llama" and plain.compute_path == "transformers"
-    assert lean.compute_facts["path"] == "lean llama" and lean.compute_facts["dtype"] == "float32"
+    path = "lean llama, decode fused (meshws kernel)" if kernels() else "lean llama"
+    assert lean.compute_path == path and plain.compute_path == "transformers"
+    assert lean.compute_facts["path"] == path and lean.compute_facts["dtype"] == "float32"
     assert lean.compute_facts["attention"] == ("meshws kernel" if kernels() else "torch sdpa")
     assert plain.compute_facts["attention"] == "transformers"
     assert (lean.compute_facts["matmul"], plain.compute_facts["matmul"]) == ("torch", "torch")

@@ -39,6 +39,22 @@ def test_products_equal_the_dequantized_matrix(out_features, in_features, rows):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 2, 5, 70])
+def test_float_weights_multiply_as_they_are_and_a_row_keeps_its_bits_in_any_batch(dtype, rows):
+    weight = torch.randn(1030, 203, generator=torch.Generator().manual_seed(3)).to(dtype)
+    bias = torch.randn(1030, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(rows, 203, generator=torch.Generator().manual_seed(rows))
+    exact = x.double() @ weight.double().T + bias.double()
+    got = KERNELS.linear(x, weight, None, bias, 2)
+    assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-4 * float(exact.abs().max()))
+    for index in (0, rows - 1):
+        assert torch.equal(KERNELS.linear(x[index : index + 1], weight, None, bias, 1), got[index : index + 1])
+    with pytest.raises(ValueError):  # float weights take no scales, int8 ones must have them
+        KERNELS.linear(x, weight, torch.ones(1030), bias, 1)
+
+
+@needs_kernels
 @pytest.mark.parametrize("in_features", [576, 100])
 def test_a_row_gives_the_same_bits_alone_in_any_batch_and_on_any_threads(in_features):
     # 4096 x 1536 is past the work at which the kernel starts threads, and 131 rows past the

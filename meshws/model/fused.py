@@ -1,0 +1,92 @@
+"""A Llama-style shard's decode step in one call of meshws's kernel (`mw_decode` in `kernels.c`).
+
+The lean path's layers, run op by op through torch, cost a decode step some forty
+framework calls per layer: norms, rotary, residual sums and the products each dispatch
+on their own, and at one row the dispatch, not the arithmetic, is most of a layer. Here
+the whole step, every layer and every row of a batch, is one call: the products read the
+shard's own weights (int8 with scales, bfloat16 or float32, `[out, in]`), the elementwise
+work runs between them in C, and each row attends to its own cache as `Kernels.attend`
+does. A bfloat16 model rounds to bfloat16 wherever torch's bf16 path holds a value in
+bfloat16, so its tokens stay torch's up to the order of the sums; float32 stays float32.
+
+Gemma-3 (extra norms, soft windows, GELU) keeps the op-by-op path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Sequence
+
+import numpy
+import torch
+
+from .native import KINDS, AttendRows, Kernels
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("out", ctypes.c_int64), ("inputs", ctypes.c_int64), ("kind", ctypes.c_int), ("pad", ctypes.c_int)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight),
+                ("norm_in", ctypes.c_void_p), ("norm_post", ctypes.c_void_p)]
+
+
+class FusedDecode:
+    """The decode step of `lean` (a `LeanLayers` of kind "llama", its linears packed `[out, in]`)."""
+
+    def __init__(self, lean: Any, kernels: Kernels) -> None:
+        self.kernels = kernels
+        self.layers = len(lean.layers)
+        self.heads, self.kv_heads, self.dim = lean.heads, lean.kv_heads, lean.head_dim
+        self.eps, self.scale, self.dtype = float(lean.eps), float(lean.scaling), lean.dtype
+        self._keep: list[torch.Tensor] = []  # the float32 copies the structures point into
+        self._array = (_Layer * self.layers)()
+        for slot, layer in zip(self._array, lean.layers):
+            for name, packed in zip(("qkv", "o", "gate_up", "down"), layer.linears()):
+                setattr(slot, name, self._weight(packed))
+            slot.norm_in, slot.norm_post = (self._float(norm) for norm in layer.norms[:2])
+        self.width = self._array[0].o.out
+
+    def _float(self, tensor: torch.Tensor | None) -> int | None:
+        if tensor is None:
+            return None
+        copy = tensor.detach().float().contiguous()
+        self._keep.append(copy)
+        return copy.data_ptr()
+
+    def _weight(self, packed: Any) -> _Weight:
+        weight = packed.codes if packed.codes is not None else packed.weight
+        if weight is None or weight.dtype not in KINDS or not weight.is_contiguous() \
+                or tuple(weight.shape) != tuple(packed.shape):
+            raise ValueError("the fused decode takes int8 (with scales), bfloat16 or float32 weights, [out, in]")
+        self._keep.append(weight)
+        scales = None if packed.codes is None else self._float(packed.scales)
+        return _Weight(weight.data_ptr(), scales, self._float(packed.bias), packed.shape[0], packed.shape[1],
+                       KINDS[weight.dtype], 0)
+
+    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: Sequence[Any],
+            pasts: Sequence[int], threads: int) -> torch.Tensor:
+        """Rows `[rows, 1, width]`, row r at position `pasts[r]` of `caches[r]` (room reserved), through every
+        layer; `cos`, `sin` `[rows, head_dim]` for those positions. The caches' keys and values are written
+        at `pasts`; their lengths are the caller's to move."""
+        rows = len(caches)
+        if hidden.shape != (rows, 1, self.width) or not cos.shape == sin.shape == (rows, self.dim) \
+                or any(len(cache.keys) != self.layers for cache in caches):
+            raise ValueError(f"a decode step of {rows} rows does not fit the fused layers")
+        checked = AttendRows(caches, [0] * rows, pasts, self.scale)  # dtype, shape, room and distinct caches
+        keys = numpy.array([[cache.keys[layer].data_ptr() for cache in caches] for layer in range(self.layers)],
+                           dtype=numpy.uint64)
+        values = numpy.array([[cache.values[layer].data_ptr() for cache in caches] for layer in range(self.layers)],
+                             dtype=numpy.uint64)
+        state = hidden.detach().reshape(rows, self.width).to(torch.float32, copy=True).contiguous()
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        failed = self.kernels.decode(rows, self.layers, ctypes.addressof(self._array), self.width, self.heads,
+                                     self.kv_heads, self.dim, self.eps, self.scale, int(self.dtype == torch.bfloat16),
+                                     state.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.ctypes.data,
+                                     values.ctypes.data, checked.capacity.ctypes.data, checked.low_at.ctypes.data,
+                                     checked.low_at.ctypes.data + 8 * rows, KINDS[checked.dtype], threads)
+        if failed:
+            raise MemoryError("no memory for a decode step")
+        return state.to(hidden.dtype).view(rows, 1, self.width)

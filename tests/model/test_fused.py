@@ -1,0 +1,94 @@
+"""The fused decode step (`fused.FusedDecode`): every layer of a Llama-style shard in one kernel call.
+
+It must give the op-by-op lean path's tokens (which the golden tests tie to transformers'),
+in float32, bfloat16 (rounding where torch's bf16 path rounds) and int8; a row's bits must
+not depend on the rows batched with it; and what it is handed is checked before the C code
+reads it.
+"""
+
+import pytest
+import torch
+
+from meshws.model.native import kernels
+from meshws.model.packed import LeanCache
+from meshws.model.shard import ModelShard, ShardSettings
+
+pytestmark = [pytest.mark.real_model,
+              pytest.mark.skipif(kernels() is None, reason="no C compiler: meshws's kernels cannot be built")]
+
+PROMPTS = ["Count from 1 to 5.", "Write a short story about a robot who learns to paint."]
+
+
+def _ids(shard, text):
+    return shard.tokenize(shard.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                              add_generation_prompt=True, tokenize=False))
+
+
+def _greedy(shard, ids, session, count):
+    tokens = [shard.encode_prompt(ids, session_id=session).token_id]
+    while len(tokens) < count:
+        tokens.append(shard.encode_next_token(tokens[-1], session).token_id)
+    shard.sessions.drop(session)
+    return tokens
+
+
+@pytest.mark.parametrize("settings", [ShardSettings(dtype="float32"), ShardSettings(dtype="bfloat16"),
+                                      ShardSettings(dtype="float32", quant="int8")], ids=["fp32", "bf16", "int8"])
+def test_fused_decode_gives_the_op_by_op_tokens(embedded_model, settings):
+    shard = ModelShard(embedded_model, 0, 30, settings)
+    fused = shard.lean.fused
+    assert fused is not None and "decode fused (meshws kernel)" in shard.compute_path
+    assert shard.compute_facts["matmul"] == "torch" and "meshws's kernel" in shard.compute_facts["matmul_reason"]
+    for index, text in enumerate(PROMPTS):
+        ids = _ids(shard, text)
+        shard.lean.fused = fused
+        one_call = _greedy(shard, ids, f"fused-{index}", 24)
+        shard.lean.fused = None  # the same packed weights, layer by layer through torch
+        op_by_op = _greedy(shard, ids, f"ops-{index}", 24)
+        assert one_call == op_by_op, text
+    shard.lean.fused = fused
+    assert shard.sessions.total_bytes == 0 and len(shard.sessions) == 0
+
+
+@pytest.mark.parametrize("dtype,quant", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "int8")])
+def test_a_rows_bits_do_not_depend_on_its_batch(embedded_model, dtype, quant):
+    shard = ModelShard(embedded_model, 0, 12, ShardSettings(dtype=str(dtype).removeprefix("torch."), quant=quant))
+    lean = shard.lean
+    torch.manual_seed(0)
+    lengths = [3, 40, 17]
+    caches = []
+    for length in lengths:  # caches of different lengths, filled by a prefill
+        cache = lean.new_cache()
+        lean.run(torch.randn(1, length, shard.hidden_size, dtype=dtype), torch.arange(length).unsqueeze(0), cache)
+        caches.append(cache)
+    rows = torch.randn(3, 1, shard.hidden_size, dtype=dtype)
+    positions = torch.tensor([[length] for length in lengths])
+    copies = [cache.copy(cache.length) for cache in caches]
+    with torch.inference_mode():
+        batched = lean.run_rows(rows, positions, caches)
+        for index, copy in enumerate(copies):
+            alone = lean.run_rows(rows[index : index + 1], positions[index : index + 1], [copy])
+            assert torch.equal(alone, batched[index : index + 1])
+            assert torch.equal(copy.keys[5][:, :, : lengths[index] + 1], caches[index].keys[5][:, :, : lengths[index] + 1])
+    assert [cache.length for cache in caches] == [length + 1 for length in lengths]
+
+
+def test_what_the_kernel_is_handed_is_checked_first(embedded_model):
+    shard = ModelShard(embedded_model, 0, 4, ShardSettings(dtype="float32"))
+    fused, lean = shard.lean.fused, shard.lean
+    cache = lean.new_cache()
+    cache.reserve(8)
+    hidden = torch.randn(1, 1, shard.hidden_size)
+    cos, sin = lean._rope(torch.tensor([0]), 1)["full_attention"]
+    with pytest.raises(ValueError):  # a row too many for the caches
+        fused.run(torch.randn(2, 1, shard.hidden_size), cos, sin, [cache], [0], 1)
+    with pytest.raises(ValueError):  # rotary tables of the wrong width
+        fused.run(hidden, cos[:, :8], sin[:, :8], [cache], [0], 1)
+    with pytest.raises(ValueError):  # a position past the cache's room
+        fused.run(hidden, cos, sin, [cache], [cache.capacity], 1)
+    with pytest.raises(ValueError):  # one session's cache twice in a step
+        fused.run(torch.randn(2, 1, shard.hidden_size), cos.repeat(2, 1), sin.repeat(2, 1), [cache, cache], [0, 0], 1)
+    with pytest.raises(ValueError):  # a cache of another shard's layer count
+        fused.run(hidden, cos, sin, [LeanCache(3, lean.kv_heads, lean.head_dim, torch.float32)], [0], 1)
+    out = fused.run(hidden, cos, sin, [cache], [0], 1)  # and after all that, a good step runs
+    assert out.shape == hidden.shape and torch.isfinite(out).all()
