@@ -8,6 +8,13 @@ this, two nodes each spin every core's OpenMP threads: on a 2-core machine, 16
 concurrent fp32 sessions fell to 0.6x one session's throughput (6.8x with one thread
 per node). A registration whose process is gone, or is no longer a meshws node (a
 reused PID), is removed by whoever sees it.
+
+The share is what torch and OpenBLAS get, and it changes only every few seconds. meshws's
+own kernels (whose idle threads yield and then sleep: `native`) are lent more, step by
+step: each registration file holds one byte, 1 while that node computes, and a node about
+to compute gives its kernels `cores // (1 + other nodes computing now)`. So a head and a
+tail serving one session, which compute in turn, each use every core for their step,
+and under load, when both compute, each uses its half.
 """
 
 from __future__ import annotations
@@ -48,22 +55,31 @@ class CoreShare:
         if owner.st_uid != os.getuid() or owner.st_mode & 0o022:  # planted by someone else: do not trust it
             raise PermissionError(f"{self.directory} is not this user's own private directory")
         self._mine = self.directory / str(self.pid)
-        self._mine.touch()
+        self._byte = os.open(self._mine, os.O_RDWR | os.O_CREAT, 0o600)  # this node's byte: 1 while it computes
+        os.pwrite(self._byte, b"\0", 0)
+        self._others: dict[int, int | None] = {}  # the other nodes' bytes, open for reading (None: cannot be)
         self.threads = self.nodes = 0  # and `_checked`: all set by `count`
         self._checked = 0.0
         self.count()
 
     def count(self) -> int:
         """Live meshws nodes registered on this host (this one included); sets `threads` to its share."""
-        live = 0
+        live, others = 0, {}
         for entry in self.directory.iterdir():
             if not entry.name.isdigit():
                 continue
             pid = int(entry.name)
             if pid == self.pid or _is_meshws(pid):
                 live += 1
+                if pid != self.pid:
+                    known = self._others.pop(pid, None)
+                    others[pid] = known if known is not None else _watch(entry)
             else:
                 entry.unlink(missing_ok=True)
+        for gone in self._others.values():
+            if gone is not None:
+                os.close(gone)
+        self._others = others
         self.nodes = max(1, live)
         self.threads = max(1, self.cores // self.nodes)
         self._checked = time.monotonic()
@@ -84,10 +100,22 @@ class CoreShare:
         self.apply()  # every time: cheap when nothing changed, and the compute thread's first job needs it
 
     def apply(self) -> None:
-        """Give the share to whichever library multiplies (torch, or numpy's OpenBLAS: `model.blas`)."""
-        from .model import blas
+        """Give the share to whichever library multiplies (torch, or numpy's OpenBLAS: `model.blas`); mark this
+        node computing, and lend its kernels the cores no other node of this host computes on now."""
+        from .model import blas, native
 
         blas.set_threads(self.threads)
+        self._mark(b"\1")
+        busy = sum(1 for other in self._others.values() if other is None or os.pread(other, 1, 0) != b"\0")
+        native.lend_threads(max(self.threads, self.cores // (1 + busy)))  # (a byte not readable: computing)
+
+    def rest(self) -> None:
+        """(On the compute thread, after a job.) This node no longer computes."""
+        self._mark(b"\0")
+
+    def _mark(self, value: bytes) -> None:
+        if self._byte >= 0:  # (closed: the number may be another file's by now)
+            os.pwrite(self._byte, value, 0)
 
     def describe(self) -> dict[str, object]:
         return {"threads": self.threads,
@@ -95,3 +123,15 @@ class CoreShare:
 
     def close(self) -> None:
         self._mine.unlink(missing_ok=True)
+        for fd in [self._byte, *(other for other in self._others.values() if other is not None)]:
+            if fd >= 0:
+                os.close(fd)
+        self._byte, self._others = -1, {}
+
+
+def _watch(path: Path) -> int | None:
+    """Another node's byte, open for reading (read with pread: a file cut short reads empty, never faults)."""
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError:
+        return None

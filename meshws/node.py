@@ -115,7 +115,7 @@ class Node(NodeReports):
                                     # the compute thread takes the threads (torch counts them per thread)
                                     retune=self.cores.retune if self.cores else functools.partial(
                                         blas.set_threads, self.settings.threads or blas.threads()),
-                                    micro_batches=self._micro_batches)
+                                    micro_batches=self._micro_batches, rest=self.cores.rest if self.cores else None)
         sessions = self.backend.sessions
         self.metrics = NodeMetrics(sessions=lambda: len(sessions), cache_bytes=lambda: sessions.total_bytes,
                                    weight_bytes=self.backend.weight_bytes)

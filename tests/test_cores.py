@@ -14,7 +14,7 @@ import torch
 from fakes import FakeBackend
 from meshws.cores import RETUNE_SECONDS, CoreShare
 from meshws.mesh.compute import ComputeWorker
-from meshws.model import blas
+from meshws.model import blas, native
 
 
 def _lookalike():
@@ -93,3 +93,38 @@ def test_a_vanished_directory_keeps_the_share_and_the_worker_alive(tmp_path):
             worker.shutdown()
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_kernels_borrow_the_cores_of_nodes_not_computing_now(tmp_path):
+    share = CoreShare(tmp_path, cores=2)
+    other = _lookalike()
+    before = blas.threads()
+    try:
+        (tmp_path / str(other.pid)).write_bytes(b"\0")  # another node, idle
+        assert share.count() == 2 and share.threads == 1
+        share.apply()  # about to compute: the idle node's core is lent to this one's kernels
+        assert native.threads() == 2 and (tmp_path / str(os.getpid())).read_bytes() == b"\1"
+        (tmp_path / str(other.pid)).write_bytes(b"\1")  # the other node computes too: each keeps its share
+        share.apply()
+        assert native.threads() == 1 and blas.threads() == 1
+        share.rest()
+        assert (tmp_path / str(os.getpid())).read_bytes() == b"\0"
+        (tmp_path / str(other.pid)).write_bytes(b"")  # a byte not readable (yet): counted as computing
+        share._checked -= RETUNE_SECONDS
+        share.retune()
+        assert native.threads() == 1
+        calls = []
+        worker = ComputeWorker(FakeBackend(), retune=lambda: calls.append("retune"),
+                               rest=lambda: calls.append("rest"))
+        try:
+            asyncio.run(worker.call(lambda: 42))
+        finally:
+            worker.shutdown()
+        assert calls[-2:] == ["retune", "rest"], "a job is bracketed: marked computing, then resting"
+    finally:
+        other.kill()
+        other.wait()
+        share.close()
+        native.lend_threads(None)
+        blas.set_threads(before)
+    assert native.threads() == torch.get_num_threads()

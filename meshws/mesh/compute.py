@@ -45,7 +45,8 @@ class _Job:
 class ComputeWorker:
     def __init__(self, backend: ShardBackend, max_batch: int = MAX_BATCH,
                  live_sessions: Callable[[], int] = lambda: 1, prefill_chunk: int = PREFILL_CHUNK,
-                 retune: Callable[[], None] | None = None, micro_batches: Callable[[], int] = lambda: 1) -> None:
+                 retune: Callable[[], None] | None = None, micro_batches: Callable[[], int] = lambda: 1,
+                 rest: Callable[[], None] | None = None) -> None:
         self.backend = backend
         self.max_batch = max_batch
         self.prefill_chunk = max(1, prefill_chunk)
@@ -53,7 +54,8 @@ class ComputeWorker:
         # microseconds apart; lingering a few ms for them when several sessions are live
         # turns a 1 + 15 split into one batch of 16. A lone session never waits.
         self.live_sessions = live_sessions
-        self.retune = retune  # called on this thread between jobs: follow the host's core share (`cores`)
+        self.retune = retune  # called on this thread before each job: follow the host's core share (`cores`)
+        self.rest = rest  # and this after each job (the node no longer computes)
         # Groups the live sessions' decode steps are split into (on a head: the shards on its route), so
         # that while the next shard computes one group this one computes the next: several waves in flight.
         self.micro_batches = micro_batches
@@ -128,6 +130,7 @@ class ComputeWorker:
                 while not (self._urgent or self._decodes or self._others or self._closed):
                     self._ready.wait(IDLE_RETUNE_SECONDS if self.retune else None)
                     self._retune()  # idle: follow the core share all the same
+                    self._hint(self.rest)
                 if self._closed and not (self._urgent or self._decodes or self._others):
                     return
                 if self._urgent:
@@ -160,14 +163,19 @@ class ComputeWorker:
             else:
                 self._run_batch(batch)
             ended = time.monotonic()
+            self._hint(self.rest)
             self.busy_seconds += ended - started
             self.recent.append((started, ended, len(batch)))
 
     def _retune(self) -> None:
-        if self.retune is None:
+        self._hint(self.retune)
+
+    @staticmethod
+    def _hint(call: Callable[[], None] | None) -> None:
+        if call is None:
             return
         try:
-            self.retune()
+            call()
         except Exception:  # a tuning hint: never a reason for the worker to stop
             pass
 

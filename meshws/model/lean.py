@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from .cache_store import KVCacheMiss
 from .fused import FusedDecode
 from .native import AttendRows, Kernels
+from .native import threads as kernel_threads
 from .packed import LeanCache, Linear, linear, pack_linear
 from .tensors import causal_mask, rotate_half
 
@@ -106,7 +107,7 @@ class LeanLayers:
         self.kind = kind
         self.dtype = dtype
         self.quant = quant
-        fused = fused and native is not None and kind == "llama"  # decode steps in one kernel call (`fused`)
+        fused = fused and native is not None and kind == "llama" and len(base.layers) > 0  # one call (`fused`)
         self.openblas = openblas and dtype == torch.float32 and quant is None and not fused  # on OpenBLAS
         self.kernels = native  # decode attention on meshws's kernel (else torch's sdpa, row by row)
         self.native = native if quant == "int8" else None  # int8 products on meshws's kernel, else FBGEMM's
@@ -147,7 +148,7 @@ class LeanLayers:
             return linear(hidden, head)
         rows = hidden.detach().reshape(-1, hidden.shape[-1]).float()
         bias = None if head.bias is None else head.bias.float()
-        out = self.fused.kernels.linear(rows, head.weight, None, bias, torch.get_num_threads())
+        out = self.fused.kernels.linear(rows, head.weight, None, bias, kernel_threads())
         return out.to(hidden.dtype).view(*hidden.shape[:-1], out.shape[-1])
 
     def describe(self) -> str:
@@ -316,7 +317,7 @@ class LeanLayers:
         rope = self._rope(flat, max(pasts) + 1)
         threads = torch.get_num_threads()
         if self.fused is not None:  # every layer in one call of meshws's kernel
-            hidden = self.fused.run(hidden, *rope[self.layer_types[0]], caches, pasts, threads)
+            hidden = self.fused.run(hidden, *rope[self.layer_types[0]], caches, pasts, kernel_threads())
             for cache, past in zip(caches, pasts):
                 cache.length = past + 1
             return self.final_norm(hidden)

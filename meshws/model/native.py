@@ -49,6 +49,20 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-pthread"]
 
 
+_lent: int | None = None  # threads the kernels may use now (`cores.CoreShare` lends them step by step)
+
+
+def lend_threads(count: int | None) -> None:
+    """(The compute thread, before a step.) How many threads meshws's kernels may use; None: torch's count."""
+    global _lent
+    _lent = count
+
+
+def threads() -> int:
+    """Threads for a kernel call now: those lent, else torch's (the node's share of the cores)."""
+    return _lent or torch.get_num_threads()
+
+
 KINDS = {torch.int8: 0, torch.bfloat16: 1, torch.float32: 2}  # weights `mw_linear` takes (caches: the last two)
 
 

@@ -20,7 +20,7 @@ import numpy
 import torch
 import torch.nn.functional as F
 
-from .native import Kernels
+from .native import Kernels, threads
 
 CACHE_BLOCK = 128  # positions a session's key/value buffers grow by (at least)
 NATIVE_TOP = 127  # int8 weights for meshws's kernel use the whole signed range
@@ -123,7 +123,7 @@ def _openblas_linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
 def _native_linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
     assert packed.kernels is not None and packed.scales is not None and packed.codes is not None
     rows = x.detach().reshape(-1, x.shape[-1]).float()
-    out = packed.kernels.linear(rows, packed.codes, packed.scales, packed.bias, torch.get_num_threads())
+    out = packed.kernels.linear(rows, packed.codes, packed.scales, packed.bias, threads())
     return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
