@@ -119,7 +119,8 @@ class CoreShare:
 
     def describe(self) -> dict[str, object]:
         return {"threads": self.threads,
-                "threads_reason": f"{self.nodes} meshws node(s) on this host share its {self.cores} cores"}
+                "threads_reason": f"{self.nodes} meshws node(s) on this host share its {self.cores} cores; meshws's "
+                                  "kernels borrow the cores of those not computing at the moment"}
 
     def close(self) -> None:
         self._mine.unlink(missing_ok=True)
