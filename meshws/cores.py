@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Iterable
 
 log = logging.getLogger("meshws.node")
 
@@ -51,9 +54,8 @@ class CoreShare:
         self.cores = cores or usable_cores()
         self.pid = pid or os.getpid()
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        owner = self.directory.stat()
-        if owner.st_uid != os.getuid() or owner.st_mode & 0o022:  # planted by someone else: do not trust it
-            raise PermissionError(f"{self.directory} is not this user's own private directory")
+        self._check_directory()
+        self._lock = threading.Lock()  # the compute thread counts and marks; shutdown closes
         self._mine = self.directory / str(self.pid)
         self._byte = os.open(self._mine, os.O_RDWR | os.O_CREAT, 0o600)  # this node's byte: 1 while it computes
         os.pwrite(self._byte, b"\0", 0)
@@ -62,23 +64,36 @@ class CoreShare:
         self._checked = 0.0
         self.count()
 
+    def _check_directory(self) -> None:
+        owner = self.directory.stat()
+        if owner.st_uid != os.getuid() or owner.st_mode & 0o022:  # planted by someone else: do not trust it
+            raise PermissionError(f"{self.directory} is not this user's own private directory")
+
     def count(self) -> int:
         """Live meshws nodes registered on this host (this one included); sets `threads` to its share."""
+        with self._lock:
+            return self._count()
+
+    def _count(self) -> int:
+        self._check_directory()  # (gone and made again by someone else: not read)
         live, others = 0, {}
-        for entry in self.directory.iterdir():
-            if not entry.name.isdigit():
-                continue
-            pid = int(entry.name)
-            if pid == self.pid or _is_meshws(pid):
-                live += 1
-                if pid != self.pid:
-                    known = self._others.pop(pid, None)
-                    others[pid] = known if known is not None else _watch(entry)
-            else:
-                entry.unlink(missing_ok=True)
-        for gone in self._others.values():
-            if gone is not None:
-                os.close(gone)
+        try:
+            for entry in self.directory.iterdir():
+                if not entry.name.isdigit():
+                    continue
+                pid = int(entry.name)
+                if pid == self.pid or _is_meshws(pid):
+                    live += 1
+                    if pid != self.pid:
+                        known = self._others.pop(pid, None)
+                        others[pid] = known if known is not None else _watch(entry)
+                else:
+                    entry.unlink(missing_ok=True)
+        except OSError:
+            others.update(self._others)  # nothing opened is lost: kept for the next count
+            self._others = others
+            raise
+        _close(self._others.values())
         self._others = others
         self.nodes = max(1, live)
         self.threads = max(1, self.cores // self.nodes)
@@ -105,17 +120,22 @@ class CoreShare:
         from .model import blas, native
 
         blas.set_threads(self.threads)
-        self._mark(b"\1")
-        busy = sum(1 for other in self._others.values() if other is None or os.pread(other, 1, 0) != b"\0")
-        native.lend_threads(max(self.threads, self.cores // (1 + busy)))  # (a byte not readable: computing)
+        with self._lock:
+            self._mark(b"\1")
+            busy = sum(1 for other in self._others.values() if not _idle(other))
+        native.lend_threads(max(self.threads, self.cores // (1 + busy)))
 
     def rest(self) -> None:
         """(On the compute thread, after a job.) This node no longer computes."""
-        self._mark(b"\0")
+        with self._lock:
+            self._mark(b"\0")
 
     def _mark(self, value: bytes) -> None:
         if self._byte >= 0:  # (closed: the number may be another file's by now)
-            os.pwrite(self._byte, value, 0)
+            try:
+                os.pwrite(self._byte, value, 0)
+            except OSError:
+                pass  # a hint to the other nodes, never a reason to fail a step
 
     def describe(self) -> dict[str, object]:
         return {"threads": self.threads,
@@ -123,16 +143,37 @@ class CoreShare:
                                   "kernels borrow the cores of those not computing at the moment"}
 
     def close(self) -> None:
+        from .model import native
+
+        with self._lock:
+            mine, others, self._byte, self._others = self._byte, self._others, -1, {}
         self._mine.unlink(missing_ok=True)
-        for fd in [self._byte, *(other for other in self._others.values() if other is not None)]:
-            if fd >= 0:
-                os.close(fd)
-        self._byte, self._others = -1, {}
+        _close([mine, *others.values()])
+        native.lend_threads(None)
 
 
 def _watch(path: Path) -> int | None:
-    """Another node's byte, open for reading (read with pread: a file cut short reads empty, never faults)."""
+    """Another node's byte, open for reading: a regular file of ours (no link, no FIFO to block on), read
+    with pread (a file cut short reads empty, never faults). None: not readable, counted as computing."""
     try:
-        return os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
+    facts = os.fstat(fd)
+    if not stat.S_ISREG(facts.st_mode) or facts.st_uid != os.getuid():
+        os.close(fd)
+        return None
+    return fd
+
+
+def _idle(fd: int | None) -> bool:
+    try:
+        return fd is not None and os.pread(fd, 1, 0) == b"\0"
+    except OSError:
+        return False
+
+
+def _close(fds: Iterable[int | None]) -> None:
+    for fd in fds:
+        if fd is not None and fd >= 0:
+            os.close(fd)

@@ -128,3 +128,21 @@ def test_the_kernels_borrow_the_cores_of_nodes_not_computing_now(tmp_path):
         native.lend_threads(None)
         blas.set_threads(before)
     assert native.threads() == torch.get_num_threads()
+
+
+def test_a_registration_that_is_a_fifo_or_a_link_is_never_opened_as_a_byte(tmp_path):
+    share = CoreShare(tmp_path, cores=2)
+    fifo_node, link_node = _lookalike(), _lookalike()
+    try:
+        os.mkfifo(tmp_path / str(fifo_node.pid))  # opening it for reading would block the compute thread
+        (tmp_path / str(link_node.pid)).symlink_to(tmp_path / str(os.getpid()))
+        assert share.count() == 3  # returns: neither was opened to wait on
+        assert share._others == {fifo_node.pid: None, link_node.pid: None}
+        share.apply()
+        assert native.threads() == 1, "a byte that cannot be read counts as a node computing"
+    finally:
+        for node in (fifo_node, link_node):
+            node.kill()
+            node.wait()
+        share.close()
+        native.lend_threads(None)

@@ -144,7 +144,6 @@ class ComputeWorker:
                 else:
                     batch, job = [], self._others.popleft()
                     other_turn = False
-            self._retune()
             batch = [waiting for waiting in batch if not waiting.future.done()]  # callers gone: no work for them
             if job is not None and job.future.done():
                 if job.chunks is not None:
@@ -152,6 +151,7 @@ class ComputeWorker:
                 continue
             if job is None and not batch:
                 continue
+            self._retune()
             started = time.monotonic()
             if job is not None and job.chunks is not None:
                 self._run_chunk(job)

@@ -48,6 +48,17 @@ class FusedDecode:
                 setattr(slot, name, self._weight(packed))
             slot.norm_in, slot.norm_post = (self._float(norm) for norm in layer.norms[:2])
         self.width = self._array[0].o.out
+        q_size, kv_size, inter = self.heads * self.dim, self.kv_heads * self.dim, self._array[0].down.inputs
+        for slot in self._array:  # the C code trusts these for every stride: checked once here
+            shapes = [(w.out, w.inputs) for w in (slot.qkv, slot.o, slot.gate_up, slot.down)]
+            if shapes != [(q_size + 2 * kv_size, self.width), (self.width, q_size), (2 * inter, self.width),
+                          (self.width, inter)] or self.heads % self.kv_heads or self.dim % 2:
+                raise ValueError(f"layer shapes {shapes} do not fit {self.heads} heads, {self.kv_heads} kv heads")
+        for layer in lean.layers:
+            if any(norm.numel() != self.width for norm in layer.norms[:2]) or any(
+                    t is not None and t.numel() != lin.shape[0] for lin in layer.linears() for t in (lin.bias,
+                                                                                                  lin.scales)):
+                raise ValueError("norm weights, biases and scales must have one value per channel")
 
     def _float(self, tensor: torch.Tensor | None) -> int | None:
         if tensor is None:
@@ -76,6 +87,8 @@ class FusedDecode:
                 or any(len(cache.keys) != self.layers for cache in caches):
             raise ValueError(f"a decode step of {rows} rows does not fit the fused layers")
         checked = AttendRows(caches, [0] * rows, pasts, self.scale)  # dtype, shape, room and distinct caches
+        if (checked.kv_heads, checked.dim) != (self.kv_heads, self.dim):
+            raise ValueError(f"caches of {checked.kv_heads} heads of {checked.dim} do not fit these layers")
         keys = numpy.array([[cache.keys[layer].data_ptr() for cache in caches] for layer in range(self.layers)],
                            dtype=numpy.uint64)
         values = numpy.array([[cache.values[layer].data_ptr() for cache in caches] for layer in range(self.layers)],

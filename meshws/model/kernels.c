@@ -453,7 +453,8 @@ int mw_attend(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const 
    w_post; h += (silu(x Wg) * x Wu) Wd. With `round_bf16` every value torch's bf16 path would
    hold in bfloat16 is rounded to bfloat16 where torch rounds it (after each product, norm,
    rotary term, activation and sum), so a bf16 model gives its torch tokens up to the order of
-   the sums; otherwise all is float32. The hidden state `h` [rows, hidden] is float32 in and out. */
+   the sums; otherwise all is float32 (SiLU's exp is libm's expf, torch's own vectorised exp may
+   differ from it by an ulp). The hidden state `h` [rows, hidden] is float32 in and out. */
 
 typedef struct {
     const void *w;
@@ -562,6 +563,8 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
         attend_t task = {rows, heads, kv_heads, dim, q, new_keys, new_values, keys + l * rows, values + l * rows,
                          capacity, low, at, cache_kind, scale, att, &failed};
         parallel(attend_units, &task, rows * kv_heads, work < THREAD_WORK ? 1 : threads);
+        if (atomic_load(&failed))
+            break;
         if (round_bf16)
             for (int64_t i = 0; i < rows * q_size; i++)
                 att[i] = to_bf16(att[i]);

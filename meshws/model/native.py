@@ -46,7 +46,7 @@ from .source import default_cache_dir
 log = logging.getLogger("meshws.shard")
 
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ["-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-pthread"]
+FLAGS = ["-O3", "-march=native", "-std=c11", "-ffp-contract=off", "-shared", "-fPIC", "-pthread"]  # fmaf by hand
 
 
 _lent: int | None = None  # threads the kernels may use now (`cores.CoreShare` lends them step by step)
@@ -77,8 +77,8 @@ class Kernels:
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
         self.decode = library.mw_decode  # called by `fused.FusedDecode`, which checks what it hands over
         self.decode.restype = ctypes.c_int
-        self.decode.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 8 \
-            + [ctypes.c_int] * 2
+        self.decode.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_float] * 2 \
+            + [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int] * 2
         self._attend = library.mw_attend
         self._attend.restype = ctypes.c_int
         self._attend.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 8 + [ctypes.c_int, ctypes.c_float,

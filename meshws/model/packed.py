@@ -226,12 +226,13 @@ class LeanCache:
         grown = max(positions, self.capacity + self.capacity // 2)
         grown = -(-grown // CACHE_BLOCK) * CACHE_BLOCK
         keep = min(self.length, self.capacity)
-        for buffers in (self.keys, self.values):
-            for index, old in enumerate(buffers):
-                new = self._empty(grown)
-                if keep:
-                    new[:, :, :keep].copy_(old[:, :, :keep])
-                buffers[index] = new
+        # Every new buffer first, then the swap: a failed allocation leaves all layers as they were (meshws's
+        # kernels read every layer's buffers at the capacity of the first).
+        keys, values = [self._empty(grown) for _ in self.keys], [self._empty(grown) for _ in self.values]
+        if keep:
+            for new, old in zip(keys + values, self.keys + self.values):
+                new[:, :, :keep].copy_(old[:, :, :keep])
+        self.keys, self.values = keys, values
 
     def crop_to(self, length: int) -> None:
         self.length = min(self.length, length)

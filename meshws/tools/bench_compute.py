@@ -3,7 +3,8 @@
 * `measure_bandwidth`: how fast this machine reads memory (GB/s), from summing a buffer
   far larger than its caches;
 * `measure_decode_step`: one token through a 15-layer middle shard (no embeddings, no LM
-  head), per compute path (transformers, lean, lean with int8 weights): ms per step and
+  head), per compute path (transformers; lean, fused where meshws's kernels run it; the same
+  weights op by op; op by op on OpenBLAS for fp32; int8 weights): ms per step and
   the ratio to the floor, i.e. the time to read the shard's weights once at that bandwidth;
 * `measure_llama_cpp`: llama.cpp (llama-cpp-python, an optional extra) on the same GGUF,
   the same prompt token ids and the same thread count: decode tok/s and time to first
@@ -42,14 +43,16 @@ def measure_decode_step(resolved: Any, dtype: str, bandwidth: float, steps: int 
     from ..model.tensors import positions
 
     results: dict[str, Any] = {}
-    paths = [("transformers", ShardSettings(dtype=dtype, compute="transformers")),
-             ("lean", ShardSettings(dtype=dtype, compute="lean")),  # float products on what this CPU suits (`blas`)
+    lean = ShardSettings(dtype=dtype, compute="lean")  # fused where meshws's kernels run it, else op by op
+    paths = [("transformers", ShardSettings(dtype=dtype, compute="transformers")), ("lean", lean),
+             ("lean_ops", lean),  # the same weights, the decode step op by op through torch (`fused` off)
              ("lean_int8", ShardSettings(dtype=dtype, compute="lean", quant="int8"))]
-    if dtype == "float32":  # the other float multiplier, to compare
-        other = "torch" if choose_matmul("auto", dtype, False)[0] == "openblas" else "openblas"
-        paths.insert(2, (f"lean_{other}", ShardSettings(dtype=dtype, compute="lean", matmul=other)))
+    if dtype == "float32" and choose_matmul("openblas", dtype, False)[0] == "openblas":  # op by op on OpenBLAS
+        paths.insert(3, ("lean_openblas", ShardSettings(dtype=dtype, compute="lean", matmul="openblas")))
     for name, settings in paths:
         shard = ModelShard(resolved, 5, 20, settings)
+        if name == "lean_ops" and shard.lean is not None:
+            shard.lean.fused = None
         width = shard.hidden_size
         with torch.inference_mode():
             shard.layers.run(torch.randn(1, context, width, dtype=shard.compute_dtype), positions(0, context),

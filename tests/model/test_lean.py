@@ -97,6 +97,26 @@ def test_growing_keeps_what_the_buffers_hold():
     assert cache.length == 2
 
 
+def test_a_cache_that_cannot_grow_is_left_as_it_was(monkeypatch):
+    cache = LeanCache(layers=3, kv_heads=1, head_dim=4, dtype=torch.float32)
+    cache.reserve(3)
+    cache.keys[2][:, :, :3] = 1.0
+    cache.length = 3
+    made = []
+
+    def empty(capacity):
+        if len(made) == 4:  # the fifth of six new buffers: no memory
+            raise RuntimeError("out of memory")
+        made.append(capacity)
+        return torch.empty(1, 1, capacity, 4)
+
+    monkeypatch.setattr(cache, "_empty", empty)
+    with pytest.raises(RuntimeError):
+        cache.reserve(CACHE_BLOCK + 1)
+    assert {t.shape[2] for t in cache.keys + cache.values} == {cache.capacity} == {CACHE_BLOCK}
+    assert torch.equal(cache.keys[2][:, :, :3], torch.ones(1, 1, 3, 4))
+
+
 @pytest.mark.parametrize("quant", [None, "int8", "int8-fbgemm"])
 def test_batched_lean_rows_equal_each_row_alone(embedded_model, quant, monkeypatch):
     if quant == "int8-fbgemm":  # the int8 path where meshws's kernel cannot be built

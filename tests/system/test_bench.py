@@ -26,14 +26,15 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
         for name in ("full_node", "full_node_int8"):
             assert entry[name]["per_session_tok_s"] > 0 and "ratio_to_generate" in entry[name]
         steps = entry["decode_step"]
-        # the lean step runs on the multiplier this CPU suits, and again on the other one
-        lean = {matmul: "lean llama" + ", OpenBLAS products" * (choose_matmul(matmul, dtype, False)[0] == "openblas")
-                for matmul in ("auto", "torch", "openblas")}
-        other = "torch" if choose_matmul("auto", dtype, False)[0] == "openblas" else "openblas"
-        kernel = "(meshws kernel)" if kernels() else "(FBGEMM)"
-        assert set(steps) == {"transformers", "lean", f"lean_{other}", "lean_int8"}
-        assert [steps[name]["path"] for name in ("transformers", "lean", f"lean_{other}", "lean_int8")] == [
-            "transformers", lean["auto"], lean[other], "lean llama, int8 weights " + kernel]
+        # the lean step fused where meshws's kernels run, the same weights op by op, and op by op on OpenBLAS
+        openblas = ["lean_openblas"] * (choose_matmul("openblas", dtype, False)[0] == "openblas")
+        names = ["transformers", "lean", "lean_ops", *openblas, "lean_int8"]
+        fused = ", decode fused (meshws kernel)" if kernels() else ""
+        auto = "lean llama" + ", OpenBLAS products" * (not fused and choose_matmul("auto", dtype, False)[0] == "openblas")
+        assert set(steps) == set(names)
+        assert [steps[name]["path"] for name in names] == [
+            "transformers", auto + fused, auto, *["lean llama, OpenBLAS products"] * len(openblas),
+            "lean llama, int8 weights " + ("(meshws kernel)" if kernels() else "(FBGEMM)") + fused]
         for step in steps.values():
             assert step["step_ms"] > 0 and step["floor_ms"] > 0 and step["over_floor"] > 0
         # a byte per weight (0.25x of fp32's 15 layers), padded by FBGEMM (576 inputs take 1024): 0.40x

@@ -53,7 +53,8 @@ def test_an_int8_node_answers_and_mostly_agrees_with_float(embedded_model):
         health, answers = asyncio.run(ask())
     finally:
         mesh.stop()
-    assert health["compute"]["path"] == "lean llama, int8 weights " + ("(meshws kernel)" if kernels() else "(FBGEMM)")
+    assert health["compute"]["path"] == "lean llama, int8 weights " + (
+        "(meshws kernel), decode fused (meshws kernel)" if kernels() else "(FBGEMM)")
     # int8 layers and LM head (237 MiB; FBGEMM pads 576 inputs to 1024: 320 MiB) beside fp32 embeddings (513 MiB)
     assert health["weight_bytes"] < 0.7 * 4 * 134_515_008
     assert all(len(tokens) == AGREE_TOKENS for tokens in answers), answers
