@@ -92,8 +92,22 @@ static inline float reduce(const float *lanes) {
 #endif
 }
 
-static float finish(const float *lanes, const float *x, const float *wf, const job_t *j, int64_t o, int64_t k) {
-    float sum = reduce(lanes);
+#ifndef GENERIC
+/* The same tree in registers: halving the vector adds lane i to lane i + LANES / 2, as `reduce` pairs them. */
+static inline float hsum(vec v) {
+#if LANES == 16
+    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+#else
+    __m256 half = v;
+#endif
+    __m128 quarter = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+    __m128 pair = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter));
+    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+}
+#endif
+
+static float finish(float sum, const float *x, const float *wf, const job_t *j, int64_t o, int64_t k) {
     for (; k < j->in; k++)
         sum = fmaf(x[k], wf ? wf[k] : cache_at(j->w, j->kind, o * j->in + k), sum);
     return sum;
@@ -128,7 +142,7 @@ static void widen_row(float *to, const void *w, int kind, int64_t at, int64_t co
 static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r0, int nr, int64_t o0, int no,
                                                        const float *wf, int kind) {
     const int64_t in = j->in, whole = in - in % LANES;
-    float lanes[MAX_ROWS][OUT_TILE][LANES];
+    float sums[MAX_ROWS][OUT_TILE];
 #ifndef GENERIC
     vec acc[MAX_ROWS][OUT_TILE];
     for (int i = 0; i < MAX_ROWS; i++)
@@ -148,8 +162,9 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r
     }
     for (int i = 0; i < nr; i++)
         for (int c = 0; c < no; c++)
-            vstore(lanes[i][c], acc[i][c]);
+            sums[i][c] = hsum(acc[i][c]);
 #else
+    float lanes[MAX_ROWS][OUT_TILE][LANES];
     for (int i = 0; i < nr; i++)
         for (int c = 0; c < no; c++)
             for (int l = 0; l < LANES; l++)
@@ -161,10 +176,13 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r
                     float wv = wf ? wf[c * in + k + l] : cache_at(j->w, kind, (o0 + c) * in + k + l);
                     lanes[i][c][l] = fmaf(j->x[(r0 + i) * in + k + l], wv, lanes[i][c][l]);
                 }
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < no; c++)
+            sums[i][c] = reduce(lanes[i][c]);
 #endif
     for (int i = 0; i < nr; i++)
         for (int c = 0; c < no; c++)
-            store(j, r0 + i, o0 + c, finish(lanes[i][c], j->x + (r0 + i) * in, wf ? wf + c * in : NULL, j, o0 + c, whole));
+            store(j, r0 + i, o0 + c, finish(sums[i][c], j->x + (r0 + i) * in, wf ? wf + c * in : NULL, j, o0 + c, whole));
 }
 
 /* Constant-size tiles, so the compiler keeps the accumulators in registers. */
@@ -355,30 +373,42 @@ typedef struct {
     int kind;
     float scale;
     float *out;
-    atomic_int *failed; /* set when a unit found no memory for its scores (its cache is left as it was) */
+    atomic_int *failed; /* set when a unit found no memory for its scores (the caller undoes the step) */
 } attend_t;
 
 #define STACK_SCORES 4096 /* floats of scores kept on the stack; longer rows take the heap */
 
 static float dot(const float *q, const void *k, int kind, int64_t dim) {
     const int64_t whole = dim - dim % LANES;
-    float lanes[LANES];
 #ifndef GENERIC
     vec acc = vzero();
     for (int64_t d = 0; d < whole; d += LANES)
         acc = vfma(vload(q + d), kind == KIND_F32 ? vload((const float *)k + d) : widen_bf16((const uint16_t *)k + d), acc);
-    vstore(lanes, acc);
+    float sum = hsum(acc);
 #else
+    float lanes[LANES];
     for (int l = 0; l < LANES; l++)
         lanes[l] = 0.0f;
     for (int64_t d = 0; d < whole; d += LANES)
         for (int l = 0; l < LANES; l++)
             lanes[l] = fmaf(q[d + l], cache_at(k, kind, d + l), lanes[l]);
-#endif
     float sum = reduce(lanes);
+#endif
     for (int64_t d = whole; d < dim; d++)
         sum = fmaf(q[d], cache_at(k, kind, d), sum);
     return sum;
+}
+
+/* Every row's new key and value into its cache, before any row attends: rows of one session at
+   consecutive positions (a multi-token step) then each see the keys of the rows before them. */
+static void store_rows(const attend_t *a) {
+    const size_t size = a->kind == KIND_F32 ? 4 : 2, bytes = (size_t)a->dim * size;
+    for (int64_t unit = 0; unit < a->rows * a->kv_heads; unit++) {
+        const int64_t row = unit / a->kv_heads, head = unit % a->kv_heads;
+        const size_t at = (size_t)(head * a->capacity[row] + a->at[row]) * bytes;
+        memcpy((char *)a->keys[row] + at, (const char *)a->new_keys + (size_t)unit * bytes, bytes);
+        memcpy((char *)a->values[row] + at, (const char *)a->new_values + (size_t)unit * bytes, bytes);
+    }
 }
 
 static void attend_units(const void *task, int64_t begin, int64_t end) {
@@ -396,8 +426,6 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
         }
         char *keys = (char *)a->keys[row] + (size_t)(head * a->capacity[row]) * dim * size;
         char *values = (char *)a->values[row] + (size_t)(head * a->capacity[row]) * dim * size;
-        memcpy(keys + (size_t)at * dim * size, (const char *)a->new_keys + (size_t)unit * dim * size, dim * size);
-        memcpy(values + (size_t)at * dim * size, (const char *)a->new_values + (size_t)unit * dim * size, dim * size);
         float *value = scores + count * group;
         for (int64_t g = 0; g < group; g++) {
             const float *q = a->q + ((row * a->heads) + head * group + g) * dim;
@@ -440,6 +468,7 @@ int mw_attend(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const 
     int64_t work = 0;
     for (int64_t r = 0; r < rows; r++)
         work += (at[r] - low[r] + 1) * heads * dim * 2;
+    store_rows(&task);
     parallel(attend_units, &task, rows * kv_heads, work < THREAD_WORK ? 1 : threads);
     return atomic_load(&failed) ? -1 : 0;
 }
@@ -562,6 +591,7 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
         }
         attend_t task = {rows, heads, kv_heads, dim, q, new_keys, new_values, keys + l * rows, values + l * rows,
                          capacity, low, at, cache_kind, scale, att, &failed};
+        store_rows(&task);
         parallel(attend_units, &task, rows * kv_heads, work < THREAD_WORK ? 1 : threads);
         if (atomic_load(&failed))
             break;

@@ -201,8 +201,9 @@ class AttendRows:
         self.dtype, (self.kv_heads, self.dim) = first.dtype, first.shape
         self.capacity = numpy.array([cache.capacity for cache in caches], dtype=numpy.int64)
         self.low_at = numpy.array([list(low), list(at)], dtype=numpy.int64).reshape(2, len(caches))
-        if len({id(cache) for cache in caches}) != len(caches):
-            raise ValueError("a session's cache appears twice in one step")
+        if len({(id(cache), int(row)) for cache, row in zip(caches, self.low_at[1])}) != len(caches):
+            raise ValueError("a position of a session's cache appears twice in one step")  # (rows of one session
+            # at consecutive positions are a multi-token step: each sees the keys of the rows before it)
         if self.dtype not in (torch.float32, torch.bfloat16) or any(
                 cache.dtype != self.dtype or cache.shape != first.shape for cache in caches):
             raise ValueError("attention takes caches of one shape, in float32 or bfloat16")

@@ -92,3 +92,26 @@ def test_what_the_kernel_is_handed_is_checked_first(embedded_model):
         fused.run(hidden, cos, sin, [LeanCache(3, lean.kv_heads, lean.head_dim, torch.float32)], [0], 1)
     out = fused.run(hidden, cos, sin, [cache], [0], 1)  # and after all that, a good step runs
     assert out.shape == hidden.shape and torch.isfinite(out).all()
+
+
+def test_a_short_multi_token_step_runs_fused_as_rows_of_one_session(embedded_model):
+    """A lap of drafts (or a short prompt): its rows share one cache at consecutive positions, each seeing the
+    keys of the rows before it, as the op-by-op path's causal attention does."""
+    shard = ModelShard(embedded_model, 0, 12, ShardSettings(dtype="float32"))
+    lean, fused = shard.lean, shard.lean.fused
+    calls = []
+    lean.fused = type("Counting", (), {"run": lambda self, *args: calls.append(len(args[3])) or fused.run(*args)})()
+    torch.manual_seed(1)
+    prompt, lap = torch.randn(1, 80, shard.hidden_size), torch.randn(1, 5, shard.hidden_size)
+    with torch.inference_mode():
+        one_call, op_by_op = lean.new_cache(), lean.new_cache()
+        lean.run(prompt, torch.arange(80).unsqueeze(0), one_call)  # longer than a fused step takes
+        assert calls == []
+        got = lean.run(lap, torch.arange(80, 85).unsqueeze(0), one_call)
+        assert calls == [5] and one_call.length == 85
+        lean.fused = None
+        lean.run(prompt, torch.arange(80).unsqueeze(0), op_by_op)
+        want = lean.run(lap, torch.arange(80, 85).unsqueeze(0), op_by_op)
+    lean.fused = fused
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(one_call.keys[11][:, :, :85], op_by_op.keys[11][:, :, :85], atol=1e-4, rtol=1e-4)
