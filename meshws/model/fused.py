@@ -89,10 +89,8 @@ class FusedDecode:
         checked = AttendRows(caches, [0] * rows, pasts, self.scale)  # dtype, shape, room and distinct caches
         if (checked.kv_heads, checked.dim) != (self.kv_heads, self.dim):
             raise ValueError(f"caches of {checked.kv_heads} heads of {checked.dim} do not fit these layers")
-        keys = numpy.array([[cache.keys[layer].data_ptr() for cache in caches] for layer in range(self.layers)],
-                           dtype=numpy.uint64)
-        values = numpy.array([[cache.values[layer].data_ptr() for cache in caches] for layer in range(self.layers)],
-                             dtype=numpy.uint64)
+        both = numpy.stack([checked.pointers(layer) for layer in range(self.layers)]).reshape(self.layers, 2, rows)
+        keys, values = numpy.ascontiguousarray(both[:, 0]), numpy.ascontiguousarray(both[:, 1])  # [layers][rows]
         state = hidden.detach().reshape(rows, self.width).to(torch.float32, copy=True).contiguous()
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         failed = self.kernels.decode(rows, self.layers, ctypes.addressof(self._array), self.width, self.heads,

@@ -461,6 +461,15 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
     }
 }
 
+/* Every row's new key and value stored, then every row attended, on as many threads as the work is worth. */
+static void attend_rows(const attend_t *a, int threads) {
+    int64_t work = 0;
+    for (int64_t r = 0; r < a->rows; r++)
+        work += (a->at[r] - a->low[r] + 1) * a->heads * a->dim * 2;
+    store_rows(a);
+    parallel(attend_units, a, a->rows * a->kv_heads, work < THREAD_WORK ? 1 : threads);
+}
+
 /* Returns 0, or -1 if some row found no memory (the caller undoes the step: see `decode_rows`). */
 int mw_attend(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const float *q, const void *new_keys,
                const void *new_values, void *const *keys, void *const *values, const int64_t *capacity,
@@ -468,11 +477,7 @@ int mw_attend(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const 
     atomic_int failed = 0;
     attend_t task = {rows, heads, kv_heads, dim, q, new_keys, new_values, keys, values, capacity, low, at,
                      kind, scale, out, &failed};
-    int64_t work = 0;
-    for (int64_t r = 0; r < rows; r++)
-        work += (at[r] - low[r] + 1) * heads * dim * 2;
-    store_rows(&task);
-    parallel(attend_units, &task, rows * kv_heads, work < THREAD_WORK ? 1 : threads);
+    attend_rows(&task, threads);
     return atomic_load(&failed) ? -1 : 0;
 }
 
@@ -574,9 +579,6 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
     float *out = att + rows * q_size, *gate_up = out + rows * width, *act = gate_up + rows * 2 * inter;
     char *new_keys = fresh, *new_values = fresh + rows * kv_size * size;
     atomic_int failed = 0;
-    int64_t work = 0;
-    for (int64_t r = 0; r < rows; r++)
-        work += (at[r] - low[r] + 1) * heads * dim * 2;
     for (int64_t l = 0; l < layers && !atomic_load(&failed); l++) {
         const mw_layer *p = layer + l;
         for (int64_t r = 0; r < rows; r++)
@@ -594,8 +596,7 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
         }
         attend_t task = {rows, heads, kv_heads, dim, q, new_keys, new_values, keys + l * rows, values + l * rows,
                          capacity, low, at, cache_kind, scale, att, &failed};
-        store_rows(&task);
-        parallel(attend_units, &task, rows * kv_heads, work < THREAD_WORK ? 1 : threads);
+        attend_rows(&task, threads);
         if (atomic_load(&failed))
             break;
         if (round_bf16)
