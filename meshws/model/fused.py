@@ -25,7 +25,8 @@ from .native import KINDS, AttendRows, Kernels
 
 class _Weight(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("out", ctypes.c_int64), ("inputs", ctypes.c_int64), ("kind", ctypes.c_int), ("pad", ctypes.c_int)]
+                ("out", ctypes.c_int64), ("inputs", ctypes.c_int64), ("kind", ctypes.c_int), ("pad", ctypes.c_int),
+                ("tiles", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -42,6 +43,7 @@ class FusedDecode:
         self.heads, self.kv_heads, self.dim = lean.heads, lean.kv_heads, lean.head_dim
         self.eps, self.scale, self.dtype = float(lean.eps), float(lean.scaling), lean.dtype
         self._keep: list[torch.Tensor] = []  # the float32 copies the structures point into
+        self.amx = False  # some products run on AMX tiles (bf16 weights, a CPU that has them)
         self._array = (_Layer * self.layers)()
         for slot, layer in zip(self._array, lean.layers):
             for name, packed in zip(("qkv", "o", "gate_up", "down"), layer.linears()):
@@ -74,8 +76,12 @@ class FusedDecode:
             raise ValueError("the fused decode takes int8 (with scales), bfloat16 or float32 weights, [out, in]")
         self._keep.append(weight)
         scales = None if packed.codes is None else self._float(packed.scales)
+        tiles = self.kernels.amx_tiles(weight)  # bf16 products on AMX, where the CPU has it
+        if tiles is not None:
+            self._keep.append(tiles)
+            self.amx = True
         return _Weight(weight.data_ptr(), scales, self._float(packed.bias), packed.shape[0], packed.shape[1],
-                       KINDS[weight.dtype], 0)
+                       KINDS[weight.dtype], 0, None if tiles is None else tiles.data_ptr())
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: Sequence[Any],
             pasts: Sequence[int], threads: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ typedef __m512 vec;
 #define vload(p) _mm512_loadu_ps(p)
 #define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define vstore(p, v) _mm512_storeu_ps(p, v)
+#define vset1(x) _mm512_set1_ps(x)
 #define widen_i8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define widen_bf16(p) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
@@ -46,6 +47,7 @@ typedef __m256 vec;
 #define vload(p) _mm256_loadu_ps(p)
 #define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define vstore(p, v) _mm256_storeu_ps(p, v)
+#define vset1(x) _mm256_set1_ps(x)
 #define widen_i8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define widen_bf16(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
@@ -356,6 +358,169 @@ void mw_linear(const float *x, int64_t rows, int64_t in, const void *w, int kind
     parallel(linear_tiles, &whole, (out + OUT_TILE - 1) / OUT_TILE, rows * in * out < THREAD_WORK ? 1 : threads);
 }
 
+static inline float to_bf16(float x) { /* round to nearest even, as torch's .to(bfloat16) (NaN kept NaN) */
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        bits |= 0x00400000u;
+    else
+        bits += 0x7fffu + ((bits >> 16) & 1u);
+    bits &= 0xffff0000u;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* mw_amx_linear: y = x W^T (+ bias) for bfloat16 weights on Intel's AMX tiles, where the CPU has
+   them (-march=native turns on __AMX_BF16__) and Linux lets this process use them (`mw_amx`).
+
+   x is float32 [rows, in] holding bfloat16 values (a bf16 model's activations are rounded to
+   bf16 before every product), so its conversion to bf16 is exact. The weights come repacked
+   once (`native.amx_tiles`): for outputs n0..n0+15 and inputs k0..k0+31, one 1 KiB tile of 16
+   lines, line p holding (w[n0 + c, k0 + 2p], w[n0 + c, k0 + 2p + 1]) for c = 0..15, which is
+   the pair layout TDPBF16PS multiplies; the four tiles of 64 outputs for inputs k0..k0+31 lie
+   side by side, then those for the next 32 inputs, so a group of outputs reads one stream.
+   Each output sums its 32-input tiles in input order,
+   each tile's pairs as the hardware sums them, in float32: a row's result is the same alone
+   or in any batch (the tiles' rows are independent), on any thread count. out % 64 == 0 and
+   in % 32 == 0 (the caller checks). A 16-row batch costs little more than one row here: the
+   tiles do 16 x 16 x 32 multiply-adds per instruction, where a vector does 16. */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX 1
+#define AMX_ROWS 16  /* rows of a tile */
+#define AMX_K 32     /* bf16 inputs per tile line (64 bytes) */
+#define AMX_N 16     /* outputs per tile */
+#define AMX_GROUP 4  /* output tiles accumulated together: tmm0..3; x in tmm4, weights in tmm5, tmm6 */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} tile_config;
+
+typedef struct {
+    const uint16_t *x;     /* [padded rows, in] bf16 */
+    const uint16_t *tiles; /* the repacked weights */
+    float *y;              /* [padded rows, out] */
+    int64_t blocks, in, out;
+    int rows; /* rows of each tile: 16, or all of a batch of fewer */
+} amx_job;
+
+static void amx_configure(int rows) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 4; t++) { /* accumulators: rows x 16 floats */
+        config.rows[t] = (uint8_t)rows;
+        config.bytes_per_row[t] = AMX_N * 4;
+    }
+    config.rows[4] = (uint8_t)rows; /* x: rows x 32 bf16 */
+    config.bytes_per_row[4] = AMX_K * 2;
+    for (int t = 5; t < 7; t++) { /* weights: 16 pair lines x 16 outputs */
+        config.rows[t] = AMX_K / 2;
+        config.bytes_per_row[t] = AMX_N * 4;
+    }
+    _tile_loadconfig(&config);
+}
+
+#define TILE (AMX_K * AMX_N) /* bf16 values in a weight tile */
+#define AMX_AHEAD 8          /* KiB of weights prefetched ahead of the tiles read */
+
+#define AMX_STEP(t, B)                                        \
+    do {                                                      \
+        _tile_loadd(B, w + (int64_t)(t) * TILE, AMX_N * 4);   \
+        _tile_dpbf16ps(t, 4, B);                              \
+    } while (0)
+
+static void amx_units(const void *task, int64_t begin, int64_t end) { /* units: groups of AMX_GROUP output tiles */
+    const amx_job *j = task;
+    const int64_t chunks = j->in / AMX_K;
+    amx_configure(j->rows);
+    for (int64_t unit = begin; unit < end; unit++) {
+        const uint16_t *group = j->tiles + unit * chunks * AMX_GROUP * TILE; /* its tiles, in the order read */
+        for (int64_t block = 0; block < j->blocks; block++) {
+            const uint16_t *x = j->x + block * AMX_ROWS * j->in;
+            float *y = j->y + block * AMX_ROWS * j->out + unit * AMX_GROUP * AMX_N;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t c = 0; c < chunks; c++) {
+                const uint16_t *w = group + c * AMX_GROUP * TILE;
+                for (int line = 0; line < AMX_GROUP * TILE * 2; line += 64) /* a hint: past the end, nothing */
+                    __builtin_prefetch((const char *)w + AMX_AHEAD * 1024 + line, 0, 3);
+                _tile_loadd(4, x + c * AMX_K, j->in * 2);
+                AMX_STEP(0, 5);
+                AMX_STEP(1, 6);
+                AMX_STEP(2, 5);
+                AMX_STEP(3, 6);
+            }
+            _tile_stored(0, y, j->out * 4);
+            _tile_stored(1, y + AMX_N, j->out * 4);
+            _tile_stored(2, y + 2 * AMX_N, j->out * 4);
+            _tile_stored(3, y + 3 * AMX_N, j->out * 4);
+        }
+    }
+    _tile_release();
+}
+
+static int amx_allowed = -1;
+
+/* 1 when this process may use the tiles: Linux asks each process to request them once. */
+int mw_amx(void) {
+    if (amx_allowed < 0)
+        amx_allowed = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return amx_allowed;
+}
+
+/* Returns 0, or -1 without the tiles or without memory (nothing written). */
+int mw_amx_linear(const float *x, int64_t rows, int64_t in, const void *tiles, const float *bias, float *y,
+                  int64_t out, int threads) {
+    if (!mw_amx() || in % AMX_K || out % (AMX_N * AMX_GROUP) || rows < 1)
+        return -1;
+    const int64_t padded = rows < AMX_ROWS ? rows : (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    uint16_t *wide = malloc(sizeof(uint16_t) * padded * in);
+    float *sums = padded == rows ? y : malloc(sizeof(float) * padded * out);
+    if (!wide || !sums) {
+        free(wide);
+        if (sums != y)
+            free(sums);
+        return -1;
+    }
+    for (int64_t i = 0; i < rows * in; i++) { /* exact: the values are bf16 already (else rounded to nearest) */
+        float rounded = to_bf16(x[i]);
+        uint32_t bits;
+        memcpy(&bits, &rounded, sizeof bits);
+        wide[i] = (uint16_t)(bits >> 16);
+    }
+    memset(wide + rows * in, 0, sizeof(uint16_t) * (padded - rows) * in);
+    amx_job job = {wide, tiles, sums, padded < AMX_ROWS ? 1 : padded / AMX_ROWS, in, out,
+                   (int)(padded < AMX_ROWS ? padded : AMX_ROWS)};
+    const int64_t units = out / (AMX_N * AMX_GROUP);
+    parallel(amx_units, &job, units, rows * in * out < THREAD_WORK ? 1 : threads);
+    if (sums != y)
+        memcpy(y, sums, sizeof(float) * rows * out);
+    if (bias)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t o = 0; o < out; o++)
+                y[r * out + o] += bias[o];
+    free(wide);
+    if (sums != y)
+        free(sums);
+    return 0;
+}
+#else
+int mw_amx(void) { return 0; }
+
+int mw_amx_linear(const float *x, int64_t rows, int64_t in, const void *tiles, const float *bias, float *y,
+                  int64_t out, int threads) {
+    (void)x, (void)rows, (void)in, (void)tiles, (void)bias, (void)y, (void)out, (void)threads;
+    return -1;
+}
+#endif
+
 /* mw_attend: one query position per row against that row's own cache (a decode step of a batch
    of sessions whose caches differ in length), after writing the row's new key and value there.
 
@@ -443,14 +608,18 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
             }
             for (int64_t d = 0; d < dim; d++)
                 value[d] = 0.0f;
-            for (int64_t t = 0; t < count; t++) {
+            for (int64_t t = 0; t < count; t++) { /* each value[d] a chain over t in order, LANES of d at a time */
                 const char *v = values + (size_t)(low + t) * dim * size;
-                if (a->kind == KIND_F32)
-                    for (int64_t d = 0; d < dim; d++)
-                        value[d] = fmaf(s[t], ((const float *)v)[d], value[d]);
-                else
-                    for (int64_t d = 0; d < dim; d++)
-                        value[d] = fmaf(s[t], cache_at(v, KIND_BF16, d), value[d]);
+                int64_t d = 0;
+#ifndef GENERIC
+                const vec weight = vset1(s[t]);
+                for (; d + LANES <= dim; d += LANES)
+                    vstore(value + d, vfma(weight, a->kind == KIND_F32 ? vload((const float *)v + d)
+                                                                      : widen_bf16((const uint16_t *)v + d),
+                                           vload(value + d)));
+#endif
+                for (; d < dim; d++)
+                    value[d] = fmaf(s[t], cache_at(v, a->kind, d), value[d]);
             }
             float *out = a->out + ((row * a->heads) + head * group + g) * dim;
             for (int64_t d = 0; d < dim; d++)
@@ -499,6 +668,7 @@ typedef struct {
     int64_t out, in;
     int kind;
     int _pad;
+    const void *tiles; /* bf16 weights repacked for AMX (`mw_amx_linear`), or NULL */
 } mw_weight;
 
 typedef struct {
@@ -506,22 +676,11 @@ typedef struct {
     const float *norm_in, *norm_post;
 } mw_layer;
 
-static inline float to_bf16(float x) { /* round to nearest even, as torch's .to(bfloat16) (NaN kept NaN) */
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u)
-        bits |= 0x00400000u;
-    else
-        bits += 0x7fffu + ((bits >> 16) & 1u);
-    bits &= 0xffff0000u;
-    memcpy(&x, &bits, sizeof x);
-    return x;
-}
-
 #define R(x) (round_bf16 ? to_bf16(x) : (x))
 
 static void product(const mw_weight *w, const float *x, int64_t rows, float *y, int round_bf16, int threads) {
-    mw_linear(x, rows, w->in, w->w, w->kind, w->scale, w->bias, y, w->out, threads);
+    if (!(w->tiles && round_bf16 && mw_amx_linear(x, rows, w->in, w->tiles, w->bias, y, w->out, threads) == 0))
+        mw_linear(x, rows, w->in, w->w, w->kind, w->scale, w->bias, y, w->out, threads);
     if (round_bf16)
         for (int64_t i = 0; i < rows * w->out; i++)
             y[i] = to_bf16(y[i]);

@@ -141,12 +141,21 @@ class LeanLayers:
             self.lm_head = pack_linear(model.lm_head.weight, model.lm_head.bias, dtype, quant, self.openblas,
                                        self.native, fused)
         self.fused = FusedDecode(self, native) if fused and native is not None else None
-        self.fused_rows = 64 if quant else FUSED_ROWS.get(dtype, 0)
+        # On AMX tiles a batch of bf16 rows costs the kernel little more than one row: every batch runs fused.
+        amx = self.fused is not None and self.fused.amx
+        self.fused_rows = 64 if quant or amx else FUSED_ROWS.get(dtype, 0)
+        self.head_tiles = None  # the LM head repacked for AMX (bf16)
+        if amx and self.lm_head is not None and self.lm_head.weight is not None:
+            self.head_tiles = native.amx_tiles(self.lm_head.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The packed LM head (a tail only); a float head of few rows on meshws's kernel where decode is."""
         head = self.lm_head
         assert head is not None
+        if self.head_tiles is not None and self.fused is not None:  # any number of rows, on AMX
+            rows = hidden.detach().reshape(-1, hidden.shape[-1]).float()
+            out = self.fused.kernels.amx_linear(rows, self.head_tiles, head.bias, kernel_threads())
+            return out.to(hidden.dtype).view(*hidden.shape[:-1], out.shape[-1])
         if self.fused is None or head.weight is None or hidden.numel() > self.fused_rows // 4 * hidden.shape[-1]:
             return linear(hidden, head)
         rows = hidden.detach().reshape(-1, hidden.shape[-1]).float()

@@ -79,6 +79,13 @@ class Kernels:
         self.decode.restype = ctypes.c_int
         self.decode.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_float] * 2 \
             + [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int] * 2
+        self._amx_linear = library.mw_amx_linear
+        self._amx_linear.restype = ctypes.c_int
+        self._amx_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        library.mw_amx.restype = ctypes.c_int
+        # AMX tiles for bf16 products: the CPU has them (the build saw __AMX_BF16__) and Linux lets us use them.
+        self.amx = os.environ.get("MESHWS_AMX", "1") != "0" and library.mw_amx() == 1
         self._attend = library.mw_attend
         self._attend.restype = ctypes.c_int
         self._attend.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 8 + [ctypes.c_int, ctypes.c_float,
@@ -107,6 +114,33 @@ class Kernels:
         if failed:
             raise MemoryError("no memory for a decode step's attention scores")
         return out.view(rows, heads, 1, dim).to(q.dtype)
+
+    def amx_tiles(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """bfloat16 weights `[out, in]` repacked for `amx_linear` (1 KiB tiles of 16 outputs x 32 inputs, input
+        pairs side by side; per 64 outputs, their four tiles of each 32 inputs in turn), or None where AMX is off or
+        the shape does not tile (out % 64, in % 32). `[groups, chunks, 4, 16, 16, 2]`."""
+        out_features, inputs = weight.shape
+        if not self.amx or weight.dtype != torch.bfloat16 or out_features % 64 or inputs % 32:
+            return None
+        return weight.detach().reshape(out_features // 64, 4, 16, inputs // 32, 16, 2).permute(
+            0, 3, 1, 4, 2, 5).contiguous()
+
+    def amx_linear(self, rows: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None,
+                   threads: int) -> torch.Tensor:
+        """`rows @ weight.T + bias` in float32 on AMX: rows float32 `[n, in]` holding bf16 values, `tiles` from
+        `amx_tiles(weight)`."""
+        groups, chunks = tiles.shape[0], tiles.shape[1]
+        if tiles.shape[2:] != (4, 16, 16, 2) or rows.dtype != torch.float32 or rows.dim() != 2 \
+                or rows.shape[1] != chunks * 32 or (bias is not None and bias.shape != (groups * 64,)):
+            raise ValueError(f"rows {tuple(rows.shape)} do not fit tiles {tuple(tiles.shape)}")
+        rows = rows.contiguous()
+        bias = None if bias is None else bias.float().contiguous()
+        out = torch.empty(rows.shape[0], groups * 64)
+        if rows.shape[0] and self._amx_linear(rows.data_ptr(), rows.shape[0], rows.shape[1], tiles.data_ptr(),
+                                              None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                              groups * 64, threads):
+            raise MemoryError("no memory for an AMX product")
+        return out
 
     def linear(self, rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None,
                threads: int) -> torch.Tensor:

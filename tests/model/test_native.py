@@ -54,6 +54,29 @@ def test_float_weights_multiply_as_they_are_and_a_row_keeps_its_bits_in_any_batc
         KERNELS.linear(x, weight, torch.ones(1030), bias, 1)
 
 
+needs_amx = pytest.mark.skipif(KERNELS is None or not KERNELS.amx, reason="no AMX tiles on this CPU (or kernel)")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+def test_bf16_products_on_amx_tiles_are_right_and_a_row_keeps_its_bits_in_any_batch(rows):
+    # 2048 x 1536 is past the work at which the kernel starts threads; 17 and 40 rows take padded blocks.
+    weight = torch.randn(2048, 1536, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    bias = torch.randn(2048, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).float()
+    tiles = KERNELS.amx_tiles(weight)
+    exact = x.double() @ weight.double().T + bias.double()
+    got = KERNELS.amx_linear(x, tiles, bias, 2)
+    assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
+    for index in (0, rows - 1):  # the tiles' rows are independent: alone, in a batch, on any threads
+        assert torch.equal(KERNELS.amx_linear(x[index : index + 1], tiles, bias, 1), got[index : index + 1])
+    assert torch.equal(KERNELS.amx_linear(x, tiles, bias, 1), got)
+    assert KERNELS.amx_tiles(weight[:, :100].contiguous()) is None  # shapes that do not tile: not repacked
+    assert KERNELS.amx_tiles(weight[:1000]) is None and KERNELS.amx_tiles(weight.float()) is None
+    with pytest.raises(ValueError):
+        KERNELS.amx_linear(x[:, :1024], tiles, bias, 1)
+
+
 @needs_kernels
 @pytest.mark.parametrize("in_features", [576, 100])
 def test_a_row_gives_the_same_bits_alone_in_any_batch_and_on_any_threads(in_features):
