@@ -100,8 +100,9 @@ class CoreShare:
         self._checked = time.monotonic()
         return self.nodes
 
-    def retune(self) -> None:
-        """(On the compute thread, between steps.) Count again now and then; follow a changed share."""
+    def retune(self, lend: bool = True) -> None:
+        """(On the compute thread, between steps.) Count again now and then; follow a changed share. `lend`: may
+        the kernels borrow idle nodes' cores (`apply`)?"""
         if time.monotonic() - self._checked >= RETUNE_SECONDS:
             before = self.threads
             try:
@@ -112,18 +113,22 @@ class CoreShare:
             if self.threads != before:
                 log.info("%d meshws nodes on this host share its %d cores: %d compute threads here (was %d)",
                          self.nodes, self.cores, self.threads, before)
-        self.apply()  # every time: cheap when nothing changed, and the compute thread's first job needs it
+        self.apply(lend)  # every time: cheap when nothing changed, and the compute thread's first job needs it
 
-    def apply(self) -> None:
+    def apply(self, lend: bool = True) -> None:
         """Give the share to whichever library multiplies (torch, or numpy's OpenBLAS: `model.blas`); mark this
-        node computing, and lend its kernels the cores no other node of this host computes on now."""
+        node computing, and (`lend`) lend its kernels the cores no other node of this host computes on now.
+
+        Lending pays when nodes compute in turn (one session in flight). With several, the other node is idle
+        only until its next group arrives, microseconds from now: a borrowed core would then be fought over, and
+        a step waits for its slowest thread (head + tail, 4 sessions: a head step took 18 ms instead of 9)."""
         from .model import blas, native
 
         blas.set_threads(self.threads)
         with self._lock:
             self._mark(b"\1")
-            busy = sum(1 for other in self._others.values() if not _idle(other))
-        native.lend_threads(max(self.threads, self.cores // (1 + busy)))
+            busy = sum(1 for other in self._others.values() if not _idle(other)) if lend else 0
+        native.lend_threads(max(self.threads, self.cores // (1 + busy)) if lend else self.threads)
 
     def rest(self) -> None:
         """(On the compute thread, after a job.) This node no longer computes."""

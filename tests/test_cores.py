@@ -107,6 +107,9 @@ def test_the_kernels_borrow_the_cores_of_nodes_not_computing_now(tmp_path):
         (tmp_path / str(other.pid)).write_bytes(b"\1")  # the other node computes too: each keeps its share
         share.apply()
         assert native.threads() == 1 and blas.threads() == 1
+        (tmp_path / str(other.pid)).write_bytes(b"\0")
+        share.apply(lend=False)  # several sessions live: the idle node computes again any moment, nothing is lent
+        assert native.threads() == 1
         share.rest()
         assert (tmp_path / str(os.getpid())).read_bytes() == b"\0"
         (tmp_path / str(other.pid)).write_bytes(b"")  # a byte not readable (yet): counted as computing
