@@ -30,6 +30,7 @@ T = TypeVar("T")
 IDLE_RETUNE_SECONDS = 3.0  # an idle worker with `retune` still calls it this often
 MAX_BATCH = 64
 LINGER = 0.003  # seconds a partial batch may wait for steps of other live sessions (never for a lone one)
+QUIET = 0.001  # ... but no longer than this after the last step arrived: a group's steps come back to back
 PREFILL_CHUNK = 256  # tokens of a prefill run between two turns of other work
 
 
@@ -60,6 +61,7 @@ class ComputeWorker:
         # that while the next shard computes one group this one computes the next: several waves in flight.
         self.micro_batches = micro_batches
         self.lingers = 0  # decode batches that waited for more steps (never for a lone session)
+        self._arrived = 0.0  # when the last decode step was queued
         self.busy_seconds = 0.0  # time spent computing (idle = waiting on the network or on nothing)
         self.recent: deque[tuple[float, float, int]] = deque(maxlen=128)  # (start, end, rows) of recent jobs
         self.batches = 0  # decode batches of two or more steps run so far
@@ -120,6 +122,8 @@ class ComputeWorker:
                 raise RuntimeError("the compute worker is shut down")
             queue = self._urgent if urgent else self._decodes if job.step is not None else self._others
             queue.append(job)
+            if job.step is not None:
+                self._arrived = time.monotonic()
             self._ready.notify()
         return await job.future
 
@@ -189,13 +193,15 @@ class ComputeWorker:
         return max(1, min(self.max_batch, -(-live // groups))), groups > 1
 
     def _linger(self, expected: int) -> None:
-        """(Lock held.) Wait briefly while more live sessions may still add their steps (up to `expected`)."""
+        """(Lock held.) Wait briefly while more live sessions may still add their steps (up to `expected`), as
+        long as steps keep arriving: with groups in flight (`micro_batches`) a later shard gets one group at a
+        time, and the live sessions of other groups will not come now."""
         if len(self._decodes) >= expected or self._closed:
             return
         self.lingers += 1
         deadline = time.monotonic() + LINGER
         while len(self._decodes) < expected and not self._closed:
-            remaining = deadline - time.monotonic()
+            remaining = min(deadline, self._arrived + QUIET) - time.monotonic()
             if remaining <= 0:
                 return
             self._ready.wait(remaining)

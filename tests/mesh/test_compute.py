@@ -201,3 +201,20 @@ async def test_live_sessions_split_into_micro_batches_and_a_lone_session_never_w
         assert all(end >= start for start, end, _ in worker.recent)
     finally:
         worker.shutdown()
+
+
+async def test_a_partial_batch_waits_only_while_steps_keep_arriving(monkeypatch):
+    # A tail with eight live sessions in two groups gets four steps at a time: it must not wait out the
+    # whole linger for the other four, which come only after the head's next group.
+    from meshws.mesh import compute
+
+    monkeypatch.setattr(compute, "LINGER", 5.0)
+    backend = _RecordingTail()
+    worker = ComputeWorker(backend, live_sessions=lambda: 8)
+    try:
+        started = time.monotonic()
+        await asyncio.gather(*(worker.decode(DecodeStep(f"s{i}", body=b"", shape=(1, 1, 8))) for i in range(4)))
+        assert time.monotonic() - started < 2.5, "the partial batch waited out the linger"
+        assert worker.lingers == 1 and backend.batches == [["s0", "s1", "s2", "s3"]]
+    finally:
+        worker.shutdown()
