@@ -216,12 +216,16 @@ static void run(const job_t *j) {
         }
         return;
     }
-    float *wf = malloc(sizeof(float) * OUT_TILE * in); /* a tile's weights widened once per block of rows */
+    /* A tile's weights widened once per block of rows; float32 weights are read where they are (their rows
+       [o, o + no) are that tile already: a copy cost a float32 batch as much time as its products). */
+    float *scratch = j->kind == KIND_F32 ? NULL : malloc(sizeof(float) * OUT_TILE * in), *wf = scratch;
     for (int64_t block = 0; block < j->rows; block += ROW_BLOCK) {
         int64_t block_end = block + ROW_BLOCK < j->rows ? block + ROW_BLOCK : j->rows;
         for (int64_t o = j->o_begin; o < j->o_end; o += OUT_TILE) {
             int no = (int)(j->o_end - o < OUT_TILE ? j->o_end - o : OUT_TILE);
-            if (wf)
+            if (j->kind == KIND_F32)
+                wf = (float *)j->w + o * in;
+            else if (wf)
                 for (int c = 0; c < no; c++)
                     widen_row(wf + c * in, j->w, j->kind, (o + c) * in, in);
             int64_t r = block;
@@ -232,7 +236,7 @@ static void run(const job_t *j) {
                 tile(j, r, (int)(block_end - r < MAX_ROWS ? block_end - r : MAX_ROWS), o, no, wf, j->kind);
         }
     }
-    free(wf);
+    free(scratch);
 }
 
 /* Helper threads, started on first need and kept. `parallel` hands out a range of units by
