@@ -145,7 +145,8 @@ class CoreShare:
     def describe(self) -> dict[str, object]:
         return {"threads": self.threads,
                 "threads_reason": f"{self.nodes} meshws node(s) on this host share its {self.cores} cores; meshws's "
-                                  "kernels borrow the cores of those not computing at the moment"}
+                                  "kernels borrow the cores of those not computing at the moment, while at most "
+                                  "one session is live here"}
 
     def close(self) -> None:
         from .model import native

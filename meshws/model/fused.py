@@ -44,6 +44,7 @@ class FusedDecode:
         self.eps, self.scale, self.dtype = float(lean.eps), float(lean.scaling), lean.dtype
         self._keep: list[torch.Tensor] = []  # the float32 copies the structures point into
         self.amx = False  # some products run on AMX tiles (bf16 weights, a CPU that has them)
+        self.copy_bytes = 0  # of the copies made for the kernel (AMX tiles, float32 norms of a bf16 model)
         self._array = (_Layer * self.layers)()
         for slot, layer in zip(self._array, lean.layers):
             for name, packed in zip(("qkv", "o", "gate_up", "down"), layer.linears()):
@@ -67,6 +68,8 @@ class FusedDecode:
             return None
         copy = tensor.detach().float().contiguous()
         self._keep.append(copy)
+        if copy.data_ptr() != tensor.data_ptr():
+            self.copy_bytes += copy.numel() * copy.element_size()
         return copy.data_ptr()
 
     def _weight(self, packed: Any) -> _Weight:
@@ -80,6 +83,7 @@ class FusedDecode:
         if tiles is not None:
             self._keep.append(tiles)
             self.amx = True
+            self.copy_bytes += tiles.numel() * tiles.element_size()
         return _Weight(weight.data_ptr(), scales, self._float(packed.bias), packed.shape[0], packed.shape[1],
                        KINDS[weight.dtype], 0, None if tiles is None else tiles.data_ptr())
 

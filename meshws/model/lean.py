@@ -167,6 +167,7 @@ class LeanLayers:
         kernel = " (meshws kernel)" if self.native else " (FBGEMM)"
         return (f"lean {self.kind}" + (f", {self.quant} weights{kernel}" if self.quant else "")
                 + (", decode fused (meshws kernel)" if self.fused else "")
+                + (", bf16 products on AMX tiles" if self.fused and self.fused.amx else "")
                 + (", OpenBLAS products" if self.openblas else "") + (", compiled" if self.compiled else ""))
 
     def _linears(self) -> list[Linear]:
@@ -175,6 +176,13 @@ class LeanLayers:
     def tensors(self) -> list[torch.Tensor]:
         """The tensors held, all of them parameters (int8 matrices are not tensors: `int8_bytes`)."""
         return [t for lin in self._linears() for t in lin.tensors()] + [n for layer in self.layers for n in layer.norms]
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of the weights' copies kept for meshws's kernel (AMX tiles beside torch's `[out, in]`, which
+        prefills read), not counted in `tensors()`."""
+        return (self.fused.copy_bytes if self.fused else 0) + (
+            self.head_tiles.numel() * self.head_tiles.element_size() if self.head_tiles is not None else 0)
 
     @property
     def int8_bytes(self) -> int:

@@ -68,7 +68,8 @@ class ModelShard:
         layers_config = shard_config(config, start, end)
         self.model = load_shard_model(resolved, layers_config, self.layout, self.settings.dtype)
         self.lean = self._lean_path(resolved.model_id)
-        self.weight_bytes = tensor_bytes(self.held_tensors()) + (self.lean.int8_bytes if self.lean else 0)
+        self.weight_bytes = tensor_bytes(self.held_tensors()) + (self.lean.int8_bytes + self.lean.copy_bytes
+                                                                  if self.lean else 0)
         self.tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder)) if self.layout.is_head else None
         budget = self.settings.max_cache_bytes
         if budget is None:

@@ -115,3 +115,29 @@ def test_a_short_multi_token_step_runs_fused_as_rows_of_one_session(embedded_mod
     lean.fused = fused
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     assert torch.allclose(one_call.keys[11][:, :, :85], op_by_op.keys[11][:, :, :85], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(kernels() is None or not kernels().amx, reason="no AMX tiles on this CPU")
+def test_bf16_on_amx_says_so_counts_its_tiles_and_batches_past_eight_rows_fused(embedded_model):
+    shard = ModelShard(embedded_model, 20, 30, ShardSettings(dtype="bfloat16"))
+    lean = shard.lean
+    assert "bf16 products on AMX tiles" in shard.compute_path and lean.fused_rows >= 16
+    assert lean.head_tiles is not None  # the tail's LM head too
+    # The tiles are a second copy of every bf16 matrix (torch's [out, in] stays for prefills): counted.
+    assert lean.copy_bytes >= 2 * shard.parameter_count() * 0.95
+    assert shard.weight_bytes >= 2 * 2 * shard.parameter_count() * 0.95
+    caches = [lean.new_cache() for _ in range(16)]
+    with torch.inference_mode():
+        for cache in caches:  # four positions each, by a prefill
+            lean.run(torch.randn(1, 4, shard.hidden_size, dtype=torch.bfloat16), torch.arange(4).unsqueeze(0), cache)
+    calls = []
+    fused = lean.fused
+    lean.fused = type("Counting", (), {"run": lambda self, *args: calls.append(len(args[3])) or fused.run(*args),
+                                       "amx": True, "kernels": fused.kernels})()
+    try:
+        with torch.inference_mode():
+            out = lean.run_rows(torch.randn(16, 1, shard.hidden_size, dtype=torch.bfloat16),
+                                torch.full((16, 1), 4), caches)
+        assert calls == [16] and out.shape == (16, 1, shard.hidden_size) and torch.isfinite(out.float()).all()
+    finally:
+        lean.fused = fused
