@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 log = logging.getLogger("meshws.node")
 
@@ -49,7 +49,9 @@ def usable_cores() -> int:
 
 
 class CoreShare:
-    def __init__(self, directory: Path | None = None, cores: int | None = None, pid: int | None = None) -> None:
+    def __init__(self, directory: Path | None = None, cores: int | None = None, pid: int | None = None,
+                 live_sessions: Callable[[], int] = lambda: 1) -> None:
+        self.live_sessions = live_sessions  # sessions live on this node: cores are lent while at most one is
         self.directory = directory or Path(tempfile.gettempdir()) / f"meshws-nodes-{os.getuid()}"
         self.cores = cores or usable_cores()
         self.pid = pid or os.getpid()
@@ -100,9 +102,8 @@ class CoreShare:
         self._checked = time.monotonic()
         return self.nodes
 
-    def retune(self, lend: bool = True) -> None:
-        """(On the compute thread, between steps.) Count again now and then; follow a changed share. `lend`: may
-        the kernels borrow idle nodes' cores (`apply`)?"""
+    def retune(self) -> None:
+        """(On the compute thread, between steps.) Count again now and then; follow a changed share."""
         if time.monotonic() - self._checked >= RETUNE_SECONDS:
             before = self.threads
             try:
@@ -113,6 +114,10 @@ class CoreShare:
             if self.threads != before:
                 log.info("%d meshws nodes on this host share its %d cores: %d compute threads here (was %d)",
                          self.nodes, self.cores, self.threads, before)
+        try:
+            lend = self.live_sessions() <= 1
+        except Exception:  # a hint, never a reason for a step to fail
+            lend = True
         self.apply(lend)  # every time: cheap when nothing changed, and the compute thread's first job needs it
 
     def apply(self, lend: bool = True) -> None:

@@ -99,7 +99,7 @@ class Node(NodeReports):
                 await self._take_assigned_layers()
             if self.settings.threads is None:  # nodes on this host split its cores (`cores`)
                 try:
-                    self.cores = CoreShare()
+                    self.cores = CoreShare(live_sessions=self._live_sessions)
                 except OSError as exc:
                     log.warning("not sharing this host's cores with other nodes: %s", exc)
             self.backend = await asyncio.to_thread(load_backend, self.settings, self.cores and self.cores.threads)
@@ -113,7 +113,7 @@ class Node(NodeReports):
         self.worker = ComputeWorker(self.backend, live_sessions=self._live_sessions,
                                     prefill_chunk=self.settings.prefill_chunk,
                                     # the compute thread takes the threads (torch counts them per thread)
-                                    retune=self._retune_cores if self.cores else functools.partial(
+                                    retune=self.cores.retune if self.cores else functools.partial(
                                         blas.set_threads, self.settings.threads or blas.threads()),
                                     micro_batches=self._micro_batches, rest=self.cores.rest if self.cores else None)
         sessions = self.backend.sessions
@@ -308,12 +308,6 @@ class Node(NodeReports):
         if self.role != "head":
             return 1  # later shards compute groups as they arrive; a full node has no one to overlap with
         return max(2, len(self.chain())) if self.settings.peer else 2
-
-    def _retune_cores(self) -> None:
-        """(The compute thread, before a job.) Follow the host's core share; borrow idle nodes' cores only while
-        at most one session is live here (then nodes compute in turn; with more, all of them compute at once)."""
-        assert self.cores is not None
-        self.cores.retune(lend=self._live_sessions() <= 1)
 
     def _live_sessions(self) -> int:
         """Sessions that may send a decode step soon (a batching hint for the worker)."""

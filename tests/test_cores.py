@@ -108,8 +108,12 @@ def test_the_kernels_borrow_the_cores_of_nodes_not_computing_now(tmp_path):
         share.apply()
         assert native.threads() == 1 and blas.threads() == 1
         (tmp_path / str(other.pid)).write_bytes(b"\0")
-        share.apply(lend=False)  # several sessions live: the idle node computes again any moment, nothing is lent
-        assert native.threads() == 1
+        share.live_sessions = lambda: 3  # several sessions live: the idle node computes again any moment
+        share.retune()
+        assert native.threads() == 1, "nothing is lent while several sessions are live"
+        share.live_sessions = lambda: 1
+        share.retune()
+        assert native.threads() == 2
         share.rest()
         assert (tmp_path / str(os.getpid())).read_bytes() == b"\0"
         (tmp_path / str(other.pid)).write_bytes(b"")  # a byte not readable (yet): counted as computing

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy
 import torch
 
-from .native import KINDS, AttendRows, Kernels
+from .native import KINDS, AttendRows, Kernels, threads
 
 
 class _Weight(ctypes.Structure):
@@ -50,6 +50,9 @@ class FusedDecode:
             for name, packed in zip(("qkv", "o", "gate_up", "down"), layer.linears()):
                 setattr(slot, name, self._weight(packed))
             slot.norm_in, slot.norm_post = (self._float(norm) for norm in layer.norms[:2])
+        head = lean.lm_head  # a tail's: on AMX tiles as well, where the layers are
+        self.head_tiles = self._tiles(head.weight) if self.amx and head is not None and head.weight is not None \
+            else None
         self.width = self._array[0].o.out
         q_size, kv_size, inter = self.heads * self.dim, self.kv_heads * self.dim, self._array[0].down.inputs
         for slot in self._array:  # the C code trusts these for every stride: checked once here
@@ -79,13 +82,28 @@ class FusedDecode:
             raise ValueError("the fused decode takes int8 (with scales), bfloat16 or float32 weights, [out, in]")
         self._keep.append(weight)
         scales = None if packed.codes is None else self._float(packed.scales)
-        tiles = self.kernels.amx_tiles(weight)  # bf16 products on AMX, where the CPU has it
-        if tiles is not None:
-            self._keep.append(tiles)
-            self.amx = True
-            self.copy_bytes += tiles.numel() * tiles.element_size()
+        tiles = self._tiles(weight)  # bf16 products on AMX, where the CPU has it
+        self.amx = self.amx or tiles is not None
         return _Weight(weight.data_ptr(), scales, self._float(packed.bias), packed.shape[0], packed.shape[1],
                        KINDS[weight.dtype], 0, None if tiles is None else tiles.data_ptr())
+
+    def _tiles(self, weight: torch.Tensor) -> torch.Tensor | None:
+        tiles = self.kernels.amx_tiles(weight)
+        if tiles is not None:
+            self._keep.append(tiles)
+            self.copy_bytes += tiles.numel() * tiles.element_size()
+        return tiles
+
+    def logits(self, hidden: torch.Tensor, head: Any, float_rows: int) -> torch.Tensor | None:
+        """The LM head `head` (a packed linear) of `hidden` on the kernel: on AMX tiles at any number of rows,
+        float weights up to `float_rows` rows; None where the kernel does not take them (torch's then)."""
+        if self.head_tiles is None and (head.weight is None or hidden.numel() > float_rows * hidden.shape[-1]):
+            return None
+        rows = hidden.detach().reshape(-1, hidden.shape[-1]).float()
+        bias = None if head.bias is None else head.bias.float()
+        out = self.kernels.amx_linear(rows, self.head_tiles, bias, threads()) if self.head_tiles is not None \
+            else self.kernels.linear(rows, head.weight, None, bias, threads())
+        return out.to(hidden.dtype).view(*hidden.shape[:-1], out.shape[-1])
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: Sequence[Any],
             pasts: Sequence[int], threads: int) -> torch.Tensor:

@@ -142,26 +142,13 @@ class LeanLayers:
                                        self.native, fused)
         self.fused = FusedDecode(self, native) if fused and native is not None else None
         # On AMX tiles a batch of bf16 rows costs the kernel little more than one row: every batch runs fused.
-        amx = self.fused is not None and self.fused.amx
-        self.fused_rows = 64 if quant or amx else FUSED_ROWS.get(dtype, 0)
-        self.head_tiles = None  # the LM head repacked for AMX (bf16)
-        if amx and self.lm_head is not None and self.lm_head.weight is not None:
-            self.head_tiles = native.amx_tiles(self.lm_head.weight)
+        self.fused_rows = 64 if quant or (self.fused and self.fused.amx) else FUSED_ROWS.get(dtype, 0)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The packed LM head (a tail only); a float head of few rows on meshws's kernel where decode is."""
-        head = self.lm_head
-        assert head is not None
-        if self.head_tiles is not None and self.fused is not None:  # any number of rows, on AMX
-            rows = hidden.detach().reshape(-1, hidden.shape[-1]).float()
-            out = self.fused.kernels.amx_linear(rows, self.head_tiles, head.bias, kernel_threads())
-            return out.to(hidden.dtype).view(*hidden.shape[:-1], out.shape[-1])
-        if self.fused is None or head.weight is None or hidden.numel() > self.fused_rows // 4 * hidden.shape[-1]:
-            return linear(hidden, head)
-        rows = hidden.detach().reshape(-1, hidden.shape[-1]).float()
-        bias = None if head.bias is None else head.bias.float()
-        out = self.fused.kernels.linear(rows, head.weight, None, bias, kernel_threads())
-        return out.to(hidden.dtype).view(*hidden.shape[:-1], out.shape[-1])
+        """The packed LM head (a tail only); on meshws's kernel where decode is, if it takes these rows."""
+        assert self.lm_head is not None
+        out = None if self.fused is None else self.fused.logits(hidden, self.lm_head, self.fused_rows // 4)
+        return linear(hidden, self.lm_head) if out is None else out
 
     def describe(self) -> str:
         kernel = " (meshws kernel)" if self.native else " (FBGEMM)"
@@ -177,12 +164,8 @@ class LeanLayers:
         """The tensors held, all of them parameters (int8 matrices are not tensors: `int8_bytes`)."""
         return [t for lin in self._linears() for t in lin.tensors()] + [n for layer in self.layers for n in layer.norms]
 
-    @property
-    def copy_bytes(self) -> int:
-        """Bytes of the weights' copies kept for meshws's kernel (AMX tiles beside torch's `[out, in]`, which
-        prefills read), not counted in `tensors()`."""
-        return (self.fused.copy_bytes if self.fused else 0) + (
-            self.head_tiles.numel() * self.head_tiles.element_size() if self.head_tiles is not None else 0)
+    copy_bytes = property(lambda self: self.fused.copy_bytes if self.fused else 0,
+                          doc="Bytes of copies made for the kernel (AMX tiles), not in `tensors()`.")
 
     @property
     def int8_bytes(self) -> int:
