@@ -62,7 +62,7 @@ class HopChannel:
                    drafts: tuple[int, ...] = ()) -> TailTokenResult:
         data = encode_forward(
             self.sid, step, mode, payload.past_len, payload.shape, payload.dtype, payload.body,
-            ids=ids, compress_min_bytes=self.compress_min_bytes, drafts=drafts,
+            ids=ids, compress_min_bytes=self.compress_min_bytes, drafts=drafts, group=payload.group,
         )
         try:
             await self.link.send_forward(data)

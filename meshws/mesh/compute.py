@@ -21,16 +21,16 @@ import functools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Generator, TypeVar
 
-from ..model.backend import DecodeStep, PrefillStep, ShardBackend, StepResult, decode_alone
+from ..model.backend import DecodeStep, PrefillStep, ShardBackend, StepResult, TensorPayload, decode_alone
 
 T = TypeVar("T")
 IDLE_RETUNE_SECONDS = 3.0  # an idle worker with `retune` still calls it this often
 MAX_BATCH = 64
 LINGER = 0.003  # seconds a partial batch may wait for steps of other live sessions (never for a lone one)
-QUIET = 0.001  # ... but no longer than this after the last step arrived: a group's steps come back to back
+QUIET = 0.001  # ... a guessed wave no longer than this after the last step came: a group's steps come together
 PREFILL_CHUNK = 256  # tokens of a prefill run between two turns of other work
 
 
@@ -141,7 +141,7 @@ class ComputeWorker:
                     batch, job = [], self._urgent.popleft()
                 elif self._decodes and not (other_turn and self._others):
                     group, split = self._group_size()
-                    self._linger(group)
+                    self._linger(*((group, False) if split else self._wave(group)))
                     take = group if split else self.max_batch  # one group: every step waiting
                     batch = [self._decodes.popleft() for _ in range(min(take, len(self._decodes)))]
                     job, other_turn = None, True
@@ -192,16 +192,23 @@ class ComputeWorker:
             live, groups = 1, 1
         return max(1, min(self.max_batch, -(-live // groups))), groups > 1
 
-    def _linger(self, expected: int) -> None:
-        """(Lock held.) Wait briefly while more live sessions may still add their steps (up to `expected`), as
-        long as steps keep arriving: with groups in flight (`micro_batches`) a later shard gets one group at a
-        time, and the live sessions of other groups will not come now."""
+    def _wave(self, live: int) -> tuple[int, bool]:
+        """(Lock held; a shard that does not split the sessions itself.) The steps to wait for: the wave the
+        previous shard announced (`DecodeStep.group`: the size of the batch it computed them in), else every
+        live session, a guess (True)."""
+        announced = max((job.step.group for job in self._decodes if job.step is not None), default=1)
+        return (min(live, announced), False) if announced > 1 else (live, True)
+
+    def _linger(self, expected: int, guessed: bool = False) -> None:
+        """(Lock held.) Wait briefly while more live sessions may still add their steps (up to `expected`); a
+        guessed count only as long as steps keep arriving: with groups in flight (`micro_batches`) a later shard
+        gets one group at a time, and the live sessions of other groups will not come now."""
         if len(self._decodes) >= expected or self._closed:
             return
         self.lingers += 1
         deadline = time.monotonic() + LINGER
         while len(self._decodes) < expected and not self._closed:
-            remaining = min(deadline, self._arrived + QUIET) - time.monotonic()
+            remaining = min(deadline, self._arrived + QUIET if guessed else deadline) - time.monotonic()
             if remaining <= 0:
                 return
             self._ready.wait(remaining)
@@ -242,8 +249,8 @@ class ComputeWorker:
                     results.append(exc)
         self.batches += 1
         self.batched_steps += len(batch)
-        for job, result in zip(batch, results):
-            self._deliver(job, result)
+        for job, result in zip(batch, results):  # hidden states say how many came together (the next shard's wave)
+            self._deliver(job, replace(result, group=len(batch)) if isinstance(result, TensorPayload) else result)
 
     @staticmethod
     def _deliver(job: _Job, result: Any) -> None:

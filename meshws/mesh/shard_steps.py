@@ -180,7 +180,7 @@ class ShardSteps:
         if frame.mode == "decode" and frame.shape[-2:-1] == (1,):  # (a step with drafts has more positions)
             step = DecodeStep(session.sid, body=frame.body, shape=frame.shape, dtype=frame.dtype,
                               past_len=frame.past_len, sampling=session.sampling, history=history,
-                              generated_from=session.prompt_tokens)
+                              generated_from=session.prompt_tokens, group=frame.group)
             return await self.worker.decode(step)
         return await self.worker.prefill(PrefillStep(
             session.sid, body=frame.body, shape=frame.shape, dtype=frame.dtype, mode=frame.mode,
@@ -222,7 +222,7 @@ class ShardSteps:
             return
         data = encode_forward(sid, step, frame.mode, result.past_len, result.shape, result.dtype, result.body,
                               ids=list(frame.ids) if frame.ids is not None else None,
-                              compress_min_bytes=self.compress_min_bytes, drafts=frame.drafts)
+                              compress_min_bytes=self.compress_min_bytes, drafts=frame.drafts, group=result.group)
         try:
             if frame.mode == "decode" and frame.shape[1] == 1:
                 self._expect_answer(link, session, step)

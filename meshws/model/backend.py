@@ -34,6 +34,7 @@ class TensorPayload:
     shape: list[int]
     past_len: int = 0  # tokens the session's caches held before this step
     dtype: str = "bfloat16"
+    group: int = 1  # decode steps computed in one batch with this one (the next shard lingers for them)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class DecodeStep:
     sampling: SamplingParams | None = None  # on a tail
     history: Sequence[int] = ()  # token ids so far, when sampling needs them
     generated_from: int | None = None  # where generated tokens start in `history`
+    group: int = 1  # on later shards: steps the previous shard computed in one batch with this one
 
 
 @dataclass(frozen=True)

@@ -218,3 +218,25 @@ async def test_a_partial_batch_waits_only_while_steps_keep_arriving(monkeypatch)
         assert worker.lingers == 1 and backend.batches == [["s0", "s1", "s2", "s3"]]
     finally:
         worker.shutdown()
+
+
+async def test_a_later_shard_waits_for_the_wave_its_previous_shard_announced(monkeypatch):
+    # The head computed four steps in one batch and said so (`group`): the tail waits for all four, however they
+    # trickle in, and runs them as one batch, without waiting for the other live sessions.
+    from meshws.mesh import compute
+
+    monkeypatch.setattr(compute, "LINGER", 5.0)
+    backend = _RecordingTail()
+    worker = ComputeWorker(backend, live_sessions=lambda: 8)
+    try:
+        def step(index):
+            return worker.decode(DecodeStep(f"s{index}", body=b"", shape=(1, 1, 8), group=4))
+
+        first = [asyncio.ensure_future(step(i)) for i in range(2)]
+        await asyncio.sleep(0.05)  # far past the quiet period: a guessed wave would have run by now
+        assert backend.batches == [] and not any(task.done() for task in first)
+        started = time.monotonic()
+        await asyncio.gather(*first, step(2), step(3))
+        assert backend.batches == [["s0", "s1", "s2", "s3"]] and time.monotonic() - started < 2.5
+    finally:
+        worker.shutdown()

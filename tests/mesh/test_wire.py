@@ -27,6 +27,8 @@ def test_decode_frame_round_trip_and_size():
         "s1", 3, "decode", 7, (1, 1, 4), "bfloat16")
     assert frame.body == body
     assert frame.wire_bytes == len(data)
+    assert frame.group == 1 and b"group" not in data  # a lone step announces no wave
+    assert decode_forward(encode_forward("s1", 3, "decode", 7, [1, 1, 4], "bfloat16", body, group=8)).group == 8
 
 
 def test_decode_step_of_hidden_576_stays_under_1400_bytes():
@@ -74,6 +76,9 @@ def test_incompressible_body_is_sent_raw():
         (_frame({**GOOD, "enc": "zstd"}, b"garbage!"), "zstd"),
         (_frame({**GOOD, "shape": [1, 1 << 30, 1 << 20]}, b""), "above the limit"),
         (_frame({**GOOD, "ids": [1, "x"]}, b"\x00" * 8), "ids"),
+        (_frame({**GOOD, "group": 0}, b"\x00" * 8), "group"),
+        (_frame({**GOOD, "group": 10**6}, b"\x00" * 8), "group"),
+        (_frame({**GOOD, "group": "8"}, b"\x00" * 8), "group"),
     ],
 )
 def test_bad_tensor_frames_raise_named_errors(data, needle):

@@ -1,7 +1,7 @@
 """Tensor frames (`fwd`): hidden states between shards, as raw bytes behind a JSON header.
 
 A 4-byte big-endian header length, a JSON header `{type: "fwd", sid, step, mode,
-past_len, shape, dtype, enc, ids?, drafts?}`, then the raw little-endian tensor bytes, zstd
+past_len, shape, dtype, enc, ids?, drafts?, group?}`, then the raw little-endian tensor bytes, zstd
 compressed when `enc` says so. The header is checked and the body's size derived from
 the shape before anything is inflated. `drafts`: the step's last positions carry guessed
 tokens (speculative decoding); the tail answers with every one it agrees with. The
@@ -25,6 +25,7 @@ from .fields import FrameError, int_field, is_int, sid_field
 
 MODES = ("prefill", "decode")
 MAX_DRAFTS = 16  # guessed tokens one step may carry
+MAX_GROUP = 1024  # the largest wave a decode frame may announce (`group`)
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 DEFAULT_COMPRESS_MIN_BYTES = 64 * 1024
@@ -44,12 +45,13 @@ class ForwardFrame:
     ids: tuple[int, ...] | None = None  # token ids so far, sent on prefill when sampling needs them
     wire_bytes: int = field(default=0, compare=False)  # size of the frame as it travelled
     drafts: tuple[int, ...] = ()  # guessed tokens the step's last positions carry, for the tail to verify
+    group: int = 1  # decode steps the sender computed in this step's batch (their frames follow back to back)
 
 
 def encode_forward(sid: str, step: int, mode: str, past_len: int, shape: list[int] | tuple[int, ...], dtype: str,
                    body: bytes, ids: list[int] | None = None,
-                   compress_min_bytes: int = DEFAULT_COMPRESS_MIN_BYTES, drafts: tuple[int, ...] | list[int] = ()
-                   ) -> bytes:
+                   compress_min_bytes: int = DEFAULT_COMPRESS_MIN_BYTES, drafts: tuple[int, ...] | list[int] = (),
+                   group: int = 1) -> bytes:
     enc = None
     if len(body) >= compress_min_bytes:
         packed = zstandard.ZstdCompressor(level=1).compress(body)
@@ -61,6 +63,8 @@ def encode_forward(sid: str, step: int, mode: str, past_len: int, shape: list[in
         header["ids"] = ids
     if drafts:
         header["drafts"] = list(drafts)
+    if group > 1:
+        header["group"] = group
     head = orjson.dumps(header)
     return b"".join((_HEADER_LENGTH.pack(len(head)), head, body))
 
@@ -81,6 +85,7 @@ class ForwardHeader:
     body_bytes: int  # the body's size once inflated (from shape x dtype)
     wire_bytes: int
     drafts: tuple[int, ...] = ()
+    group: int = 1
 
     @property
     def positions(self) -> int:
@@ -104,7 +109,7 @@ def inflate_forward(header: ForwardHeader, data: bytes) -> ForwardFrame:
     except FrameError as exc:
         raise FrameError(str(exc), header.sid) from None
     return ForwardFrame(header.sid, header.step, header.mode, header.past_len, header.shape, header.dtype,
-                        bytes(body), header.ids, header.wire_bytes, header.drafts)
+                        bytes(body), header.ids, header.wire_bytes, header.drafts, header.group)
 
 
 def read_forward_header(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> ForwardHeader:
@@ -151,6 +156,9 @@ def _checked(header: dict[str, Any], offset: int, sid: str, size: int, max_frame
         raise FrameError(f"drafts must be a list of at most {MAX_DRAFTS} non-negative integers")
     if drafts and (mode != "decode" or len(shape) < 2 or len(drafts) >= shape[-2]):
         raise FrameError("drafts ride on a decode step with more positions than drafts")
+    group = header.get("group", 1)
+    if not is_int(group) or not 1 <= group <= MAX_GROUP:
+        raise FrameError(f"group must be an integer from 1 to {MAX_GROUP}, got {group!r}")
     expected = DTYPE_SIZES[dtype]
     for dim in shape:
         expected *= dim
@@ -160,7 +168,7 @@ def _checked(header: dict[str, Any], offset: int, sid: str, size: int, max_frame
     if enc not in (None, "zstd"):
         raise FrameError(f"unknown encoding {enc!r}")
     return ForwardHeader(sid, step, mode, past_len, tuple(shape), dtype, enc, tuple(ids) if ids is not None else None,
-                         offset, expected, size, tuple(drafts))
+                         offset, expected, size, tuple(drafts), group)
 
 
 def _decompress(body: bytes, expected: int) -> bytes:
