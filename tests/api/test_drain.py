@@ -10,8 +10,16 @@ from fakes import CachedHeadBackend, eventually, fake_mesh
 from test_slow_clients import EndlessTail
 
 
+class SlowEndlessTail(EndlessTail):
+    """' a' for ever, a millisecond a token: 2000 of them outlast the drain on any machine (instant, they did not)."""
+
+    def answer(self, past_len):
+        time.sleep(0.001)
+        return super().answer(past_len)
+
+
 async def test_a_drain_refuses_the_queue_and_closes_what_outlasts_the_drain_timeout():
-    tail = EndlessTail()
+    tail = SlowEndlessTail()
     async with fake_mesh(CachedHeadBackend(), tail, max_generations=1, drain_timeout=0.5) as mesh:
         url = f"http://127.0.0.1:{mesh.head_port}/v1/chat/completions"
         body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000,
