@@ -82,6 +82,12 @@ class FakeBackend:
     def prefill(self, step: PrefillStep, chunk_tokens: int) -> PrefillRun:
         return prefill_at_once(self, step)
 
+    def prefills_together(self, step: PrefillStep) -> bool:
+        return False  # each prefill on its own: `prefill`
+
+    def prefill_batch(self, steps: Sequence[PrefillStep]) -> list[StepResult | Exception]:
+        raise NotImplementedError("this fake prefills one session at a time")
+
     def decode_batch(self, steps: Sequence[DecodeStep]) -> list[StepResult | Exception]:
         results: list[StepResult | Exception] = []
         for step in steps:

@@ -8,7 +8,10 @@ Nothing waits for a batch to fill: a lone session's step runs as soon as the wor
 is free, on the single-session path. Other work alternates with decode batches, so
 neither starves the other; a long prefill is such work one chunk at a time
 (`prefill`: after each chunk it goes to the back of the queue), so it delays other
-sessions' decode steps by one chunk at most. Releases (`release`, `urgent`) jump
+sessions' decode steps by one chunk at most. New sessions' prompts queued together that
+the backend can run in one call (`prefills_together`, up to a chunk's tokens in all) run
+as one `prefill_batch`: on a shard bound by reading its weights, sixteen sessions joining
+at once no longer read them sixteen times. Releases (`release`, `urgent`) jump
 every queue: they wait for the chunk or batch running, never for queued work.
 A job whose caller has gone (its future cancelled) is skipped, chunks included.
 A batch that raises is retried row by row, so only the failing row gets the error.
@@ -41,6 +44,8 @@ class _Job:
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     chunks: Generator[None, None, Any] | None = None  # or a chunked prefill, resumed once per turn
+    prefill: PrefillStep | None = None  # (that prefill's step: new sessions' prompts may run together)
+    started: bool = False  # a chunk of it has run
 
 
 class ComputeWorker:
@@ -67,6 +72,7 @@ class ComputeWorker:
         self.batches = 0  # decode batches of two or more steps run so far
         self.batched_steps = 0
         self.chunks = 0  # prefill chunks run so far
+        self.prefill_batches = 0  # calls that prefilled several new sessions at once
         self._urgent: deque[_Job] = deque()
         self._decodes: deque[_Job] = deque()
         self._others: deque[_Job] = deque()
@@ -86,7 +92,7 @@ class ComputeWorker:
     async def prefill(self, step: PrefillStep) -> StepResult:
         """A prefill (or a multi-token step), run in chunks of `prefill_chunk` tokens between other work."""
         return await self._submit(_Job(None, None, *self._future(),
-                                       chunks=self.backend.prefill(step, self.prefill_chunk)))
+                                       chunks=self.backend.prefill(step, self.prefill_chunk), prefill=step))
 
     async def urgent(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn` on the worker before any queued work (after the chunk or batch now running)."""
@@ -130,6 +136,7 @@ class ComputeWorker:
     def _serve(self) -> None:
         other_turn = False
         while True:
+            together: list[_Job] = []
             with self._ready:
                 while not (self._urgent or self._decodes or self._others or self._closed):
                     self._ready.wait(IDLE_RETUNE_SECONDS if self.retune else None)
@@ -147,9 +154,10 @@ class ComputeWorker:
                     job, other_turn = None, True
                 else:
                     batch, job = [], self._others.popleft()
+                    together = self._together(job)
                     other_turn = False
             batch = [waiting for waiting in batch if not waiting.future.done()]  # callers gone: no work for them
-            if job is not None and job.future.done():
+            if job is not None and job.future.done() and not together:
                 if job.chunks is not None:
                     job.chunks.close()
                 continue
@@ -157,7 +165,9 @@ class ComputeWorker:
                 continue
             self._retune()
             started = time.monotonic()
-            if job is not None and job.chunks is not None:
+            if together:
+                self._run_prefills(together)
+            elif job is not None and job.chunks is not None:
                 self._run_chunk(job)
             elif job is not None:
                 self._run_one(job, job.run)  # type: ignore[arg-type]
@@ -213,6 +223,48 @@ class ComputeWorker:
                 return
             self._ready.wait(remaining)
 
+    def _together(self, first: _Job) -> list[_Job]:
+        """(Lock held.) `first` and the new sessions' prefills queued behind it that may run in one call with it
+        (`ShardBackend.prefills_together`), up to `prefill_chunk` tokens in all: taken off the queue. Fewer than
+        two: none."""
+        try:
+            if first.prefill is None or first.started or not self.backend.prefills_together(first.prefill):
+                return []
+            found, tokens = [first], first.prefill.length
+            for job in list(self._others):
+                step = job.prefill
+                if step is not None and not job.started and not job.future.done() \
+                        and tokens + step.length <= self.prefill_chunk and self.backend.prefills_together(step):
+                    found.append(job)
+                    tokens += step.length
+        except Exception:  # a hint: each prefill runs on its own then
+            return []
+        for job in found[1:]:
+            self._others.remove(job)
+        return found if len(found) > 1 else []
+
+    def _run_prefills(self, jobs: list[_Job]) -> None:
+        """New sessions' prefills in one call; if the call fails, each on its own (only a prefill at fault fails)."""
+        for job in [job for job in jobs if job.future.done()]:  # callers gone: no work for them
+            jobs.remove(job)
+            if job.chunks is not None:
+                job.chunks.close()
+        if len(jobs) < 2:
+            for job in jobs:
+                self._run_chunk(job)
+            return
+        try:
+            results: list[Any] = self.backend.prefill_batch([job.prefill for job in jobs])  # type: ignore[misc]
+        except Exception:
+            for job in jobs:
+                self._run_chunk(job)  # (whole: a prefill that runs together fits one chunk)
+            return
+        self.prefill_batches += 1
+        for job, result in zip(jobs, results):
+            if job.chunks is not None:
+                job.chunks.close()
+            self._deliver(job, result)
+
     def _run_one(self, job: _Job, fn: Callable[[], Any]) -> None:
         try:
             result = fn()
@@ -224,6 +276,7 @@ class ComputeWorker:
     def _run_chunk(self, job: _Job) -> None:
         """One chunk of a prefill; then back to the end of the queue, or its result delivered."""
         assert job.chunks is not None
+        job.started = True
         try:
             next(job.chunks)
         except StopIteration as done:

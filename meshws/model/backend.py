@@ -162,6 +162,10 @@ class ShardBackend(Protocol):
 
     def decode_batch(self, steps: Sequence[DecodeStep]) -> list[StepResult | Exception]: ...
 
+    def prefills_together(self, step: PrefillStep) -> bool: ...  # may it join others in `prefill_batch`?
+
+    def prefill_batch(self, steps: Sequence[PrefillStep]) -> list[StepResult | Exception]: ...  # in one call
+
     def release_session(self, session_id: str) -> bool: ...
 
     def fork_session(self, parent_id: str, session_id: str, length: int) -> bool: ...

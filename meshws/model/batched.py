@@ -10,6 +10,11 @@ hands back per-row lists, and the attention function registered under
 batched forward that raises is undone (each row's cache cropped back) and its rows
 run one by one, so only a row at fault gets the error; batching is switched off only
 when the batched path itself cannot run on this hardware.
+
+`prefill_rows` is a shard's `prefill_batch`: several new sessions' prompts as rows of
+one call of the fused kernel (`prefills_together` says which may join), so the weights
+are read once for all of them. A row's bits do not depend on its batch there, so each
+session gets what its prefill alone gives.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from .backend import DecodeStep, ShardBackend, StepResult, decode_alone
+from .backend import DecodeStep, PrefillStep, ShardBackend, StepResult, decode_alone
 from .cache_store import CacheEntry, KVCacheMiss
 from .sampling import SamplingParams
 from .session_layers import cannot_run_here, cut_back
+from .native import threads as kernel_threads
 from .tensors import cache_nbytes, crop_cache
 
 log = logging.getLogger("meshws.shard")
@@ -217,3 +223,49 @@ def _prepare(shard: RowShard, step: DecodeStep) -> tuple[CacheEntry, torch.Tenso
             raise ValueError("a batched decode step carries exactly one token")
         entry = cut_back(shard.sessions, step.session_id, step.past_len, shard.start)
     return entry, hidden, entry.seq_len
+
+
+def prefills_together(shard: Any, step: PrefillStep) -> bool:
+    """May `step` join other sessions' prefills in one call (`prefill_rows`)? A new session's prompt that the
+    fused kernel takes whole, as the session's prefill alone would run (`LeanLayers.run`)."""
+    lean = shard.lean
+    return (lean is not None and lean.fused is not None and shard.supports_kv_cache and step.mode == "prefill"
+            and bool(step.session_id) and not step.drafts and 0 < step.length <= lean.fused_rows)
+
+
+def prefill_rows(shard: Any, steps: Sequence[PrefillStep]) -> list[StepResult | Exception]:
+    """New sessions' prefills (each `prefills_together`) as the rows of one fused call: every session gets its
+    own cache, stored once the call is done. A step at fault (bad ids or bytes) gets its exception; a failed
+    call raises, storing nothing (then each runs alone)."""
+    lean = shard.lean
+    results: list[StepResult | Exception | None] = [None] * len(steps)
+    rows: list[tuple[int, torch.Tensor]] = []  # (index in the steps, hidden states [1, tokens, width])
+    with torch.inference_mode():
+        for index, step in enumerate(steps):
+            try:
+                rows.append((index, shard.embed(step.token_ids) if step.token_ids is not None else
+                             shard.tensor_from_bytes(step.body or b"", step.shape, step.dtype)))
+            except ValueError as exc:
+                results[index] = exc
+        caches = [lean.new_cache() for _ in rows]
+        for cache, (_, hidden) in zip(caches, rows):
+            cache.reserve(hidden.shape[1])
+        pasts = [position for _, hidden in rows for position in range(hidden.shape[1])]
+        if pasts:
+            cos, sin = lean.rope(torch.tensor(pasts), max(pasts) + 1)[lean.layer_types[0]]
+            flat = torch.cat([hidden[0] for _, hidden in rows]).unsqueeze(1)
+            owners = [cache for cache, (_, hidden) in zip(caches, rows) for _ in range(hidden.shape[1])]
+            out = lean.final_norm(lean.fused.run(flat, cos, sin, owners, pasts, kernel_threads()))
+        at = 0
+        for cache, (index, hidden) in zip(caches, rows):
+            step, count = steps[index], hidden.shape[1]
+            cache.length = count
+            try:
+                shard.sessions.store(step.session_id, cache, count, shard.start, nbytes=cache_nbytes(cache))
+                history = step.history or (list(step.token_ids) if step.token_ids is not None else ())
+                results[index] = shard.finish(out[at : at + count].view(1, count, -1), 0, step.sampling, history,
+                                              step.generated_from)
+            except Exception as exc:  # (a cache budget exceeded, a grammar that does not compile): this one only
+                results[index] = exc
+            at += count
+    return results  # type: ignore[return-value]

@@ -164,8 +164,8 @@ class LeanLayers:
         """The tensors held, all of them parameters (int8 matrices are not tensors: `int8_bytes`)."""
         return [t for lin in self._linears() for t in lin.tensors()] + [n for layer in self.layers for n in layer.norms]
 
-    copy_bytes = property(lambda self: self.fused.copy_bytes if self.fused else 0,
-                          doc="Bytes of copies made for the kernel (AMX tiles), not in `tensors()`.")
+    kept_bytes = property(lambda self: self.int8_bytes + (self.fused.copy_bytes if self.fused else 0),
+                          doc="Bytes held outside `tensors()`: int8 matrices, the kernel's copies (AMX tiles).")
 
     @property
     def int8_bytes(self) -> int:
@@ -196,7 +196,7 @@ class LeanLayers:
             self._tables[layer_type] = table
         return table
 
-    def _rope(self, positions: torch.Tensor, needed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def rope(self, positions: torch.Tensor, needed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per layer type, cos and sin for `positions` (flat), shaped to broadcast over `[rows, heads, T, dim]`."""
         found = {}
         for layer_type in set(self.layer_types):
@@ -268,7 +268,7 @@ class LeanLayers:
             return self._run_rows(hidden, position_ids, [cache])
         if cache is not None:
             _room(cache, past, total)
-        rope = self._rope(position_ids[0], total)
+        rope = self.rope(position_ids[0], total)
         if cache is not None and self.fused is not None and count <= self.fused_rows:  # rows of one session
             hidden = self.fused.run(hidden.view(count, 1, -1), *rope[self.layer_types[0]], [cache] * count,
                                     range(past, total), kernel_threads()).view(1, count, -1)
@@ -312,7 +312,7 @@ class LeanLayers:
         pasts = [int(p) for p in flat]
         for cache, past in zip(caches, pasts):
             _room(cache, past, past + 1)
-        rope = self._rope(flat, max(pasts) + 1)
+        rope = self.rope(flat, max(pasts) + 1)
         threads = torch.get_num_threads()
         if self.fused is not None and len(caches) <= self.fused_rows:  # every layer in one call of the kernel
             hidden = self.fused.run(hidden, *rope[self.layer_types[0]], caches, pasts, kernel_threads())

@@ -20,7 +20,7 @@ import torch
 
 from . import blas
 from .backend import DecodeStep, PrefillRun, PrefillStep, StepResult, TailTokenResult, TensorPayload, TokenLogprob
-from .batched import RowRunner, Rows, decode_rows
+from .batched import RowRunner, Rows, decode_rows, prefill_rows, prefills_together
 from .cache_store import KVCacheMiss, SessionCacheStore
 from .compiled import compile_lean
 from .constraints import Grammars
@@ -28,8 +28,7 @@ from .lean import LeanLayers, lean_layers
 from .native import kernels
 from .packed import int8_kernel_runs
 from .memory import default_cache_budget, process_memory, tensor_bytes
-from .sampling import DEFAULT as GREEDY
-from .sampling import SamplingParams, prompt_token_logprobs, token_logprobs, verify_drafts
+from .sampling import DEFAULT as GREEDY, SamplingParams, prompt_token_logprobs, token_logprobs, verify_drafts
 from .session_layers import SessionLayers, fork as fork_cache
 from .settings import ShardLayout, ShardSettings
 from .source import ResolvedModel, load_tokenizer, locate_model, model_cache
@@ -68,8 +67,7 @@ class ModelShard:
         layers_config = shard_config(config, start, end)
         self.model = load_shard_model(resolved, layers_config, self.layout, self.settings.dtype)
         self.lean = self._lean_path(resolved.model_id)
-        self.weight_bytes = tensor_bytes(self.held_tensors()) + (self.lean.int8_bytes + self.lean.copy_bytes
-                                                                  if self.lean else 0)
+        self.weight_bytes = tensor_bytes(self.held_tensors()) + (self.lean.kept_bytes if self.lean else 0)
         self.tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder)) if self.layout.is_head else None
         budget = self.settings.max_cache_bytes
         if budget is None:
@@ -153,9 +151,7 @@ class ModelShard:
             self.model.lm_head = None
         return lean
 
-    @property
-    def supports_kv_cache(self) -> bool:
-        return self.layers.supports_kv_cache
+    supports_kv_cache = property(lambda self: self.layers.supports_kv_cache)
 
     def eos_token_ids(self) -> list[int]:
         return list(self._eos_ids)
@@ -166,8 +162,7 @@ class ModelShard:
 
     def parameter_count(self) -> int:
         """Parameters this shard holds (a tied matrix counts once; int8 scales are not parameters)."""
-        unique = {param.data_ptr(): param.numel() for param in self.model.parameters()
-                  if param.device.type != "meta"}
+        unique = {param.data_ptr(): param.numel() for param in self.model.parameters() if param.device.type != "meta"}
         if self.lean is not None:
             unique.update({tensor.data_ptr(): tensor.numel() for tensor in self.lean.tensors()})
         return sum(unique.values()) + (self.lean.int8_parameters if self.lean is not None else 0)
@@ -175,8 +170,7 @@ class ModelShard:
     def tokenize(self, text: str) -> list[int]:
         """Token ids of `text`; adds the model's BOS unless the text already starts with it."""
         tokenizer = self._need_tokenizer()
-        bos = tokenizer.bos_token
-        add_special = not (bos and text.startswith(bos))
+        add_special = not (tokenizer.bos_token and text.startswith(tokenizer.bos_token))
         return list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -251,6 +245,12 @@ class ModelShard:
     def decode_batch(self, steps: Sequence[DecodeStep]) -> list[StepResult | Exception]:
         """Several sessions' one-token decode steps as one forward through the layers (`batched.decode_rows`)."""
         return decode_rows(self, steps)
+
+    def prefills_together(self, step: PrefillStep) -> bool:  # may it join other new sessions' prompts in one call?
+        return prefills_together(self, step)
+
+    def prefill_batch(self, steps: Sequence[PrefillStep]) -> list[StepResult | Exception]:
+        return prefill_rows(self, steps)  # those prompts in one call of the fused kernel (`batched`)
 
     # -- chunked prefill ----------------------------------------------------
 

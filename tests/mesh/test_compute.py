@@ -240,3 +240,42 @@ async def test_a_later_shard_waits_for_the_wave_its_previous_shard_announced(mon
         assert backend.batches == [["s0", "s1", "s2", "s3"]] and time.monotonic() - started < 2.5
     finally:
         worker.shutdown()
+
+
+class _TogetherTail(_ChunkedTail):
+    """Short prompts of new sessions may run together; records each call of several."""
+
+    def __init__(self, fail=False):
+        super().__init__(chunk_seconds=0.0)
+        self.together, self.fail = [], fail
+
+    def prefills_together(self, step):
+        return step.length <= 8
+
+    def prefill_batch(self, steps):
+        if self.fail:
+            raise MemoryError("no memory for the batch")
+        self.together.append([step.session_id for step in steps])
+        return [TailTokenResult("", 9) for _ in steps]
+
+
+async def test_new_sessions_prompts_queued_together_prefill_in_one_call_and_alone_if_it_fails():
+    for fail in (False, True):
+        backend = _TogetherTail(fail)
+        worker = ComputeWorker(backend, prefill_chunk=16)
+        try:
+            blocker = asyncio.ensure_future(worker.call(time.sleep, 0.2))
+            await asyncio.sleep(0.05)  # the worker is busy: the prompts queue up
+            # a, b and c fit a chunk together (8 + 4 + 4 tokens); "long" may not join, d would pass the chunk
+            results = await asyncio.gather(*(worker.prefill(_prefill(sid, tokens)) for sid, tokens in
+                                             (("a", 8), ("long", 20), ("b", 4), ("c", 4), ("d", 2))))
+            await blocker
+            if fail:  # each on its own, as if it had never been tried together
+                assert backend.together == [] and [r.token_id for r in results] == [7] * 5
+                assert sorted(sid for _, sid, _ in backend.events) == ["a", "b", "c", "d", "long", "long"]
+            else:
+                assert backend.together == [["a", "b", "c"]] and worker.prefill_batches == 1
+                assert [r.token_id for r in results] == [9, 7, 9, 9, 7]
+                assert ("chunk", "a", 0) not in backend.events and ("chunk", "d", 0) in backend.events
+        finally:
+            worker.shutdown()

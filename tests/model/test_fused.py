@@ -79,7 +79,7 @@ def test_what_the_kernel_is_handed_is_checked_first(embedded_model):
     cache = lean.new_cache()
     cache.reserve(8)
     hidden = torch.randn(1, 1, shard.hidden_size)
-    cos, sin = lean._rope(torch.tensor([0]), 1)["full_attention"]
+    cos, sin = lean.rope(torch.tensor([0]), 1)["full_attention"]
     with pytest.raises(ValueError):  # a row too many for the caches
         fused.run(torch.randn(2, 1, shard.hidden_size), cos, sin, [cache], [0], 1)
     with pytest.raises(ValueError):  # rotary tables of the wrong width
@@ -124,7 +124,7 @@ def test_bf16_on_amx_says_so_counts_its_tiles_and_batches_past_eight_rows_fused(
     assert "bf16 products on AMX tiles" in shard.compute_path and lean.fused_rows >= 16
     assert lean.fused.head_tiles is not None  # the tail's LM head too
     # The tiles are a second copy of every bf16 matrix (torch's [out, in] stays for prefills): counted.
-    assert lean.copy_bytes >= 2 * shard.parameter_count() * 0.95
+    assert lean.kept_bytes >= 2 * shard.parameter_count() * 0.95
     assert shard.weight_bytes >= 2 * 2 * shard.parameter_count() * 0.95
     caches = [lean.new_cache() for _ in range(16)]
     with torch.inference_mode():

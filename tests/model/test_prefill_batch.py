@@ -1,0 +1,69 @@
+"""New sessions' prompts prefilled in one call (`batched.prefill_rows`) give what each prefill alone gives.
+
+Real model, two shards in one process: the head prefills token ids, the tail hidden-state
+bytes; fp32 and bf16, since the fused kernel's rows keep their bits in any batch.
+"""
+
+import pytest
+import torch
+
+from meshws.model.backend import DecodeStep, PrefillStep, TailTokenResult, run_prefill
+from meshws.model.native import kernels
+from meshws.model.shard import ModelShard, ShardSettings
+
+pytestmark = [pytest.mark.real_model,
+              pytest.mark.skipif(kernels() is None, reason="no C compiler: no fused kernel to batch prefills in")]
+
+PROMPTS = ["Count from 1 to 5.", "Write a haiku about the sea.", "What is the capital of France? Answer briefly."]
+
+
+def _ids(head, text):
+    return head.tokenize(head.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                            add_generation_prompt=True, tokenize=False))
+
+
+def _decode(head, tail, sid, first, steps=6):
+    tokens = [first]
+    while len(tokens) < steps:
+        payload = head.decode_batch([DecodeStep(sid, token_id=tokens[-1])])[0]
+        tokens.append(tail.decode_batch([DecodeStep(sid, body=payload.body, shape=payload.shape,
+                                                    dtype=payload.dtype, past_len=payload.past_len)])[0].token_id)
+    return tokens
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompts_prefilled_together_give_each_prompts_own_tokens_and_caches(embedded_model, dtype):
+    head = ModelShard(embedded_model, 0, 15, ShardSettings(dtype=dtype))
+    tail = ModelShard(embedded_model, 15, 30, ShardSettings(dtype=dtype))
+    prompts = [_ids(head, text) for text in PROMPTS]
+    alone, caches = [], []
+    for index, ids in enumerate(prompts):  # one at a time, the path a lone prefill takes
+        payload = run_prefill(head, PrefillStep(f"a{index}", token_ids=ids), 256)
+        result = run_prefill(tail, PrefillStep(f"a{index}", body=payload.body, shape=payload.shape,
+                                               dtype=payload.dtype), 256)
+        cache = tail.sessions.lookup(f"a{index}").cache
+        caches.append(cache.copy(cache.length))  # as the prefill left it (decoding grows it)
+        alone.append((payload.body, _decode(head, tail, f"a{index}", result.token_id)))
+    steps = [PrefillStep(f"b{index}", token_ids=ids) for index, ids in enumerate(prompts)]
+    assert all(head.prefills_together(step) for step in steps)
+    payloads = head.prefill_batch(steps + [PrefillStep("bad", token_ids=[head.vocab_size + 5])])
+    assert isinstance(payloads[-1], ValueError) and "vocabulary" in str(payloads[-1])  # only that one fails
+    assert "bad" not in head.sessions
+    results = tail.prefill_batch([PrefillStep(f"b{index}", body=p.body, shape=p.shape, dtype=p.dtype)
+                                  for index, p in enumerate(payloads[:-1])])
+    for index, (payload, result) in enumerate(zip(payloads, results)):
+        assert payload.body == alone[index][0], "the head's hidden states differ from the prompt's own"
+        assert isinstance(result, TailTokenResult)
+        cache = tail.sessions.lookup(f"b{index}").cache
+        assert cache.length == caches[index].length == len(prompts[index])
+        assert torch.equal(cache.keys[3][:, :, : cache.length], caches[index].keys[3][:, :, : cache.length])
+        assert _decode(head, tail, f"b{index}", result.token_id) == alone[index][1]
+
+
+def test_only_new_sessions_short_prompts_join(embedded_model):
+    head = ModelShard(embedded_model, 0, 15, ShardSettings(dtype="float32"))
+    ids = list(range(100, 120))
+    assert head.prefills_together(PrefillStep("s", token_ids=ids))
+    assert not head.prefills_together(PrefillStep(None, token_ids=ids))  # stateless
+    assert not head.prefills_together(PrefillStep("s", token_ids=ids, mode="decode", past_len=4))  # a chunk
+    assert not head.prefills_together(PrefillStep("s", token_ids=list(range(100, 100 + head.lean.fused_rows + 1))))
