@@ -470,12 +470,16 @@ static void amx_units(const void *task, int64_t begin, int64_t end) { /* units: 
     _tile_release();
 }
 
-static int amx_allowed = -1;
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+static int amx_allowed;
 
-/* 1 when this process may use the tiles: Linux asks each process to request them once. */
+static void amx_request(void) {
+    amx_allowed = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
+
+/* 1 when this process may use the tiles: Linux asks each process to request them once (children inherit it). */
 int mw_amx(void) {
-    if (amx_allowed < 0)
-        amx_allowed = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    pthread_once(&amx_once, amx_request);
     return amx_allowed;
 }
 
@@ -682,12 +686,18 @@ typedef struct {
 
 #define R(x) (round_bf16 ? to_bf16(x) : (x))
 
-static void product(const mw_weight *w, const float *x, int64_t rows, float *y, int round_bf16, int threads) {
-    if (!(w->tiles && round_bf16 && mw_amx_linear(x, rows, w->in, w->tiles, w->bias, y, w->out, threads) == 0))
+/* Returns 0, or -1 when the AMX product found no memory: the step fails (the caller undoes it) rather than
+   summing another way, which would make a row's bits depend on the batch whose size ran out of memory. */
+static int product(const mw_weight *w, const float *x, int64_t rows, float *y, int round_bf16, int threads) {
+    if (w->tiles && round_bf16) {
+        if (mw_amx_linear(x, rows, w->in, w->tiles, w->bias, y, w->out, threads) != 0)
+            return -1;
+    } else
         mw_linear(x, rows, w->in, w->w, w->kind, w->scale, w->bias, y, w->out, threads);
     if (round_bf16)
         for (int64_t i = 0; i < rows * w->out; i++)
             y[i] = to_bf16(y[i]);
+    return 0;
 }
 
 static void rms_norm(const float *h, const float *weight, int64_t width, float eps, float *x, int round_bf16) {
@@ -723,7 +733,7 @@ static void to_cache(void *to, int kind, const float *from, int64_t count) {
 }
 
 /* keys, values: [layers][rows] cache buffers; capacity, low, at: [rows]. Returns 0, or -1 when
-   attention found no memory (the caller undoes the step, as for mw_attend). */
+   attention or an AMX product found no memory (the caller undoes the step, as for mw_attend). */
 int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width, int64_t heads, int64_t kv_heads,
               int64_t dim, float eps, float scale, int round_bf16, float *h, const float *cos, const float *sin,
               void *const *keys, void *const *values, const int64_t *capacity, const int64_t *low,
@@ -746,7 +756,10 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
         const mw_layer *p = layer + l;
         for (int64_t r = 0; r < rows; r++)
             rms_norm(h + r * width, p->norm_in, width, eps, x + r * width, round_bf16);
-        product(&p->qkv, x, rows, qkv, round_bf16, threads);
+        if (product(&p->qkv, x, rows, qkv, round_bf16, threads)) {
+            atomic_store(&failed, 1);
+            break;
+        }
         for (int64_t r = 0; r < rows; r++) {
             float *row = qkv + r * qkv_size;
             for (int64_t head = 0; head < heads; head++)
@@ -765,18 +778,27 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
         if (round_bf16)
             for (int64_t i = 0; i < rows * q_size; i++)
                 att[i] = to_bf16(att[i]);
-        product(&p->o, att, rows, out, round_bf16, threads);
+        if (product(&p->o, att, rows, out, round_bf16, threads)) {
+            atomic_store(&failed, 1);
+            break;
+        }
         for (int64_t i = 0; i < rows * width; i++)
             h[i] = R(h[i] + out[i]);
         for (int64_t r = 0; r < rows; r++)
             rms_norm(h + r * width, p->norm_post, width, eps, x + r * width, round_bf16);
-        product(&p->gate_up, x, rows, gate_up, round_bf16, threads);
+        if (product(&p->gate_up, x, rows, gate_up, round_bf16, threads)) {
+            atomic_store(&failed, 1);
+            break;
+        }
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < inter; i++) {
                 float g = gate_up[r * 2 * inter + i], u = gate_up[r * 2 * inter + inter + i];
                 act[r * inter + i] = R(R(g / (1.0f + expf(-g))) * u);
             }
-        product(&p->down, act, rows, out, round_bf16, threads);
+        if (product(&p->down, act, rows, out, round_bf16, threads)) {
+            atomic_store(&failed, 1);
+            break;
+        }
         for (int64_t i = 0; i < rows * width; i++)
             h[i] = R(h[i] + out[i]);
     }
