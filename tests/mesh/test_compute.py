@@ -203,14 +203,19 @@ async def test_live_sessions_split_into_micro_batches_and_a_lone_session_never_w
         worker.shutdown()
 
 
-async def test_a_partial_batch_waits_only_while_steps_keep_arriving(monkeypatch):
-    # A tail with eight live sessions in two groups gets four steps at a time: it must not wait out the
-    # whole linger for the other four, which come only after the head's next group.
+def _tail_of_eight(monkeypatch):
+    """A tail with eight live sessions, whose linger would last 5 s if it were waited out."""
     from meshws.mesh import compute
 
     monkeypatch.setattr(compute, "LINGER", 5.0)
     backend = _RecordingTail()
-    worker = ComputeWorker(backend, live_sessions=lambda: 8)
+    return backend, ComputeWorker(backend, live_sessions=lambda: 8)
+
+
+async def test_a_partial_batch_waits_only_while_steps_keep_arriving(monkeypatch):
+    # A tail with eight live sessions in two groups gets four steps at a time: it must not wait out the
+    # whole linger for the other four, which come only after the head's next group.
+    backend, worker = _tail_of_eight(monkeypatch)
     try:
         started = time.monotonic()
         await asyncio.gather(*(worker.decode(DecodeStep(f"s{i}", body=b"", shape=(1, 1, 8))) for i in range(4)))
@@ -223,11 +228,7 @@ async def test_a_partial_batch_waits_only_while_steps_keep_arriving(monkeypatch)
 async def test_a_later_shard_waits_for_the_wave_its_previous_shard_announced(monkeypatch):
     # The head computed four steps in one batch and said so (`group`): the tail waits for all four, however they
     # trickle in, and runs them as one batch, without waiting for the other live sessions.
-    from meshws.mesh import compute
-
-    monkeypatch.setattr(compute, "LINGER", 5.0)
-    backend = _RecordingTail()
-    worker = ComputeWorker(backend, live_sessions=lambda: 8)
+    backend, worker = _tail_of_eight(monkeypatch)
     try:
         def step(index):
             return worker.decode(DecodeStep(f"s{index}", body=b"", shape=(1, 1, 8), group=4))
