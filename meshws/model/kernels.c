@@ -453,8 +453,9 @@ static void amx_units(const void *task, int64_t begin, int64_t end) { /* units: 
             _tile_zero(3);
             for (int64_t c = 0; c < chunks; c++) {
                 const uint16_t *w = group + c * AMX_GROUP * TILE;
-                for (int line = 0; line < AMX_GROUP * TILE * 2; line += 64) /* a hint: past the end, nothing */
-                    __builtin_prefetch((const char *)w + AMX_AHEAD * 1024 + line, 0, 3);
+                if (block == 0) /* a hint: past the end, nothing; later blocks find these tiles in L2 */
+                    for (int line = 0; line < AMX_GROUP * TILE * 2; line += 64)
+                        __builtin_prefetch((const char *)w + AMX_AHEAD * 1024 + line, 0, 3);
                 _tile_loadd(4, x + c * AMX_K, j->in * 2);
                 AMX_STEP(0, 5);
                 AMX_STEP(1, 6);
@@ -667,8 +668,8 @@ int mw_attend(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const 
    w_post; h += (silu(x Wg) * x Wu) Wd. With `round_bf16` every value torch's bf16 path would
    hold in bfloat16 is rounded to bfloat16 where torch rounds it (after each product, norm,
    rotary term, activation and sum), so a bf16 model gives its torch tokens up to the order of
-   the sums; otherwise all is float32 (SiLU's exp is libm's expf, torch's own vectorised exp may
-   differ from it by an ulp). The hidden state `h` [rows, hidden] is float32 in and out. */
+   the sums; otherwise all is float32 (SiLU's exp is `vexp`, within 2 ulp of libm's expf, as torch's own vectorised
+   exp may differ from it by an ulp). The hidden state `h` [rows, hidden] is float32 in and out. */
 
 typedef struct {
     const void *w;
@@ -685,6 +686,96 @@ typedef struct {
 } mw_layer;
 
 #define R(x) (round_bf16 ? to_bf16(x) : (x))
+
+/* SiLU's gate times the up projection, a row at a time: act = R(R(g / (1 + exp(-g))) * u). The exp is
+   Cephes' expf polynomial on vectors (within 2 ulp of libm's; SiLU was half of a prompt's elementwise
+   time through scalar expf calls). A row's element i always takes the same lane of the same code, so a
+   row's values are the same alone or in any batch; the last `n % LANES` take it through a padded vector. */
+#ifndef GENERIC
+#if LANES == 16
+#define vmul(a, b) _mm512_mul_ps(a, b)
+#define vadd(a, b) _mm512_add_ps(a, b)
+#define vdiv(a, b) _mm512_div_ps(a, b)
+#define vmin(a, b) _mm512_min_ps(a, b)
+#define vmax(a, b) _mm512_max_ps(a, b)
+#define vnearest(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vscale2(y, n) _mm512_scalef_ps(y, n) /* y * 2^n, to 0 or inf past the range */
+#define vround_bf16(v) _mm512_castsi512_ps(round_bits(_mm512_castps_si512(v)))
+static inline __m512i round_bits(__m512i bits) { /* to_bf16 on a vector: the same bits lane by lane */
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    up = _mm512_mask_or_epi32(up, nan, bits, _mm512_set1_epi32(0x00400000));
+    return _mm512_and_si512(up, _mm512_set1_epi32((int)0xffff0000u));
+}
+#else
+#define vmul(a, b) _mm256_mul_ps(a, b)
+#define vadd(a, b) _mm256_add_ps(a, b)
+#define vdiv(a, b) _mm256_div_ps(a, b)
+#define vmin(a, b) _mm256_min_ps(a, b)
+#define vmax(a, b) _mm256_max_ps(a, b)
+#define vnearest(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vscale2(y, n) scale2(y, n)
+static inline __m256 pow2(__m256i n) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23)); }
+static inline __m256 scale2(__m256 y, __m256 n) { /* y * 2^n in two halves, each a normal power: 0, inf past the range */
+    __m256i whole = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(whole, 1);
+    return _mm256_mul_ps(_mm256_mul_ps(y, pow2(half)), pow2(_mm256_sub_epi32(whole, half)));
+}
+#define vround_bf16(v) _mm256_castsi256_ps(round_bits(_mm256_castps_si256(v)))
+static inline __m256i round_bits(__m256i bits) {
+    const __m256i sign_off = _mm256_set1_epi32((int)0x80000000u); /* unsigned compare by flipping the sign bit */
+    __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_xor_si256(magnitude, sign_off),
+                                     _mm256_xor_si256(_mm256_set1_epi32(0x7f800000), sign_off));
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    up = _mm256_blendv_epi8(up, _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000)), nan);
+    return _mm256_and_si256(up, _mm256_set1_epi32((int)0xffff0000u));
+}
+#endif
+
+static inline vec vexp(vec x) { /* NaN stays NaN: min and max return their second operand on one */
+    x = vmax(vset1(-104.0f), vmin(vset1(89.0f), x));
+    vec n = vnearest(vmul(x, vset1(1.44269504088896341f)));
+    x = vfma(n, vset1(-0.693359375f), x);
+    x = vfma(n, vset1(2.12194440e-4f), x);
+    vec p = vset1(1.9875691500e-4f);
+    p = vfma(p, x, vset1(1.3981999507e-3f));
+    p = vfma(p, x, vset1(8.3334519073e-3f));
+    p = vfma(p, x, vset1(4.1665795894e-2f));
+    p = vfma(p, x, vset1(1.6666665459e-1f));
+    p = vfma(p, x, vset1(5.0000001201e-1f));
+    p = vfma(p, vmul(x, x), vadd(x, vset1(1.0f)));
+    return vscale2(p, n);
+}
+
+static inline vec silu_times(vec g, vec u, int round_bf16) {
+    vec s = vdiv(g, vadd(vset1(1.0f), vexp(vmul(g, vset1(-1.0f)))));
+    if (round_bf16)
+        s = vround_bf16(s);
+    s = vmul(s, u);
+    return round_bf16 ? vround_bf16(s) : s;
+}
+#endif
+
+static void silu_row(const float *gate, const float *up, float *act, int64_t n, int round_bf16) {
+#ifndef GENERIC
+    const int64_t whole = n - n % LANES;
+    for (int64_t i = 0; i < whole; i += LANES)
+        vstore(act + i, silu_times(vload(gate + i), vload(up + i), round_bf16));
+    if (whole < n) {
+        float g[LANES] = {0}, u[LANES] = {0}, out[LANES];
+        memcpy(g, gate + whole, sizeof(float) * (n - whole));
+        memcpy(u, up + whole, sizeof(float) * (n - whole));
+        vstore(out, silu_times(vload(g), vload(u), round_bf16));
+        memcpy(act + whole, out, sizeof(float) * (n - whole));
+    }
+#else
+    for (int64_t i = 0; i < n; i++)
+        act[i] = R(R(gate[i] / (1.0f + expf(-gate[i]))) * up[i]);
+#endif
+}
 
 /* Returns 0, or -1 when the AMX product found no memory: the step fails (the caller undoes it) rather than
    summing another way, which would make a row's bits depend on the batch whose size ran out of memory. */
@@ -791,10 +882,7 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
             break;
         }
         for (int64_t r = 0; r < rows; r++)
-            for (int64_t i = 0; i < inter; i++) {
-                float g = gate_up[r * 2 * inter + i], u = gate_up[r * 2 * inter + inter + i];
-                act[r * inter + i] = R(R(g / (1.0f + expf(-g))) * u);
-            }
+            silu_row(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, act + r * inter, inter, round_bf16);
         if (product(&p->down, act, rows, out, round_bf16, threads)) {
             atomic_store(&failed, 1);
             break;

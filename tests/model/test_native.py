@@ -230,3 +230,60 @@ def test_decode_attention_refuses_rows_outside_their_caches():
     rows = AttendRows(caches, [0, 0], [5, 5], 0.125)
     with pytest.raises(ValueError, match="do not fit"):
         KERNELS.attend(torch.randn(2, 9, 1, 64), torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64), rows, 0, 1)
+
+
+HARNESS = r'''
+#include SOURCE_FILE
+#include <stdio.h>
+int main(void) { /* vexp and vround_bf16 on 16,000 floats across [-110, 110], and a SiLU row: printed as bits */
+    float in[LANES], out[LANES];
+    int n = 0;
+    for (int i = 0; i < 16000; i++) {
+        in[n++] = -110.0f + 0.01375f * (float)i;
+        if (n == LANES) {
+            vstore(out, vexp(vload(in)));
+            for (int l = 0; l < LANES; l++) {
+                uint32_t bits, libm_bits; float libm = expf(in[l]), r = to_bf16(in[l] * 3.7f), v[LANES];
+                memcpy(&bits, &out[l], 4); memcpy(&libm_bits, &libm, 4);
+                for (int k = 0; k < LANES; k++) v[k] = in[l] * 3.7f;
+                vstore(v, vround_bf16(vload(v)));
+                printf("%08x %08x %d\n", bits, libm_bits, memcmp(&r, &v[0], 4) == 0);
+            }
+            n = 0;
+        }
+    }
+    float g[1000], u[1000], act[1000];
+    for (int i = 0; i < 1000; i++) { g[i] = to_bf16((i - 500) * 0.031f); u[i] = to_bf16(1.5f - i * 0.002f); }
+    silu_row(g, u, act, 997, 1);
+    for (int i = 0; i < 997; i++) { uint32_t bits; memcpy(&bits, &act[i], 4); printf("silu %08x\n", bits); }
+}
+'''
+
+
+def _harness_output(tmp_path, flags):
+    source = tmp_path / "harness.c"
+    source.write_text(HARNESS.replace("SOURCE_FILE", f'"{native.SOURCE}"'))
+    binary = tmp_path / ("harness" + "".join(flags).replace("-", "_"))
+    subprocess.run([shutil.which("cc") or "gcc", "-O3", "-march=native", *flags, "-std=gnu11", "-ffp-contract=off",
+                    "-pthread", "-o", str(binary), str(source), "-lm"], check=True, capture_output=True, timeout=300)
+    return subprocess.run([str(binary)], check=True, capture_output=True, text=True, timeout=60).stdout.splitlines()
+
+
+def test_the_vector_exp_and_bf16_rounding_agree_with_libm_and_across_instruction_sets(tmp_path):
+    """SiLU's exp runs on vectors (`vexp`): within an ulp of libm's expf everywhere, exact at 0, inf and 0 past the
+    range; the bf16 rounding on vectors gives to_bf16's bits. The AVX2 build (machines without AVX-512) gives the
+    AVX-512 build's bits, so where a model runs does not change its tokens."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here")
+    flags = open("/proc/cpuinfo").read().split()
+    builds = [[]] + ([["-mno-avx512f"]] if "avx512f" in flags and "avx2" in flags else [])
+    outputs = [_harness_output(tmp_path, build) for build in builds]
+    assert len({tuple(output) for output in outputs}) == 1  # every instruction set: the same bits
+    exps = [line.split() for line in outputs[0] if not line.startswith("silu")]
+    assert len(exps) > 10_000
+    for got, libm, rounded in exps:
+        got, libm = int(got, 16), int(libm, 16)
+        assert abs(got - libm) <= 1, (hex(got), hex(libm))  # both positive: bits count ulps
+        assert rounded == "1"
+    silu = [int(line.split()[1], 16) for line in outputs[0] if line.startswith("silu")]
+    assert len(silu) == 997 and all(bits & 0xFFFF == 0 for bits in silu)  # bf16 values, the last ones padded alike
