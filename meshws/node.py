@@ -1,12 +1,11 @@
 """One meshws node: `python -m meshws.node --role tail --layers 15-29 --port 8702` (or `meshws node ...`).
 
-This module only wires the parts for a role: it loads the shard, binds the port,
-and mounts `/health` and `/metrics` everywhere, `/ws/shard` on middle and tail
-nodes, and on head and full nodes the public API, `/ws/chat`, the chat page and
-the registry. Each background part's start and stop sit together in one
-`cleanup_ctx` generator; `aiohttp` runs the stops in reverse order. SIGTERM drains
-first (`Node.shutdown`): no new connections, running work finishes within
-`--drain-timeout`, then sessions, links and the HTTP runner close, in that order.
+This module only wires the parts for a role: it loads the shard, binds the port, and mounts `/health` and
+`/metrics` everywhere, `/ws/shard` on middle and tail nodes, and on head and full nodes the public API, `/ws/chat`,
+the chat page and the registry. Each background part's start and stop sit together in one `cleanup_ctx` generator;
+`aiohttp` runs the stops in reverse order. Once loaded, the heap is frozen out of the garbage collector (`heap`).
+SIGTERM drains first (`Node.shutdown`): no new connections, running work finishes within `--drain-timeout`, then
+sessions, links and the HTTP runner close, in that order.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
+from . import heap
 from .api.chat_ws import ChatSocket
 from .api.errors import error_middleware
 from .api.guards import RequestGuard, add_security_headers
@@ -325,6 +325,7 @@ async def serve(settings: NodeSettings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     port = await node.start()
+    log.debug("%d loaded objects frozen out of the garbage collector", heap.freeze())
     if settings.insecure and not settings.secret and not is_loopback(settings.host):
         log.warning("INSECURE: listening on %s with no mesh secret: anyone who reaches this port can link to this "
                     "node, join the mesh and read every hidden state; use --secret-file", settings.host)

@@ -12,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from . import heap
 from .api.errors import json_response, public_text
 from .head.generation import GenerationStats
 from .model.memory import process_memory
@@ -45,6 +46,7 @@ class NodeReports:
                         "busy_seconds": round(self.worker.busy_seconds, 3),
                         # (start, end, rows) of the last jobs, on this host's monotonic clock
                         "recent_steps": [[round(a, 4), round(b, 4), rows] for a, b, rows in list(self.worker.recent)]},
+            "heap": heap.describe(),  # objects kept out of the garbage collector; its pauses since
             "links": [link.describe() for link in self.links.all()],
             "chain": chain,
             "problems": reasons,

@@ -49,6 +49,9 @@ async def test_health_and_metrics_describe_the_node(mesh):
     for node in (head, tail):  # 15 layers and the embedding matrix (the tail's LM head) each, in float32
         assert 300e6 < node["weight_bytes"] < 340e6, node["weight_bytes"]
         assert node["peak_resident_bytes"] >= node["resident_bytes"] > 0
+        # the loaded model, tokenizer and libraries are frozen out of the collector (a full pass over them: 158 ms)
+        assert node["heap"]["frozen_objects"] > 100_000, node["heap"]
+        assert len(node["heap"]["collections"]) == len(node["heap"]["collection_seconds"]) == 3
     async with aiohttp.ClientSession() as client:
         async with client.get(f"{mesh.tail.url}/metrics") as response:
             text = await response.text()
