@@ -668,7 +668,7 @@ int mw_attend(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const 
    w_post; h += (silu(x Wg) * x Wu) Wd. With `round_bf16` every value torch's bf16 path would
    hold in bfloat16 is rounded to bfloat16 where torch rounds it (after each product, norm,
    rotary term, activation and sum), so a bf16 model gives its torch tokens up to the order of
-   the sums; otherwise all is float32 (SiLU's exp is `vexp`, within 2 ulp of libm's expf, as torch's own vectorised
+   the sums; otherwise all is float32 (SiLU's exp is `vexp`, within an ulp of libm's expf, as torch's own vectorised
    exp may differ from it by an ulp). The hidden state `h` [rows, hidden] is float32 in and out. */
 
 typedef struct {
@@ -688,7 +688,7 @@ typedef struct {
 #define R(x) (round_bf16 ? to_bf16(x) : (x))
 
 /* SiLU's gate times the up projection, a row at a time: act = R(R(g / (1 + exp(-g))) * u). The exp is
-   Cephes' expf polynomial on vectors (within 2 ulp of libm's; SiLU was half of a prompt's elementwise
+   Cephes' expf polynomial on vectors (within an ulp of libm's; SiLU was half of a prompt's elementwise
    time through scalar expf calls). A row's element i always takes the same lane of the same code, so a
    row's values are the same alone or in any batch; the last `n % LANES` take it through a padded vector. */
 #ifndef GENERIC
