@@ -42,6 +42,7 @@ from .bench_plot import write_plot
 from .bench_laps import measure_laps
 from .bench_nodes import measure_processes
 from .bench_turns import measure_conversation
+from .local_mesh import tail_start
 from .memory_bench import measure_memory, print_memory, write_report
 
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
@@ -244,7 +245,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     resolved = resolve_model(args.model, os.environ.get("MESHWS_CACHE_DIR"), tokenizer=True)
     cache = model_cache(resolved)
     whole = cache.ensure_whole() if cache is not None else resolved.folder  # for plain generate()
-    args.layers = AutoConfig.from_pretrained(str(resolved.folder)).num_hidden_layers
+    config = AutoConfig.from_pretrained(str(resolved.folder))
+    args.layers, args.tail_start = config.num_hidden_layers, tail_start(config)
     tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder))
     if tokenizer.chat_template:
         prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,

@@ -74,7 +74,7 @@ def measure_mesh(args: argparse.Namespace, flags: tuple[str, ...], prompt_ids: l
     """A head + tail mesh at each session count; the first one measured also gives the joining run and frames."""
     from .launch import Mesh
 
-    split = args.layers // 2
+    split = args.tail_start  # as `meshws mesh` splits: both nodes read about the same weight bytes a step
     mesh = Mesh([("head", f"0-{split - 1}"), ("tail", f"{split}-{args.layers - 1}")], common=flags,
                 split_threads=False)
     results: dict[str, Any] = {key: {}}

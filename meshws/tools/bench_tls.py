@@ -31,7 +31,7 @@ def measure_tls(args: argparse.Namespace, dtype: str, prompt_ids: list[int], mod
         cert.cert_chain_pems[0].write_to_path(paths["cert"])
         cert.private_key_pem.write_to_path(paths["key"])
         context = ssl.create_default_context(cafile=paths["ca"])
-        split = args.layers // 2
+        split = args.tail_start
         specs = [("head", f"0-{split - 1}"), ("tail", f"{split}-{args.layers - 1}")]
         tls = ("--tls-cert", paths["cert"], "--tls-key", paths["key"], "--tls-ca", paths["ca"])
         result: dict[str, Any] = {}
