@@ -19,8 +19,8 @@ import gc
 import time
 from typing import Any
 
-_paused = [0.0, 0.0, 0.0]  # seconds spent in collections of each generation, since `watch`
-_counts = [0, 0, 0]
+_paused = [0.0, 0.0, 0.0]  # seconds spent in collections of each generation, since `freeze`
+_counts = [0, 0, 0]  # and the collections
 _started: list[float] = []
 
 

@@ -668,8 +668,8 @@ int mw_attend(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const 
    w_post; h += (silu(x Wg) * x Wu) Wd. With `round_bf16` every value torch's bf16 path would
    hold in bfloat16 is rounded to bfloat16 where torch rounds it (after each product, norm,
    rotary term, activation and sum), so a bf16 model gives its torch tokens up to the order of
-   the sums; otherwise all is float32 (SiLU's exp is `vexp`, within an ulp of libm's expf, as torch's own vectorised
-   exp may differ from it by an ulp). The hidden state `h` [rows, hidden] is float32 in and out. */
+   the sums; otherwise all is float32 (SiLU's exp is `vexp`, within an ulp of libm's expf, as torch's own
+   vectorised exp may differ from it by an ulp). The hidden state `h` [rows, hidden] is float32 in and out. */
 
 typedef struct {
     const void *w;
@@ -717,8 +717,10 @@ static inline __m512i round_bits(__m512i bits) { /* to_bf16 on a vector: the sam
 #define vmax(a, b) _mm256_max_ps(a, b)
 #define vnearest(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define vscale2(y, n) scale2(y, n)
-static inline __m256 pow2(__m256i n) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23)); }
-static inline __m256 scale2(__m256 y, __m256 n) { /* y * 2^n in two halves, each a normal power: 0, inf past the range */
+static inline __m256 pow2(__m256i n) { /* 2^n for a normal power: the exponent field built by hand */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
+}
+static inline __m256 scale2(__m256 y, __m256 n) { /* y * 2^n in two halves, each a normal power: 0 or inf past range */
     __m256i whole = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(whole, 1);
     return _mm256_mul_ps(_mm256_mul_ps(y, pow2(half)), pow2(_mm256_sub_epi32(whole, half)));
 }
