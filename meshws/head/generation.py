@@ -211,64 +211,76 @@ class Generator:
     ) -> AsyncIterator[TokenEvent]:
         sid, sampling = stats.sid, request.sampling
         need_prefill, misses = True, 0
-        while len(sequence) < request.max_tokens:
-            sequence.step += 1
-            stats.prefills += 1 if need_prefill else 0
-            try:
-                result = await self._lap(sid, sequence.step, need_prefill, sequence, sampling, path, stats.times)
-            except KVCacheMiss as exc:
-                misses += 1
-                stats.cache_misses += 1
-                if misses > MAX_CONSECUTIVE_CACHE_MISSES:
-                    raise PipelineError(f"{misses} cache misses in a row: {exc}") from exc
-                log.info("session %s: cache miss on a lap with %d drafts (%s); re-prefilling", sid[:12],
-                         0 if need_prefill else len(sequence.drafts), exc)
-                need_prefill, sequence.reuse = True, 0
-                continue
-            except PipelineError as exc:
-                if not exc.lost or stats.failovers >= MAX_FAILOVERS or path.channel is None:
-                    raise
-                log.warning("session %s: lost a lap with %d drafts", sid[:12],
-                            0 if need_prefill else len(sequence.drafts))
-                await self._reroute(path, exc, sampling, len(sequence.prompt_ids), stats)
-                need_prefill, sequence.reuse = True, 0
-                continue
-            except ValueError as exc:  # a step refused by a backend (bad length, dtype...)
-                raise PipelineError(str(exc)) from exc
-            misses = 0
-            if prefilled is not None:
-                prefilled.set()  # the prompt is in every cache of the route: other choices may fork it
-            if need_prefill and not sequence.reuse and stats.prompt_logprobs is None and result.prompt_logprobs:
-                stats.prompt_logprobs = result.prompt_logprobs
-            # 1 token, or after a lap with drafts the ones the tail kept and its own: all fed but the last
-            tokens = result.token_ids or (result.token_id,)
-            if not need_prefill and sequence.speculation is not None:
-                sequence.speculation.record(len(sequence.drafts), len(tokens) - 1)
-            sequence.held = len(sequence.ids()) if need_prefill else sequence.held + len(tokens)
-            stats.lap_arrived()
-            if result.token_id is None:  # a legacy tail: text only, an empty text ends; prefill every step
-                if not result.text:
-                    stats.finish_reason = FinishReason.STOP
-                    return
-                sequence.legacy_text.append(result.text)
-                stats.completion_tokens += 1
-                need_prefill = True
-                yield TokenEvent(None, result.text)
-                continue
-            need_prefill = not self.backend.supports_kv_cache
-            for index, token in enumerate(tokens):  # streamed one by one, as without drafts
-                if token in self.eos_ids and not request.ignore_eos:
-                    stats.finish_reason = FinishReason.STOP
-                    return
-                sequence.tokens.append(token)
-                stats.completion_tokens += 1
-                logprob = result.logprobs[index] if index < len(result.logprobs) else None
-                if logprob is not None and stats.logprobs is not None:
-                    stats.logprobs.append((token, logprob))
-                yield TokenEvent(token, logprob=logprob)
-                if len(sequence) >= request.max_tokens:
-                    break
-        stats.finish_reason = FinishReason.LENGTH
+        ahead: tuple[asyncio.Future, float] | None = None  # the next lap's head step, queued before the token streamed
+        try:
+            while len(sequence) < request.max_tokens:
+                sequence.step += 1
+                stats.prefills += 1 if need_prefill else 0
+                try:
+                    early, ahead = ahead, None
+                    result = await self._lap(sid, sequence.step, need_prefill, sequence, sampling, path, stats.times,
+                                             early)
+                except KVCacheMiss as exc:
+                    misses += 1
+                    stats.cache_misses += 1
+                    if misses > MAX_CONSECUTIVE_CACHE_MISSES:
+                        raise PipelineError(f"{misses} cache misses in a row: {exc}") from exc
+                    log.info("session %s: cache miss on a lap with %d drafts (%s); re-prefilling", sid[:12],
+                             0 if need_prefill else len(sequence.drafts), exc)
+                    need_prefill, sequence.reuse = True, 0
+                    continue
+                except PipelineError as exc:
+                    if not exc.lost or stats.failovers >= MAX_FAILOVERS or path.channel is None:
+                        raise
+                    log.warning("session %s: lost a lap with %d drafts", sid[:12],
+                                0 if need_prefill else len(sequence.drafts))
+                    await self._reroute(path, exc, sampling, len(sequence.prompt_ids), stats)
+                    need_prefill, sequence.reuse = True, 0
+                    continue
+                except ValueError as exc:  # a step refused by a backend (bad length, dtype...)
+                    raise PipelineError(str(exc)) from exc
+                misses = 0
+                if prefilled is not None:
+                    prefilled.set()  # the prompt is in every cache of the route: other choices may fork it
+                if need_prefill and not sequence.reuse and stats.prompt_logprobs is None and result.prompt_logprobs:
+                    stats.prompt_logprobs = result.prompt_logprobs
+                # 1 token, or after a lap with drafts the ones the tail kept and its own: all fed but the last
+                tokens = result.token_ids or (result.token_id,)
+                if not need_prefill and sequence.speculation is not None:
+                    sequence.speculation.record(len(sequence.drafts), len(tokens) - 1)
+                sequence.held = len(sequence.ids()) if need_prefill else sequence.held + len(tokens)
+                stats.lap_arrived()
+                if result.token_id is None:  # a legacy tail: text only, an empty text ends; prefill every step
+                    if not result.text:
+                        stats.finish_reason = FinishReason.STOP
+                        return
+                    sequence.legacy_text.append(result.text)
+                    stats.completion_tokens += 1
+                    need_prefill = True
+                    yield TokenEvent(None, result.text)
+                    continue
+                need_prefill = not self.backend.supports_kv_cache
+                for index, token in enumerate(tokens):  # streamed one by one, as without drafts
+                    if token in self.eos_ids and not request.ignore_eos:
+                        stats.finish_reason = FinishReason.STOP
+                        return
+                    sequence.tokens.append(token)
+                    stats.completion_tokens += 1
+                    logprob = result.logprobs[index] if index < len(result.logprobs) else None
+                    if logprob is not None and stats.logprobs is not None:
+                        stats.logprobs.append((token, logprob))
+                    if index == len(tokens) - 1 and not need_prefill and len(sequence) < request.max_tokens:
+                        # queued before the token is streamed, not after: the next lap's head step joins this
+                        # wave's batch on the worker whatever the client's write costs (a stop string in the
+                        # text wastes it: the caches are cut back to what was kept)
+                        ahead = self._head_step(sid, sequence, sampling), time.perf_counter()
+                    yield TokenEvent(token, logprob=logprob)
+                    if len(sequence) >= request.max_tokens:
+                        break
+            stats.finish_reason = FinishReason.LENGTH
+        finally:
+            if ahead is not None:  # closed (a stop string, a client gone) or failed before that lap: not wanted
+                _abandon(ahead[0])
 
     @staticmethod
     async def _reroute(path: RoutedPath, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int,
@@ -287,14 +299,16 @@ class Generator:
                 failure = again
 
     async def _lap(self, sid: str, step: int, prefill: bool, sequence: Progress, sampling: SamplingParams,
-                   path: RoutedPath, times: LapTimes) -> TailTokenResult:
-        """One step through the head's layers and the route: a (re-)prefill, or one token's decode.
+                   path: RoutedPath, times: LapTimes, early: tuple[asyncio.Future, float] | None = None) \
+            -> TailTokenResult:
+        """One step through the head's layers and the route: a (re-)prefill, or one token's decode (its head
+        step `early`, with when it was queued, if that was queued already).
 
         A prefill after `sequence.reuse` kept positions runs only the tokens after them, as a
         multi-position "decode" at that length: every hop cuts its cache back to it first.
         """
-        began = time.perf_counter()
-        result = await self._head_part(sid, prefill, sequence, sampling)
+        began = time.perf_counter() if early is None else early[1]
+        result = await (self._head_part(sid, prefill, sequence, sampling) if early is None else early[0])
         head_ms = (time.perf_counter() - began) * 1000
         positions = len(sequence.ids()) - sequence.reuse if prefill else 1 + len(sequence.drafts)
         if not isinstance(result, TailTokenResult):  # hidden states for the route (a full node has sampled)
@@ -320,13 +334,25 @@ class Generator:
                 cached_sid, token_ids=prefill_input[sequence.reuse:], mode=mode, past_len=sequence.reuse,
                 sampling=sampling, history=prefill_input if sampling.needs_history else (),
                 generated_from=prompt_length))
+        return await self._head_step(sid, sequence, sampling)
+
+    def _head_step(self, sid: str, sequence: Progress, sampling: SamplingParams) -> asyncio.Future:
+        """A decode lap's step through the head's own layers (with drafts, if any), queued on the worker now."""
+        prompt_length = len(sequence.prompt_ids)
+        cached_sid = sid if self.backend.supports_kv_cache else None
         history = sequence.ids() if sampling.needs_history else ()
         speculation, last = sequence.speculation, sequence.tokens[-1]
         room = sequence.max_tokens - len(sequence) - 1  # guesses beyond the answer's end are wasted
         sequence.drafts = tuple(speculation.propose(sequence.ids(), room, len(self.active))) if speculation else ()
         if sequence.drafts:  # the last token and the guesses, verified by the tail in one lap
-            return await self.worker.prefill(PrefillStep(
+            return self.worker.prefill_now(PrefillStep(
                 cached_sid, token_ids=[last, *sequence.drafts], mode="decode", past_len=sequence.held,
                 sampling=sampling, history=history, generated_from=prompt_length, drafts=sequence.drafts))
-        return await self.worker.decode(DecodeStep(sid, token_id=last, sampling=sampling, history=history,
-                                                   generated_from=prompt_length, past_len=sequence.held))
+        return self.worker.decode_now(DecodeStep(sid, token_id=last, sampling=sampling, history=history,
+                                                 generated_from=prompt_length, past_len=sequence.held))
+
+
+def _abandon(future: asyncio.Future) -> None:
+    """A queued step nobody will await: cancelled (the worker skips it), or its outcome taken if it has one."""
+    if not future.cancel() and not future.cancelled():
+        future.exception()  # (retrieved: no "exception was never retrieved" in the log)

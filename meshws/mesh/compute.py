@@ -87,12 +87,20 @@ class ComputeWorker:
 
     async def decode(self, step: DecodeStep) -> StepResult:
         """A decode step, batched with other sessions' steps waiting at the same time."""
-        return await self._submit(_Job(None, step, *self._future()))
+        return await self.decode_now(step)
+
+    def decode_now(self, step: DecodeStep) -> asyncio.Future:
+        """`decode`, queued at once rather than when awaited: its result's future (cancel it: the step is skipped)."""
+        return self._enqueue(_Job(None, step, *self._future()))
 
     async def prefill(self, step: PrefillStep) -> StepResult:
         """A prefill (or a multi-token step), run in chunks of `prefill_chunk` tokens between other work."""
-        return await self._submit(_Job(None, None, *self._future(),
-                                       chunks=self.backend.prefill(step, self.prefill_chunk), prefill=step))
+        return await self.prefill_now(step)
+
+    def prefill_now(self, step: PrefillStep) -> asyncio.Future:
+        """`prefill`, queued at once: its result's future."""
+        return self._enqueue(_Job(None, None, *self._future(), chunks=self.backend.prefill(step, self.prefill_chunk),
+                                  prefill=step))
 
     async def urgent(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn` on the worker before any queued work (after the chunk or batch now running)."""
@@ -121,6 +129,9 @@ class ComputeWorker:
         return loop.create_future(), loop
 
     async def _submit(self, job: _Job, urgent: bool = False) -> Any:
+        return await self._enqueue(job, urgent)
+
+    def _enqueue(self, job: _Job, urgent: bool = False) -> asyncio.Future:
         with self._ready:
             if self._closed:
                 if job.chunks is not None:
@@ -131,7 +142,7 @@ class ComputeWorker:
             if job.step is not None:
                 self._arrived = time.monotonic()
             self._ready.notify()
-        return await job.future
+        return job.future
 
     def _serve(self) -> None:
         other_turn = False

@@ -15,6 +15,7 @@ from fakes import (
     eventually,
     fake_mesh,
 )
+from meshws.head.stats import GenerationRequest, GenerationStats
 from meshws.mesh.inbound import DecodeLogThrottle
 from meshws.model.backend import TensorPayload
 
@@ -58,6 +59,25 @@ async def test_session_is_stable_and_decode_payloads_are_single_token():
     # Head and tail release the session when the generation ends.
     assert head_backend.released == [session_id]
     assert tail_backend.released == [session_id]
+
+
+async def test_the_next_step_runs_on_the_head_while_a_token_is_held_and_goes_no_further_if_the_consumer_stops():
+    """A token's next decode step is queued on the head as the token arrives, not once the consumer (an SSE
+    write) has taken it, so it joins its wave's batch. A consumer that stops there (a stop string) wastes
+    only the head's step: nothing more reaches the tail, and the session is released everywhere."""
+    head_backend = CachedHeadBackend()
+    tail_backend = CachedTailBackend([(" a", 1), (" b", 2), (" c", 3)])
+    async with fake_mesh(head_backend, tail_backend) as mesh:
+        stats = GenerationStats(sid="early")
+        events = mesh.head.head._generator.generate(GenerationRequest("hello", max_tokens=3), stats)
+        first = await events.__anext__()
+        await eventually(lambda: head_backend.decode_calls)  # the consumer has not asked for token 2 yet
+        await events.aclose()
+        await eventually(lambda: tail_backend.released and head_backend.released)
+    assert first.token_id == 1
+    assert head_backend.decode_calls == [(1, "early")]
+    assert [call["mode"] for call in tail_backend.calls] == ["prefill"]
+    assert head_backend.released == ["early"] and tail_backend.released == ["early"]
 
 
 async def test_pipeline_failure_before_first_token_returns_502():
