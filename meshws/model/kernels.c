@@ -389,6 +389,8 @@ static inline float to_bf16(float x) { /* round to nearest even, as torch's .to(
    in % 32 == 0 (the caller checks). A 16-row batch costs little more than one row here: the
    tiles do 16 x 16 x 32 multiply-adds per instruction, where a vector does 16. */
 
+static void bf16_bits(uint16_t *to, const float *from, int64_t count);
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -396,7 +398,7 @@ static inline float to_bf16(float x) { /* round to nearest even, as torch's .to(
 #define AMX_ROWS 16  /* rows of a tile */
 #define AMX_K 32     /* bf16 inputs per tile line (64 bytes) */
 #define AMX_N 16     /* outputs per tile */
-#define AMX_GROUP 4  /* output tiles accumulated together: tmm0..3; x in tmm4, weights in tmm5, tmm6 */
+#define AMX_GROUP 4  /* output tiles of a unit: accumulators tmm0..3; x in tmm4, 5, weights in tmm6, 7 */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -407,8 +409,8 @@ typedef struct {
 typedef struct {
     const uint16_t *x;     /* [padded rows, in] bf16 */
     const uint16_t *tiles; /* the repacked weights */
-    float *y;              /* [padded rows, out] */
-    int64_t blocks, in, out;
+    float *y;              /* [rows, out] */
+    int64_t blocks, in, out, valid; /* valid: the rows of x and y (x is padded to whole tiles with zeros) */
     int rows; /* rows of each tile: 16, or all of a batch of fewer */
 } amx_job;
 
@@ -420,9 +422,11 @@ static void amx_configure(int rows) {
         config.rows[t] = (uint8_t)rows;
         config.bytes_per_row[t] = AMX_N * 4;
     }
-    config.rows[4] = (uint8_t)rows; /* x: rows x 32 bf16 */
-    config.bytes_per_row[4] = AMX_K * 2;
-    for (int t = 5; t < 7; t++) { /* weights: 16 pair lines x 16 outputs */
+    for (int t = 4; t < 6; t++) { /* x: rows x 32 bf16 (two blocks of rows) */
+        config.rows[t] = (uint8_t)rows;
+        config.bytes_per_row[t] = AMX_K * 2;
+    }
+    for (int t = 6; t < 8; t++) { /* weights: 16 pair lines x 16 outputs */
         config.rows[t] = AMX_K / 2;
         config.bytes_per_row[t] = AMX_N * 4;
     }
@@ -432,11 +436,77 @@ static void amx_configure(int rows) {
 #define TILE (AMX_K * AMX_N) /* bf16 values in a weight tile */
 #define AMX_AHEAD 8          /* KiB of weights prefetched ahead of the tiles read */
 
-#define AMX_STEP(t, B)                                        \
-    do {                                                      \
-        _tile_loadd(B, w + (int64_t)(t) * TILE, AMX_N * 4);   \
-        _tile_dpbf16ps(t, 4, B);                              \
+static inline __attribute__((always_inline)) void amx_zero(void) { /* the four accumulators */
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+static inline void amx_ahead(const uint16_t *w) { /* a hint: the group's tiles AMX_AHEAD KiB on (past the end: none) */
+    for (int line = 0; line < AMX_GROUP * TILE * 2; line += 64)
+        __builtin_prefetch((const char *)w + AMX_AHEAD * 1024 + line, 0, 3);
+}
+
+/* Blocks of rows `block`, `block + 1` by the group's tiles `first`, `first + 1`: each tile loaded serves two products
+   (four loads for four, where a block by four tiles takes five, and weights are read from L2 half as often), which
+   is what bounds a prompt's products. Each output still sums its chunks in order: the same bits. */
+static inline __attribute__((always_inline)) void amx_pass(const amx_job *j, const uint16_t *group, int64_t block,
+                                                           int first) {
+    const int64_t chunks = j->in / AMX_K;
+    const uint16_t *x = j->x + block * AMX_ROWS * j->in;
+    amx_zero();
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint16_t *w = group + (c * AMX_GROUP + first) * TILE;
+        if (block == 0 && first == 0) /* later passes find these tiles in L2 */
+            amx_ahead(w);
+        _tile_loadd(4, x + c * AMX_K, j->in * 2);
+        _tile_loadd(6, w, AMX_N * 4);
+        _tile_loadd(7, w + TILE, AMX_N * 4);
+        _tile_loadd(5, x + AMX_ROWS * j->in + c * AMX_K, j->in * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
+/* Tile `t` of rows [block, block + 1) stored at output tile `at` of the group: rows past the batch's end (the last
+   block's padding) go to a spill, not past y's end. */
+#define AMX_STORE(t, block, at)                                                                          \
+    do {                                                                                                 \
+        float *y_ = j->y + (block) * AMX_ROWS * j->out + unit * AMX_GROUP * AMX_N + (at) * AMX_N;         \
+        const int64_t valid_ = j->valid - (block) * AMX_ROWS;                                             \
+        if (valid_ >= j->rows)                                                                           \
+            _tile_stored(t, y_, j->out * 4);                                                             \
+        else {                                                                                           \
+            float spill_[AMX_ROWS * AMX_N];                                                              \
+            _tile_stored(t, spill_, AMX_N * 4);                                                          \
+            for (int64_t r_ = 0; r_ < valid_; r_++)                                                      \
+                memcpy(y_ + r_ * j->out, spill_ + r_ * AMX_N, sizeof(float) * AMX_N);                     \
+        }                                                                                                \
     } while (0)
+
+/* A lone block of rows by the group's four tiles: one x tile loaded for four products. */
+static inline __attribute__((always_inline)) void amx_lone(const amx_job *j, const uint16_t *group, int64_t block) {
+    const int64_t chunks = j->in / AMX_K;
+    const uint16_t *x = j->x + block * AMX_ROWS * j->in;
+    amx_zero();
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint16_t *w = group + c * AMX_GROUP * TILE;
+        if (block == 0)
+            amx_ahead(w);
+        _tile_loadd(4, x + c * AMX_K, j->in * 2);
+        _tile_loadd(6, w, AMX_N * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, w + TILE, AMX_N * 4);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(6, w + 2 * TILE, AMX_N * 4);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_loadd(7, w + 3 * TILE, AMX_N * 4);
+        _tile_dpbf16ps(3, 4, 7);
+    }
+}
 
 static void amx_units(const void *task, int64_t begin, int64_t end) { /* units: groups of AMX_GROUP output tiles */
     const amx_job *j = task;
@@ -444,28 +514,21 @@ static void amx_units(const void *task, int64_t begin, int64_t end) { /* units: 
     amx_configure(j->rows);
     for (int64_t unit = begin; unit < end; unit++) {
         const uint16_t *group = j->tiles + unit * chunks * AMX_GROUP * TILE; /* its tiles, in the order read */
-        for (int64_t block = 0; block < j->blocks; block++) {
-            const uint16_t *x = j->x + block * AMX_ROWS * j->in;
-            float *y = j->y + block * AMX_ROWS * j->out + unit * AMX_GROUP * AMX_N;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t c = 0; c < chunks; c++) {
-                const uint16_t *w = group + c * AMX_GROUP * TILE;
-                if (block == 0) /* a hint: past the end, nothing; later blocks find these tiles in L2 */
-                    for (int line = 0; line < AMX_GROUP * TILE * 2; line += 64)
-                        __builtin_prefetch((const char *)w + AMX_AHEAD * 1024 + line, 0, 3);
-                _tile_loadd(4, x + c * AMX_K, j->in * 2);
-                AMX_STEP(0, 5);
-                AMX_STEP(1, 6);
-                AMX_STEP(2, 5);
-                AMX_STEP(3, 6);
+        int64_t block = 0;
+        for (; block + 1 < j->blocks; block += 2)
+            for (int first = 0; first < AMX_GROUP; first += 2) {
+                amx_pass(j, group, block, first);
+                AMX_STORE(0, block, first);
+                AMX_STORE(1, block, first + 1);
+                AMX_STORE(2, block + 1, first);
+                AMX_STORE(3, block + 1, first + 1);
             }
-            _tile_stored(0, y, j->out * 4);
-            _tile_stored(1, y + AMX_N, j->out * 4);
-            _tile_stored(2, y + 2 * AMX_N, j->out * 4);
-            _tile_stored(3, y + 3 * AMX_N, j->out * 4);
+        if (block < j->blocks) {
+            amx_lone(j, group, block);
+            AMX_STORE(0, block, 0);
+            AMX_STORE(1, block, 1);
+            AMX_STORE(2, block, 2);
+            AMX_STORE(3, block, 3);
         }
     }
     _tile_release();
@@ -491,33 +554,19 @@ int mw_amx_linear(const float *x, int64_t rows, int64_t in, const void *tiles, c
         return -1;
     const int64_t padded = rows < AMX_ROWS ? rows : (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     uint16_t *wide = malloc(sizeof(uint16_t) * padded * in);
-    float *sums = padded == rows ? y : malloc(sizeof(float) * padded * out);
-    if (!wide || !sums) {
-        free(wide);
-        if (sums != y)
-            free(sums);
+    if (!wide)
         return -1;
-    }
-    for (int64_t i = 0; i < rows * in; i++) { /* exact: the values are bf16 already (else rounded to nearest) */
-        float rounded = to_bf16(x[i]);
-        uint32_t bits;
-        memcpy(&bits, &rounded, sizeof bits);
-        wide[i] = (uint16_t)(bits >> 16);
-    }
+    bf16_bits(wide, x, rows * in); /* exact: the values are bf16 already (else rounded to nearest) */
     memset(wide + rows * in, 0, sizeof(uint16_t) * (padded - rows) * in);
-    amx_job job = {wide, tiles, sums, padded < AMX_ROWS ? 1 : padded / AMX_ROWS, in, out,
+    amx_job job = {wide, tiles, y, padded < AMX_ROWS ? 1 : padded / AMX_ROWS, in, out, rows,
                    (int)(padded < AMX_ROWS ? padded : AMX_ROWS)};
     const int64_t units = out / (AMX_N * AMX_GROUP);
     parallel(amx_units, &job, units, rows * in * out < THREAD_WORK ? 1 : threads);
-    if (sums != y)
-        memcpy(y, sums, sizeof(float) * rows * out);
     if (bias)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t o = 0; o < out; o++)
                 y[r * out + o] += bias[o];
     free(wide);
-    if (sums != y)
-        free(sums);
     return 0;
 }
 #else
@@ -779,6 +828,46 @@ static void silu_row(const float *gate, const float *up, float *act, int64_t n, 
 #endif
 }
 
+/* The elementwise passes between products, on vectors: `vround_bf16` gives `to_bf16`'s bits lane by lane, and
+   a sum or product of two floats rounds the same in a lane as in a scalar, so each is exact as the scalar loop. */
+
+static void round_all(float *y, int64_t count) { /* y = to_bf16(y) */
+    int64_t i = 0;
+#ifndef GENERIC
+    for (; i + LANES <= count; i += LANES)
+        vstore(y + i, vround_bf16(vload(y + i)));
+#endif
+    for (; i < count; i++)
+        y[i] = to_bf16(y[i]);
+}
+
+static void add_into(float *h, const float *add, int64_t count, int round_bf16) { /* h = R(h + add) */
+    int64_t i = 0;
+#ifndef GENERIC
+    for (; i + LANES <= count; i += LANES) {
+        vec sum = vadd(vload(h + i), vload(add + i));
+        vstore(h + i, round_bf16 ? vround_bf16(sum) : sum);
+    }
+#endif
+    for (; i < count; i++)
+        h[i] = R(h[i] + add[i]);
+}
+
+static void bf16_bits(uint16_t *to, const float *from, int64_t count) { /* to_bf16's upper halves */
+    int64_t i = 0;
+#if LANES == 16 && !defined(GENERIC)
+    for (; i + LANES <= count; i += LANES)
+        _mm256_storeu_si256((__m256i *)(to + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+                                                     round_bits(_mm512_castps_si512(vload(from + i))), 16)));
+#endif
+    for (; i < count; i++) {
+        float rounded = to_bf16(from[i]);
+        uint32_t bits;
+        memcpy(&bits, &rounded, sizeof bits);
+        to[i] = (uint16_t)(bits >> 16);
+    }
+}
+
 /* Returns 0, or -1 when the AMX product found no memory: the step fails (the caller undoes it) rather than
    summing another way, which would make a row's bits depend on the batch whose size ran out of memory. */
 static int product(const mw_weight *w, const float *x, int64_t rows, float *y, int round_bf16, int threads) {
@@ -788,8 +877,7 @@ static int product(const mw_weight *w, const float *x, int64_t rows, float *y, i
     } else
         mw_linear(x, rows, w->in, w->w, w->kind, w->scale, w->bias, y, w->out, threads);
     if (round_bf16)
-        for (int64_t i = 0; i < rows * w->out; i++)
-            y[i] = to_bf16(y[i]);
+        round_all(y, rows * w->out);
     return 0;
 }
 
@@ -798,7 +886,15 @@ static void rms_norm(const float *h, const float *weight, int64_t width, float e
     for (int64_t i = 0; i < width; i++)
         squares += h[i] * h[i];
     float inverse = 1.0f / sqrtf(squares / (float)width + eps);
-    for (int64_t i = 0; i < width; i++)
+    int64_t i = 0;
+#ifndef GENERIC
+    for (const vec scale = vset1(inverse); i + LANES <= width; i += LANES) { /* exact, as `add_into` */
+        vec scaled = vmul(vload(h + i), scale);
+        scaled = vmul(vload(weight + i), round_bf16 ? vround_bf16(scaled) : scaled);
+        vstore(x + i, round_bf16 ? vround_bf16(scaled) : scaled);
+    }
+#endif
+    for (; i < width; i++)
         x[i] = R(weight[i] * R(h[i] * inverse));
 }
 
@@ -816,13 +912,7 @@ static void to_cache(void *to, int kind, const float *from, int64_t count) {
         memcpy(to, from, sizeof(float) * count);
         return;
     }
-    uint16_t *bits = to;
-    for (int64_t i = 0; i < count; i++) {
-        float rounded = to_bf16(from[i]);
-        uint32_t word;
-        memcpy(&word, &rounded, sizeof word);
-        bits[i] = (uint16_t)(word >> 16);
-    }
+    bf16_bits(to, from, count);
 }
 
 /* keys, values: [layers][rows] cache buffers; capacity, low, at: [rows]. Returns 0, or -1 when
@@ -869,14 +959,12 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
         if (atomic_load(&failed))
             break;
         if (round_bf16)
-            for (int64_t i = 0; i < rows * q_size; i++)
-                att[i] = to_bf16(att[i]);
+            round_all(att, rows * q_size);
         if (product(&p->o, att, rows, out, round_bf16, threads)) {
             atomic_store(&failed, 1);
             break;
         }
-        for (int64_t i = 0; i < rows * width; i++)
-            h[i] = R(h[i] + out[i]);
+        add_into(h, out, rows * width, round_bf16);
         for (int64_t r = 0; r < rows; r++)
             rms_norm(h + r * width, p->norm_post, width, eps, x + r * width, round_bf16);
         if (product(&p->gate_up, x, rows, gate_up, round_bf16, threads)) {
@@ -889,8 +977,7 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
             atomic_store(&failed, 1);
             break;
         }
-        for (int64_t i = 0; i < rows * width; i++)
-            h[i] = R(h[i] + out[i]);
+        add_into(h, out, rows * width, round_bf16);
     }
     free(x);
     free(fresh);

@@ -59,9 +59,10 @@ needs_amx = pytest.mark.skipif(KERNELS is None or not KERNELS.amx, reason="no AM
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40, 64])
 def test_bf16_products_on_amx_tiles_are_right_and_a_row_keeps_its_bits_in_any_batch(rows):
-    # 2048 x 1536 is past the work at which the kernel starts threads; 17 and 40 rows take padded blocks.
+    # 2048 x 1536 is past the work at which the kernel starts threads; 17 and 40 rows take padded blocks, 17, 40
+    # and 64 pairs of blocks (40: and a lone one).
     weight = torch.randn(2048, 1536, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     bias = torch.randn(2048, generator=torch.Generator().manual_seed(6))
     x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).float()
@@ -270,6 +271,41 @@ int main(void) { /* 16,000 floats across [-110, 110], the edges and NaN; a SiLU 
         uint32_t bits, ref_bits; memcpy(&bits, &act[i], 4); memcpy(&ref_bits, &ref, 4);
         printf("silu %08x %08x\n", bits, ref_bits);
     }
+    float h[N], add[N], x[N], y[N], weight[N]; /* the passes between products, against their scalar loops */
+    uint16_t halves[N];
+    for (int i = 0; i < N; i++) {
+        h[i] = (i - 500) * 0.0371f; add[i] = 0.5f - i * 0.00173f; weight[i] = 1.0f + i * 0.001f;
+    }
+    h[7] = NAN; h[8] = INFINITY; add[9] = -INFINITY; h[10] = 3.0e38f; add[10] = 3.0e38f;
+    for (int round_bf16 = 0; round_bf16 < 2; round_bf16++) {
+        memcpy(y, h, sizeof y);
+        add_into(y, add, N, round_bf16);
+        rms_norm(h + 11, weight, N - 11, 1e-5f, x, round_bf16); /* past the NaN and inf */
+        float squares = 0.0f;
+        for (int i = 0; i < N - 11; i++) squares += h[11 + i] * h[11 + i];
+        float inverse = 1.0f / sqrtf(squares / (float)(N - 11) + 1e-5f);
+        int same_add = 1, same_norm = 1;
+        for (int i = 0; i < N; i++) {
+            float want = R(h[i] + add[i]);
+            same_add &= memcmp(&want, &y[i], 4) == 0;
+            if (i < N - 11) {
+                float norm = R(weight[i] * R(h[11 + i] * inverse));
+                same_norm &= memcmp(&norm, &x[i], 4) == 0;
+            }
+        }
+        printf("pass add_into/%d %d\npass rms_norm/%d %d\n", round_bf16, same_add, round_bf16, same_norm);
+    }
+    memcpy(y, h, sizeof y);
+    round_all(y, N);
+    bf16_bits(halves, h, N);
+    int same_round = 1, same_bits = 1;
+    for (int i = 0; i < N; i++) {
+        float want = to_bf16(h[i]);
+        uint32_t bits; memcpy(&bits, &want, 4);
+        same_round &= memcmp(&want, &y[i], 4) == 0;
+        same_bits &= halves[i] == (uint16_t)(bits >> 16);
+    }
+    printf("pass round_all %d\npass bf16_bits %d\n", same_round, same_bits);
 }
 """
 
@@ -299,7 +335,8 @@ def _ulps(a, b):
 def test_the_vector_exp_and_bf16_rounding_agree_with_libm_and_across_instruction_sets(tmp_path):
     """SiLU's exp runs on vectors (`vexp`): within an ulp of libm's expf, and libm's own result for NaN, inf and
     past the range; the bf16 rounding on vectors gives to_bf16's bits; a SiLU row (its padded tail included) is
-    the scalar formula's within an ulp of bf16. The AVX2 build (machines without AVX-512) gives the AVX-512
+    the scalar formula's within an ulp of bf16; the passes between products (residual adds, norms, roundings)
+    give their scalar loops' bits exactly. The AVX2 build (machines without AVX-512) gives the AVX-512
     build's bits, so where a model runs does not change its tokens."""
     found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if found is None:
@@ -320,6 +357,9 @@ def test_the_vector_exp_and_bf16_rounding_agree_with_libm_and_across_instruction
         if not is_nan:
             assert _ulps(got, libm) <= 1 and (libm not in (0, 0x7F800000) or got == libm), (hex(got), hex(libm))
         assert rounded == "1"
+    passes = dict(line.split()[1:] for line in outputs[0] if line.startswith("pass"))
+    assert passes == {name: "1" for name in ("add_into/0", "add_into/1", "rms_norm/0", "rms_norm/1", "round_all",
+                                            "bf16_bits")}
     silu = [line.split()[1:] for line in outputs[0] if line.startswith("silu")]
     assert len(silu) == 1004
     for got, reference in silu:
