@@ -43,7 +43,7 @@ class NodeReports:
             **process_memory(),  # resident_bytes, peak_resident_bytes
             "supports_kv_cache": backend.supports_kv_cache,
             "compute": {**backend.compute_facts, **(self.cores.describe() if self.cores else {}),
-                        "busy_seconds": round(self.worker.busy_seconds, 3),
+                        "busy_seconds": round(self.worker.busy_seconds, 3), "work": self.worker.counts(),
                         # (start, end, rows) of the last jobs, on this host's monotonic clock
                         "recent_steps": [[round(a, 4), round(b, 4), rows] for a, b, rows in list(self.worker.recent)]},
             "heap": heap.describe(),  # objects kept out of the garbage collector; its pauses since

@@ -85,7 +85,8 @@ class FakeBackend:
     def prefills_together(self, step: PrefillStep) -> bool:
         return False  # each prefill on its own: `prefill`
 
-    def prefill_batch(self, steps: Sequence[PrefillStep]) -> list[StepResult | Exception]:
+    def prefill_batch(self, steps: Sequence[PrefillStep],
+                      decodes: Sequence[DecodeStep] = ()) -> list[StepResult | Exception]:
         raise NotImplementedError("this fake prefills one session at a time")
 
     def decode_batch(self, steps: Sequence[DecodeStep]) -> list[StepResult | Exception]:

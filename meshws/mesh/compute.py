@@ -11,7 +11,9 @@ neither starves the other; a long prefill is such work one chunk at a time
 sessions' decode steps by one chunk at most. New sessions' prompts queued together that
 the backend can run in one call (`prefills_together`, up to a chunk's tokens in all) run
 as one `prefill_batch`: on a shard bound by reading its weights, sixteen sessions joining
-at once no longer read them sixteen times. Releases (`release`, `urgent`) jump
+at once no longer read them sixteen times. A decode batch takes such prompts along too
+(they ride in its call), so while new sessions join, the running ones' steps no longer
+read the weights apart nor wait a prompt's turn besides their own. Releases (`release`, `urgent`) jump
 every queue: they wait for the chunk or batch running, never for queued work.
 A job whose caller has gone (its future cancelled) is skipped, chunks included.
 A batch that raises is retried row by row, so only the failing row gets the error.
@@ -72,7 +74,8 @@ class ComputeWorker:
         self.batches = 0  # decode batches of two or more steps run so far
         self.batched_steps = 0
         self.chunks = 0  # prefill chunks run so far
-        self.prefill_batches = 0  # calls that prefilled several new sessions at once
+        self.prefill_batches = 0  # calls that prefilled several new sessions at once (or some with decode steps)
+        self.rides = 0  # decode batches that rode along new sessions' prompts in one call
         self._urgent: deque[_Job] = deque()
         self._decodes: deque[_Job] = deque()
         self._others: deque[_Job] = deque()
@@ -109,6 +112,11 @@ class ComputeWorker:
     async def release(self, session_id: str) -> bool:
         """Drop a session's caches, ahead of queued work: a release never waits behind prefills."""
         return await self.urgent(self.backend.release_session, session_id)
+
+    def counts(self) -> dict[str, int]:
+        """What the worker has run so far, by kind (`/health`)."""
+        return {"decode_batches": self.batches, "batched_steps": self.batched_steps, "prefill_chunks": self.chunks,
+                "prefill_batches": self.prefill_batches, "rides": self.rides, "lingers": self.lingers}
 
     @property
     def queued(self) -> int:
@@ -163,30 +171,32 @@ class ComputeWorker:
                     take = group if split else self.max_batch  # one group: every step waiting
                     batch = [self._decodes.popleft() for _ in range(min(take, len(self._decodes)))]
                     job, other_turn = None, True
+                    together = self._together(None, 1)  # new sessions' prompts to take along, if any may
                 else:
                     batch, job = [], self._others.popleft()
-                    together = self._together(job)
+                    together = self._together(job, 1 if self._decodes else 2)
+                    if together and self._decodes:  # the decode steps waiting go along, in the prompts' call
+                        group, split = self._group_size()
+                        batch = [self._decodes.popleft()
+                                 for _ in range(min(group if split else self.max_batch, len(self._decodes)))]
                     other_turn = False
             batch = [waiting for waiting in batch if not waiting.future.done()]  # callers gone: no work for them
             if job is not None and job.future.done() and not together:
                 if job.chunks is not None:
                     job.chunks.close()
                 continue
-            if job is None and not batch:
+            if job is None and not batch and not together:
                 continue
             self._retune()
             started = time.monotonic()
             if together:
-                self._run_prefills(together)
+                self._run_prefills(together, batch)
             elif job is not None and job.chunks is not None:
                 self._run_chunk(job)
             elif job is not None:
                 self._run_one(job, job.run)  # type: ignore[arg-type]
-            elif len(batch) == 1:
-                step = batch[0].step
-                self._run_one(batch[0], lambda: decode_alone(self.backend, step))  # type: ignore[arg-type]
             else:
-                self._run_batch(batch)
+                self._run_decodes(batch)
             ended = time.monotonic()
             self._hint(self.rest)
             self.busy_seconds += ended - started
@@ -234,14 +244,15 @@ class ComputeWorker:
                 return
             self._ready.wait(remaining)
 
-    def _together(self, first: _Job) -> list[_Job]:
-        """(Lock held.) `first` and the new sessions' prefills queued behind it that may run in one call with it
-        (`ShardBackend.prefills_together`), up to `prefill_chunk` tokens in all: taken off the queue. Fewer than
-        two: none."""
+    def _together(self, first: _Job | None, least: int) -> list[_Job]:
+        """(Lock held.) `first` (if any: else beside a decode batch) and the new sessions' prefills queued behind it
+        that may run in one call with it (`ShardBackend.prefills_together`), up to `prefill_chunk` tokens in all:
+        taken off the queue. Fewer than `least`: none."""
         try:
-            if first.prefill is None or first.started or not self.backend.prefills_together(first.prefill):
+            if first is not None and (first.prefill is None or first.started
+                                      or not self.backend.prefills_together(first.prefill)):
                 return []
-            found, tokens = [first], first.prefill.length
+            found, tokens = ([], 0) if first is None else ([first], first.prefill.length)  # type: ignore[union-attr]
             for job in list(self._others):
                 step = job.prefill
                 if step is not None and not job.started and not job.future.done() \
@@ -250,31 +261,48 @@ class ComputeWorker:
                     tokens += step.length
         except Exception:  # a hint: each prefill runs on its own then
             return []
-        for job in found[1:]:
+        if len(found) < least:
+            return []
+        for job in found[1 if first is not None else 0 :]:
             self._others.remove(job)
-        return found if len(found) > 1 else []
+        return found
 
-    def _run_prefills(self, jobs: list[_Job]) -> None:
-        """New sessions' prefills in one call; if the call fails, each on its own (only a prefill at fault fails)."""
+    def _run_prefills(self, jobs: list[_Job], decodes: list[_Job] | None = None) -> None:
+        """New sessions' prefills in one call, with `decodes`' steps if any; if the call fails, each on its own (only
+        a step at fault fails)."""
         for job in [job for job in jobs if job.future.done()]:  # callers gone: no work for them
             jobs.remove(job)
             if job.chunks is not None:
                 job.chunks.close()
-        if len(jobs) < 2:
+        decodes = decodes or []
+        if len(jobs) < (1 if decodes else 2):
             for job in jobs:
                 self._run_chunk(job)
+            self._run_decodes(decodes)
             return
         try:
-            results: list[Any] = self.backend.prefill_batch([job.prefill for job in jobs])  # type: ignore[misc]
+            steps = [job.prefill for job in jobs]
+            results: list[Any] = self.backend.prefill_batch(steps, [job.step for job in decodes]) if decodes \
+                else self.backend.prefill_batch(steps)  # type: ignore[arg-type]
         except Exception:
             for job in jobs:
                 self._run_chunk(job)  # (whole: a prefill that runs together fits one chunk)
+            self._run_decodes(decodes)
             return
         self.prefill_batches += 1
+        self.rides += 1 if decodes else 0
         for job, result in zip(jobs, results):
             if job.chunks is not None:
                 job.chunks.close()
             self._deliver(job, result)
+        self._delivered(decodes, results[len(jobs):])
+
+    def _run_decodes(self, batch: list[_Job]) -> None:
+        if len(batch) == 1:
+            step = batch[0].step
+            self._run_one(batch[0], lambda: decode_alone(self.backend, step))  # type: ignore[arg-type]
+        elif batch:
+            self._run_batch(batch)
 
     def _run_one(self, job: _Job, fn: Callable[[], Any]) -> None:
         try:
@@ -311,8 +339,13 @@ class ComputeWorker:
                     results.append(decode_alone(self.backend, job.step))  # type: ignore[arg-type]
                 except BaseException as exc:
                     results.append(exc)
-        self.batches += 1
-        self.batched_steps += len(batch)
+        self._delivered(batch, results)
+
+    def _delivered(self, batch: list[_Job], results: list[Any]) -> None:
+        """A decode batch's results to their callers."""
+        if len(batch) > 1:
+            self.batches += 1
+            self.batched_steps += len(batch)
         for job, result in zip(batch, results):  # hidden states say how many came together (the next shard's wave)
             self._deliver(job, replace(result, group=len(batch)) if isinstance(result, TensorPayload) else result)
 

@@ -164,7 +164,8 @@ class ShardBackend(Protocol):
 
     def prefills_together(self, step: PrefillStep) -> bool: ...  # may it join others in `prefill_batch`?
 
-    def prefill_batch(self, steps: Sequence[PrefillStep]) -> list[StepResult | Exception]: ...  # in one call
+    def prefill_batch(self, steps: Sequence[PrefillStep],  # in one call, and with them `decodes` (one row each)
+                      decodes: Sequence[DecodeStep] = ()) -> list[StepResult | Exception]: ...
 
     def release_session(self, session_id: str) -> bool: ...
 

@@ -174,16 +174,20 @@ def decode_rows(shard: RowShard, steps: Sequence[DecodeStep]) -> list[StepResult
             except Exception:  # then each row's own, so that only a row at fault fails
                 logits = None
         for position, (index, entry, _, past) in enumerate(rows):
-            step = steps[index]
-            entry.seq_len = past + 1
-            try:
-                shard.sessions.resize(step.session_id, cache_nbytes(entry.cache))
-                results[index] = shard.finish(hidden[position : position + 1], past, step.sampling, step.history,
-                                               step.generated_from,
-                                               logits=None if logits is None else logits[position : position + 1])
-            except Exception as exc:
-                results[index] = exc
+            results[index] = _decoded(shard, steps[index], entry, past, hidden[position : position + 1],
+                                      None if logits is None else logits[position : position + 1])
     return results  # type: ignore[return-value]
+
+
+def _decoded(shard: RowShard, step: DecodeStep, entry: CacheEntry, past: int, hidden: torch.Tensor,
+             logits: torch.Tensor | None) -> StepResult | Exception:
+    """A decode row's result, once its cache holds the step (`past + 1` positions): its own exception if it fails."""
+    entry.seq_len = past + 1
+    try:
+        shard.sessions.resize(step.session_id, cache_nbytes(entry.cache))
+        return shard.finish(hidden, past, step.sampling, step.history, step.generated_from, logits=logits)
+    except Exception as exc:
+        return exc
 
 
 def _rows_alone(shard: RowShard, steps: Sequence[DecodeStep], rows: list[Row],
@@ -237,13 +241,18 @@ def prefills_together(shard: Any, step: PrefillStep) -> bool:
             and 0 < step.length <= lean.fused_rows)
 
 
-def prefill_rows(shard: Any, steps: Sequence[PrefillStep]) -> list[StepResult | Exception]:
-    """New sessions' prefills (each `prefills_together`) as the rows of one fused call: every session gets its
-    own cache, stored once the call is done. A step at fault (bad ids or bytes) gets its exception; a failed
-    call raises, storing nothing (then each runs alone)."""
+def prefill_rows(shard: Any, steps: Sequence[PrefillStep],
+                 decodes: Sequence[DecodeStep] = ()) -> list[StepResult | Exception]:
+    """New sessions' prefills (each `prefills_together`) as the rows of one fused call, and with them other
+    sessions' decode steps, one row each: a wave rides along the prompts instead of reading the weights on its
+    own, and is held by them no longer than by the prompts' turn. Every session gets its own cache (a prompt's
+    stored once the call is done) and what its step alone gives. Results in the order of `[*steps, *decodes]`; a
+    step at fault (bad ids or bytes, a cache miss) gets its exception; a failed call raises, leaving every cache
+    as it was (then each runs alone)."""
     lean = shard.lean
-    results: list[StepResult | Exception | None] = [None] * len(steps)
+    results: list[StepResult | Exception | None] = [None] * (len(steps) + len(decodes))
     rows: list[tuple[int, torch.Tensor]] = []  # (index in the steps, hidden states [1, tokens, width])
+    riding: list[Row] = []  # the decode steps'
     with torch.inference_mode():
         for index, step in enumerate(steps):
             try:
@@ -251,24 +260,50 @@ def prefill_rows(shard: Any, steps: Sequence[PrefillStep]) -> list[StepResult | 
                              shard.tensor_from_bytes(step.body or b"", step.shape, step.dtype)))
             except ValueError as exc:
                 results[index] = exc
+        for index, decode in enumerate(decodes, start=len(steps)):
+            try:
+                riding.append((index, *_prepare(shard, decode)))
+                riding[-1][1].cache.reserve(riding[-1][3] + 1)
+            except (KVCacheMiss, ValueError) as exc:
+                results[index] = exc
         caches = [lean.new_cache() for _ in rows]
         for cache, (_, hidden) in zip(caches, rows):
             cache.reserve(hidden.shape[1])
-        pasts = [position for _, hidden in rows for position in range(hidden.shape[1])]
-        if pasts:
-            cos, sin = lean.rope(torch.tensor(pasts), max(pasts) + 1)[lean.layer_types[0]]
-            flat = torch.cat([hidden[0] for _, hidden in rows]).unsqueeze(1)
-            owners = [cache for cache, (_, hidden) in zip(caches, rows) for _ in range(hidden.shape[1])]
+        pasts = [past for *_, past in riding] + [position for _, hidden in rows for position in range(hidden.shape[1])]
+        if not pasts:
+            return results  # type: ignore[return-value]
+        cos, sin = lean.rope(torch.tensor(pasts), max(pasts) + 1)[lean.layer_types[0]]
+        flat = torch.cat([hidden[0] for _, _, hidden, _ in riding] + [hidden[0] for _, hidden in rows]).unsqueeze(1)
+        owners = [entry.cache for _, entry, _, _ in riding] + \
+            [cache for cache, (_, hidden) in zip(caches, rows) for _ in range(hidden.shape[1])]
+        try:
             out = lean.final_norm(lean.fused.run(flat, cos, sin, owners, pasts, kernel_threads()))
-        at = 0
-        for cache, (index, hidden) in zip(caches, rows):
+        except Exception:
+            for _, entry, _, past in riding:
+                crop_cache(entry.cache, past)  # layers the call reached hold the step
+            raise
+        lasts = [len(riding) + sum(hidden.shape[1] for _, hidden in rows[: at + 1]) - 1 for at in range(len(rows))]
+        logits = None
+        if shard.is_tail and riding:  # the decode rows' and the prompts' last positions in one product
+            try:
+                picked = out[list(range(len(riding))) + lasts]
+                logits = shard.last_logits(picked.reshape(1, len(picked), -1), len(picked))
+            except Exception:  # then each its own, so that only a row at fault fails
+                logits = None
+        for position, (index, entry, _, past) in enumerate(riding):
+            entry.cache.length = past + 1
+            results[index] = _decoded(shard, decodes[index - len(steps)], entry, past, out[position : position + 1],
+                                      None if logits is None else logits[position : position + 1])
+        at = len(riding)
+        for number, (cache, (index, hidden)) in enumerate(zip(caches, rows)):
             step, count = steps[index], hidden.shape[1]
             cache.length = count
             try:
                 shard.sessions.store(step.session_id, cache, count, shard.start, nbytes=cache_nbytes(cache))
                 history = step.history or (list(step.token_ids) if step.token_ids is not None else ())
+                mine = None if logits is None else logits[len(riding) + number : len(riding) + number + 1]
                 results[index] = shard.finish(out[at : at + count].view(1, count, -1), 0, step.sampling, history,
-                                              step.generated_from)
+                                              step.generated_from, logits=mine)
             except Exception as exc:  # (a cache budget exceeded, a grammar that does not compile): this one only
                 results[index] = exc
             at += count

@@ -1,9 +1,8 @@
 """`ModelShard`: the decoder layers `[start, end)` of a causal LM, with a KV cache per session.
 
-The head shard (start == 0) also holds the tokenizer and the embeddings; the tail
-shard (end == total layers) also holds the final norm and the LM head and samples the
-next token. A shard keeps only the weights it serves (`weights`). Hidden states come
-and go as raw bytes with a shape and a dtype name (`tensors`). This is the
+The head shard (start == 0) also holds the tokenizer and the embeddings; the tail shard (end == total layers) also
+holds the final norm and the LM head and samples the next token. A shard keeps only the weights it serves
+(`weights`). Hidden states come and go as raw bytes with a shape and a dtype name (`tensors`). This is the
 `ShardBackend` the transport and the head call; it knows nothing of sockets.
 """
 
@@ -249,8 +248,9 @@ class ModelShard:
     def prefills_together(self, step: PrefillStep) -> bool:  # may it join other new sessions' prompts in one call?
         return prefills_together(self, step)
 
-    def prefill_batch(self, steps: Sequence[PrefillStep]) -> list[StepResult | Exception]:
-        return prefill_rows(self, steps)  # those prompts in one call of the fused kernel (`batched`)
+    def prefill_batch(self, steps: Sequence[PrefillStep],
+                      decodes: Sequence[DecodeStep] = ()) -> list[StepResult | Exception]:  # in one call (`batched`)
+        return prefill_rows(self, steps, decodes)
 
     # -- chunked prefill ----------------------------------------------------
 

@@ -248,16 +248,17 @@ class _TogetherTail(_ChunkedTail):
 
     def __init__(self, fail=False):
         super().__init__(chunk_seconds=0.0)
-        self.together, self.fail = [], fail
+        self.together, self.rides, self.fail = [], [], fail
 
     def prefills_together(self, step):
         return step.length <= 8
 
-    def prefill_batch(self, steps):
+    def prefill_batch(self, steps, decodes=()):  # (and decode steps along: `rides`, their token 3)
         if self.fail:
             raise MemoryError("no memory for the batch")
-        self.together.append([step.session_id for step in steps])
-        return [TailTokenResult("", 9) for _ in steps]
+        (self.rides if decodes else self.together).append(([step.session_id for step in steps],
+                                                           [step.session_id for step in decodes]))
+        return [TailTokenResult("", 9) for _ in steps] + [TailTokenResult("", 3) for _ in decodes]
 
 
 async def test_new_sessions_prompts_queued_together_prefill_in_one_call_and_alone_if_it_fails():
@@ -275,8 +276,46 @@ async def test_new_sessions_prompts_queued_together_prefill_in_one_call_and_alon
                 assert backend.together == [] and [r.token_id for r in results] == [7] * 5
                 assert sorted(sid for _, sid, _ in backend.events) == ["a", "b", "c", "d", "long", "long"]
             else:
-                assert backend.together == [["a", "b", "c"]] and worker.prefill_batches == 1
+                assert backend.together == [(["a", "b", "c"], [])] and worker.prefill_batches == 1
                 assert [r.token_id for r in results] == [9, 7, 9, 9, 7]
                 assert ("chunk", "a", 0) not in backend.events and ("chunk", "d", 0) in backend.events
+        finally:
+            worker.shutdown()
+
+
+class _RidingTail(_TogetherTail):
+    """Records its decode batches too."""
+
+    def __init__(self, fail=False):
+        super().__init__(fail)
+        self.batches = []
+
+    def decode_batch(self, steps):
+        self.batches.append([step.session_id for step in steps])
+        return [TailTokenResult("", 2) for _ in steps]
+
+
+async def test_a_decode_batch_takes_new_sessions_prompts_along_in_one_call_and_each_alone_if_it_fails():
+    for fail in (False, True):
+        backend = _RidingTail(fail)
+        worker = ComputeWorker(backend, prefill_chunk=16)
+        try:
+            blocker = asyncio.ensure_future(worker.call(time.sleep, 0.2))
+            await asyncio.sleep(0.05)  # the worker is busy: two running sessions' steps and three prompts queue up
+            decoded = [asyncio.ensure_future(worker.decode(DecodeStep(f"s{i}", body=b"", shape=(1, 1, 8))))
+                       for i in range(2)]
+            prompts = [asyncio.ensure_future(worker.prefill(_prefill(sid, tokens)))
+                       for sid, tokens in (("a", 8), ("long", 20), ("b", 4))]
+            await blocker
+            decoded, prompts = await asyncio.gather(*decoded), await asyncio.gather(*prompts)
+            if fail:  # the steps as one decode batch, the prompts each on its own: nothing lost, nothing twice
+                assert backend.rides == [] and backend.batches == [["s0", "s1"]] and worker.rides == 0
+                assert [r.token_id for r in decoded] == [2, 2] and [r.token_id for r in prompts] == [7, 7, 7]
+                assert sorted(sid for _, sid, _ in backend.events) == ["a", "b", "long", "long"]
+            else:  # the short prompts ride with the steps; "long" (past a chunk) runs in its own turns
+                assert backend.rides == [(["a", "b"], ["s0", "s1"])] and backend.batches == []
+                assert worker.rides == 1 and worker.prefill_batches == 1
+                assert [r.token_id for r in decoded] == [3, 3] and [r.token_id for r in prompts] == [9, 7, 9]
+                assert [sid for _, sid, _ in backend.events] == ["long", "long"]
         finally:
             worker.shutdown()

@@ -7,7 +7,8 @@ bytes; fp32 and bf16, since the fused kernel's rows keep their bits in any batch
 import pytest
 import torch
 
-from meshws.model.backend import DecodeStep, PrefillStep, TailTokenResult, run_prefill
+from meshws.model.backend import DecodeStep, PrefillStep, TailTokenResult, TensorPayload, run_prefill
+from meshws.model.cache_store import KVCacheMiss
 from meshws.model.native import kernels
 from meshws.model.shard import ModelShard, ShardSettings
 
@@ -22,8 +23,8 @@ def _ids(head, text):
                                                             add_generation_prompt=True, tokenize=False))
 
 
-def _decode(head, tail, sid, first, steps=6):
-    tokens = [first]
+def _decode(head, tail, sid, *tokens, steps=6):
+    tokens = list(tokens)
     while len(tokens) < steps:
         payload = head.decode_batch([DecodeStep(sid, token_id=tokens[-1])])[0]
         tokens.append(tail.decode_batch([DecodeStep(sid, body=payload.body, shape=payload.shape,
@@ -64,6 +65,33 @@ def test_prompts_prefilled_together_give_each_prompts_own_tokens_and_caches(embe
         assert cache.length == caches[index].length == len(prompts[index])
         assert torch.equal(cache.keys[3][:, :, : cache.length], caches[index].keys[3][:, :, : cache.length])
         assert _decode(head, tail, f"b{index}", result.token_id) == alone[index][1]
+
+
+@pytest.mark.skipif(not AMX, reason="prompts join (and take decode steps along) only on AMX tiles")
+def test_decode_steps_that_ride_along_a_new_prompt_give_their_own_tokens(embedded_model):
+    head = ModelShard(embedded_model, 0, 15, ShardSettings(dtype="bfloat16"))
+    tail = ModelShard(embedded_model, 15, 30, ShardSettings(dtype="bfloat16"))
+    prompts = [_ids(head, text) for text in PROMPTS]
+    firsts = {}
+    for sid, ids in (("x0", prompts[0]), ("x1", prompts[1]), ("y0", prompts[0]), ("y1", prompts[1]),
+                     ("own", prompts[2])):
+        payload = run_prefill(head, PrefillStep(sid, token_ids=ids), 256)
+        firsts[sid] = run_prefill(tail, PrefillStep(sid, body=payload.body, shape=payload.shape,
+                                                    dtype=payload.dtype), 256).token_id
+    alone = [_decode(head, tail, f"x{index}", firsts[f"x{index}"]) for index in range(2)]
+    # y0's and y1's first decode steps ride in the calls that prefill a new session's prompt, head and tail
+    riders = [DecodeStep(f"y{index}", token_id=firsts[f"y{index}"]) for index in range(2)]
+    *hidden, missing = head.prefill_batch([PrefillStep("new", token_ids=prompts[2])],
+                                          riders + [DecodeStep("gone", token_id=5)])
+    assert isinstance(missing, KVCacheMiss)  # a step at fault fails alone
+    assert all(isinstance(payload, TensorPayload) for payload in hidden)
+    prompt, *steps = hidden
+    back = tail.prefill_batch([PrefillStep("new", body=prompt.body, shape=prompt.shape, dtype=prompt.dtype)],
+                              [DecodeStep(f"y{index}", body=p.body, shape=p.shape, dtype=p.dtype, past_len=p.past_len)
+                               for index, p in enumerate(steps)])
+    assert back[0].token_id == firsts["own"]  # the prompt's own first token
+    for index in range(2):
+        assert _decode(head, tail, f"y{index}", firsts[f"y{index}"], back[1 + index].token_id) == alone[index]
 
 
 @pytest.mark.skipif(not AMX, reason="prompts join only on AMX tiles")
