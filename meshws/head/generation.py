@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
@@ -122,12 +123,13 @@ class Generator:
             else:
                 await path.open(request.sampling, len(prompt_ids))
             stats.route = path.view
-            async for event in self._loop(request, stats, sequence, path, prefilled):
-                yield event
+            async with aclosing(self._loop(request, stats, sequence, path, prefilled)) as events:
+                async for event in events:  # (closed with this one: its queued head step is cancelled first)
+                    yield event
             outcome = stats.finish_reason.value if stats.finish_reason else "stopped"
             clean = True
         except GeneratorExit:
-            outcome, clean = "stopped", True  # closed between tokens: no step is on its way
+            outcome, clean = "stopped", True  # closed between tokens: no step is on its way (the head's was cancelled)
             raise
         except asyncio.CancelledError:
             outcome = "cancelled"
@@ -201,17 +203,12 @@ class Generator:
         await path.close()
         await self.worker.release(sid)  # ahead of queued prefills
 
-    async def _loop(
-        self,
-        request: GenerationRequest,
-        stats: GenerationStats,
-        sequence: Progress,
-        path: RoutedPath,
-        prefilled: asyncio.Event | None = None,
-    ) -> AsyncIterator[TokenEvent]:
+    async def _loop(self, request: GenerationRequest, stats: GenerationStats, sequence: Progress, path: RoutedPath,
+                    prefilled: asyncio.Event | None = None) -> AsyncIterator[TokenEvent]:
         sid, sampling = stats.sid, request.sampling
         need_prefill, misses = True, 0
-        ahead: tuple[asyncio.Future, float] | None = None  # the next lap's head step, queued before the token streamed
+        ahead: tuple[asyncio.Future, list[float]] | None = None  # the next lap's head step, queued before the token
+        # streamed, and when it was queued and done
         try:
             while len(sequence) < request.max_tokens:
                 sequence.step += 1
@@ -273,7 +270,7 @@ class Generator:
                         # queued before the token is streamed, not after: the next lap's head step joins this
                         # wave's batch on the worker whatever the client's write costs (a stop string in the
                         # text wastes it: the caches are cut back to what was kept)
-                        ahead = self._head_step(sid, sequence, sampling), time.perf_counter()
+                        ahead = _timed(self._head_step(sid, sequence, sampling))
                     yield TokenEvent(token, logprob=logprob)
                     if len(sequence) >= request.max_tokens:
                         break
@@ -299,17 +296,18 @@ class Generator:
                 failure = again
 
     async def _lap(self, sid: str, step: int, prefill: bool, sequence: Progress, sampling: SamplingParams,
-                   path: RoutedPath, times: LapTimes, early: tuple[asyncio.Future, float] | None = None) \
+                   path: RoutedPath, times: LapTimes, early: tuple[asyncio.Future, list[float]] | None = None) \
             -> TailTokenResult:
         """One step through the head's layers and the route: a (re-)prefill, or one token's decode (its head
-        step `early`, with when it was queued, if that was queued already).
+        step `early` if that was queued already, `_timed`: the lap's times leave out the consumer's meanwhile).
 
         A prefill after `sequence.reuse` kept positions runs only the tokens after them, as a
         multi-position "decode" at that length: every hop cuts its cache back to it first.
         """
-        began = time.perf_counter() if early is None else early[1]
+        began = time.perf_counter()
         result = await (self._head_part(sid, prefill, sequence, sampling) if early is None else early[0])
-        head_ms = (time.perf_counter() - began) * 1000
+        head = time.perf_counter() - began if early is None else early[1][-1] - early[1][0]
+        began, head_ms = (began if early is None else time.perf_counter() - head), head * 1000
         positions = len(sequence.ids()) - sequence.reuse if prefill else 1 + len(sequence.drafts)
         if not isinstance(result, TailTokenResult):  # hidden states for the route (a full node has sampled)
             mode = "decode" if prefill and sequence.reuse else "prefill"
@@ -350,6 +348,13 @@ class Generator:
                 sampling=sampling, history=history, generated_from=prompt_length, drafts=sequence.drafts))
         return self.worker.decode_now(DecodeStep(sid, token_id=last, sampling=sampling, history=history,
                                                  generated_from=prompt_length, past_len=sequence.held))
+
+
+def _timed(future: asyncio.Future) -> tuple[asyncio.Future, list[float]]:
+    """A queued step and [when it was queued, when it was done] (the second once it is)."""
+    times = [time.perf_counter()]
+    future.add_done_callback(lambda _: times.append(time.perf_counter()))
+    return future, times
 
 
 def _abandon(future: asyncio.Future) -> None:

@@ -4,6 +4,9 @@ Head and tail are real Nodes on loopback talking over real websockets; only the
 model is faked, so each test pins one protocol behaviour.
 """
 
+import asyncio
+import time
+
 import aiohttp
 import orjson
 
@@ -78,6 +81,31 @@ async def test_the_next_step_runs_on_the_head_while_a_token_is_held_and_goes_no_
     assert head_backend.decode_calls == [(1, "early")]
     assert [call["mode"] for call in tail_backend.calls] == ["prefill"]
     assert head_backend.released == ["early"] and tail_backend.released == ["early"]
+
+
+class _SlowTail(CachedTailBackend):
+    def answer(self, past_len):
+        time.sleep(0.3)  # (on the tail's worker)
+        return super().answer(past_len)
+
+
+async def test_a_consumer_that_stops_while_the_next_step_waits_its_turn_cancels_it_before_the_release():
+    """Closed while its next head step still waits behind other work, a generation cancels that step before it
+    releases the session: the step never runs, neither on the released session nor on a later answer's cache."""
+    head_backend = CachedHeadBackend()
+    tail_backend = _SlowTail([(" a", 1), (" b", 2), (" c", 3)])
+    async with fake_mesh(head_backend, tail_backend) as mesh:
+        events = mesh.head.head._generator.generate(GenerationRequest("hello", max_tokens=3), GenerationStats(sid="q"))
+        first = asyncio.ensure_future(events.__anext__())
+        await eventually(lambda: head_backend.prefills)  # the prompt is at the tail, which takes 0.3 s
+        busy = asyncio.ensure_future(mesh.head.worker.call(time.sleep, 0.6))  # token 1's step will wait behind it
+        assert (await first).token_id == 1
+        await events.aclose()
+        await busy
+        await eventually(lambda: tail_backend.released and head_backend.released)
+        await asyncio.sleep(0.1)
+    assert head_backend.decode_calls == []
+    assert head_backend.released == ["q"] and [call["mode"] for call in tail_backend.calls] == ["prefill"]
 
 
 async def test_pipeline_failure_before_first_token_returns_502():
