@@ -207,8 +207,7 @@ class Generator:
                     prefilled: asyncio.Event | None = None) -> AsyncIterator[TokenEvent]:
         sid, sampling = stats.sid, request.sampling
         need_prefill, misses = True, 0
-        ahead: tuple[asyncio.Future, list[float]] | None = None  # the next lap's head step, queued before the token
-        # streamed, and when it was queued and done
+        ahead: tuple[asyncio.Future, list[float]] | None = None  # the next lap's head step (`_timed`), queued early
         try:
             while len(sequence) < request.max_tokens:
                 sequence.step += 1

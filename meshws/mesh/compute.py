@@ -1,22 +1,20 @@
 """Where transport meets compute: model calls run on one worker thread, off the event loop.
 
-Every shard call goes through the worker, so websockets, heartbeats and other
-sessions stay responsive while a step runs. Decode steps are batched: when the
-worker turns to decode work it takes every decode step waiting at that moment
-(different sessions, different past lengths) and runs them as one `decode_batch`.
-Nothing waits for a batch to fill: a lone session's step runs as soon as the worker
-is free, on the single-session path. Other work alternates with decode batches, so
-neither starves the other; a long prefill is such work one chunk at a time
-(`prefill`: after each chunk it goes to the back of the queue), so it delays other
-sessions' decode steps by one chunk at most. New sessions' prompts queued together that
-the backend can run in one call (`prefills_together`, up to a chunk's tokens in all) run
-as one `prefill_batch`: on a shard bound by reading its weights, sixteen sessions joining
-at once no longer read them sixteen times. A decode batch takes such prompts along too
-(they ride in its call), so while new sessions join, the running ones' steps no longer
-read the weights apart nor wait a prompt's turn besides their own. Releases (`release`, `urgent`) jump
-every queue: they wait for the chunk or batch running, never for queued work.
-A job whose caller has gone (its future cancelled) is skipped, chunks included.
-A batch that raises is retried row by row, so only the failing row gets the error.
+Every shard call goes through the worker, so websockets, heartbeats and other sessions stay
+responsive while a step runs. Decode steps are batched: when the worker turns to decode work it
+takes every decode step waiting at that moment (different sessions, different past lengths) and runs
+them as one `decode_batch`. Nothing waits for a batch to fill: a lone session's step runs as soon as
+the worker is free, on the single-session path. Other work alternates with decode batches, so
+neither starves the other; a long prefill is such work one chunk at a time (`prefill`: after each
+chunk it goes to the back of the queue), so it delays other sessions' decode steps by one chunk at
+most. New sessions' prompts queued together that the backend can run in one call
+(`prefills_together`, up to a chunk's tokens in all) run as one `prefill_batch`: on a shard bound by
+reading its weights, sixteen sessions joining at once no longer read them sixteen times. A decode
+batch takes such prompts along too (in one call), so the running sessions' steps neither read the
+weights apart nor wait a prompt's turn besides their own. Releases (`release`, `urgent`) jump every
+queue: they wait for the chunk or batch running, never for queued work. A job whose caller has gone
+(its future cancelled) is skipped, chunks included. A batch that raises is retried row by row, so
+only the failing row gets the error.
 """
 
 from __future__ import annotations
@@ -168,17 +166,13 @@ class ComputeWorker:
                 elif self._decodes and not (other_turn and self._others):
                     group, split = self._group_size()
                     self._linger(*((group, False) if split else self._wave(group)))
-                    take = group if split else self.max_batch  # one group: every step waiting
-                    batch = [self._decodes.popleft() for _ in range(min(take, len(self._decodes)))]
-                    job, other_turn = None, True
+                    batch, job, other_turn = self._take(group, split), None, True
                     together = self._together(None, 1)  # new sessions' prompts to take along, if any may
                 else:
                     batch, job = [], self._others.popleft()
                     together = self._together(job, 1 if self._decodes else 2)
                     if together and self._decodes:  # the decode steps waiting go along, in the prompts' call
-                        group, split = self._group_size()
-                        batch = [self._decodes.popleft()
-                                 for _ in range(min(group if split else self.max_batch, len(self._decodes)))]
+                        batch = self._take(*self._group_size())
                     other_turn = False
             batch = [waiting for waiting in batch if not waiting.future.done()]  # callers gone: no work for them
             if job is not None and job.future.done() and not together:
@@ -222,6 +216,10 @@ class ComputeWorker:
         except Exception:  # a hint, never a reason to fail
             live, groups = 1, 1
         return max(1, min(self.max_batch, -(-live // groups))), groups > 1
+
+    def _take(self, group: int, split: bool) -> list[_Job]:
+        """(Lock held.) The decode steps a batch takes off the queue: one group's, or (not split) every one waiting."""
+        return [self._decodes.popleft() for _ in range(min(group if split else self.max_batch, len(self._decodes)))]
 
     def _wave(self, live: int) -> tuple[int, bool]:
         """(Lock held; a shard that does not split the sessions itself.) The steps to wait for: the wave the
