@@ -261,13 +261,19 @@ class _TogetherTail(_ChunkedTail):
         return [TailTokenResult("", 9) for _ in steps] + [TailTokenResult("", 3) for _ in decodes]
 
 
+async def _busy(worker):
+    """The worker kept busy for 0.2 s (the blocker's future): what is submitted meanwhile queues up together."""
+    blocker = asyncio.ensure_future(worker.call(time.sleep, 0.2))
+    await asyncio.sleep(0.05)
+    return blocker
+
+
 async def test_new_sessions_prompts_queued_together_prefill_in_one_call_and_alone_if_it_fails():
     for fail in (False, True):
         backend = _TogetherTail(fail)
         worker = ComputeWorker(backend, prefill_chunk=16)
         try:
-            blocker = asyncio.ensure_future(worker.call(time.sleep, 0.2))
-            await asyncio.sleep(0.05)  # the worker is busy: the prompts queue up
+            blocker = await _busy(worker)  # the prompts queue up
             # a, b and c fit a chunk together (8 + 4 + 4 tokens); "long" may not join, d would pass the chunk
             results = await asyncio.gather(*(worker.prefill(_prefill(sid, tokens)) for sid, tokens in
                                              (("a", 8), ("long", 20), ("b", 4), ("c", 4), ("d", 2))))
@@ -300,8 +306,7 @@ async def test_a_decode_batch_takes_new_sessions_prompts_along_in_one_call_and_e
         backend = _RidingTail(fail)
         worker = ComputeWorker(backend, prefill_chunk=16)
         try:
-            blocker = asyncio.ensure_future(worker.call(time.sleep, 0.2))
-            await asyncio.sleep(0.05)  # the worker is busy: two running sessions' steps and three prompts queue up
+            blocker = await _busy(worker)  # two running sessions' steps and three prompts queue up
             decoded = [asyncio.ensure_future(worker.decode(DecodeStep(f"s{i}", body=b"", shape=(1, 1, 8))))
                        for i in range(2)]
             prompts = [asyncio.ensure_future(worker.prefill(_prefill(sid, tokens)))
