@@ -20,6 +20,7 @@ session gets what its prefill alone gives.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 from typing import Any, Protocol, Sequence
 
@@ -167,16 +168,22 @@ def decode_rows(shard: RowShard, steps: Sequence[DecodeStep]) -> list[StepResult
         except Exception as exc:  # one row may be at fault: each row alone, so only it fails
             _rows_alone(shard, steps, rows, results, exc)
             return results  # type: ignore[return-value]
-        logits = None
-        if shard.is_tail:  # every row's logits in one product: the LM head's weights are read once, not per row
-            try:
-                logits = shard.last_logits(hidden.reshape(1, len(rows), hidden.shape[-1]), len(rows))
-            except Exception:  # then each row's own, so that only a row at fault fails
-                logits = None
+        logits = _logits_at_once(shard, hidden)
         for position, (index, entry, _, past) in enumerate(rows):
             results[index] = _decoded(shard, steps[index], entry, past, hidden[position : position + 1],
                                       None if logits is None else logits[position : position + 1])
     return results  # type: ignore[return-value]
+
+
+def _logits_at_once(shard: RowShard, hidden: torch.Tensor) -> torch.Tensor | None:
+    """On a tail, the logits of rows `hidden` (`[rows, 1, width]`) in one product: the LM head's weights are read
+    once, not per row. None elsewhere, or if the product fails (then each row's own, so only a row at fault fails)."""
+    if not shard.is_tail:
+        return None
+    try:
+        return shard.last_logits(hidden.reshape(1, hidden.shape[0], hidden.shape[-1]), hidden.shape[0])
+    except Exception:
+        return None
 
 
 def _decoded(shard: RowShard, step: DecodeStep, entry: CacheEntry, past: int, hidden: torch.Tensor,
@@ -285,14 +292,9 @@ def prefill_rows(shard: Any, steps: Sequence[PrefillStep],
             for _, entry, _, past in riding:
                 crop_cache(entry.cache, past)  # layers the call reached hold the step
             raise
-        lasts = [len(riding) + sum(hidden.shape[1] for _, hidden in rows[: at + 1]) - 1 for at in range(len(rows))]
-        logits = None
-        if shard.is_tail and riding:  # the decode rows' and the prompts' last positions in one product
-            try:
-                picked = out[list(range(len(riding))) + lasts]
-                logits = shard.last_logits(picked.reshape(1, len(picked), -1), len(picked))
-            except Exception:  # then each its own, so that only a row at fault fails
-                logits = None
+        ends = list(itertools.accumulate((hidden.shape[1] for _, hidden in rows), initial=len(riding)))[1:]
+        # (with decode rows, theirs and the prompts' last positions in one product; prompts alone: each its own)
+        logits = _logits_at_once(shard, out[list(range(len(riding))) + [end - 1 for end in ends]]) if riding else None
         for position, (index, entry, _, past) in enumerate(riding):
             entry.cache.length = past + 1
             results[index] = _decoded(shard, decodes[index - len(steps)], entry, past, out[position : position + 1],
