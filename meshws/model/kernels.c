@@ -637,6 +637,49 @@ static void store_rows(const attend_t *a) {
     }
 }
 
+#ifndef GENERIC
+/* value[d0 .. d0 + n LANES) = sum_t s[t] v_t[d] over t in order, in n vector registers (a chain through memory
+   cost a store and a load per key). */
+static inline __attribute__((always_inline)) void weigh_block(float *value, const float *s, const char *v,
+                                                              int64_t count, int64_t dim, int kind, int64_t d0, int n) {
+    vec acc[4] = {vzero(), vzero(), vzero(), vzero()};
+    const size_t stride = (size_t)dim * (kind == KIND_F32 ? 4 : 2);
+    for (int64_t t = 0; t < count; t++, v += stride) {
+        const vec weight = vset1(s[t]);
+        for (int i = 0; i < n; i++)
+            acc[i] = vfma(weight, kind == KIND_F32 ? vload((const float *)v + d0 + i * LANES)
+                                                   : widen_bf16((const uint16_t *)v + d0 + i * LANES), acc[i]);
+    }
+    for (int i = 0; i < n; i++)
+        vstore(value + d0 + i * LANES, acc[i]);
+}
+
+static void weigh_kind(float *value, const float *s, const char *v, int64_t count, int64_t dim, int kind) {
+    int64_t d = 0;
+    for (; d + 4 * LANES <= dim; d += 4 * LANES)
+        weigh_block(value, s, v, count, dim, kind, d, 4);
+    for (; d + LANES <= dim; d += LANES)
+        weigh_block(value, s, v, count, dim, kind, d, 1);
+}
+#endif
+
+/* value[d] = sum_t s[t] v_t[d] for the `count` cache rows from `v`: each a fused multiply-add chain over t in order,
+   whatever the loop that computes it. */
+static void weigh_values(float *value, const float *s, const char *v, int64_t count, int64_t dim, int kind) {
+    int64_t whole = 0;
+#ifndef GENERIC
+    whole = dim - dim % LANES;
+    kind == KIND_F32 ? weigh_kind(value, s, v, count, dim, KIND_F32) : weigh_kind(value, s, v, count, dim, KIND_BF16);
+#endif
+    const size_t stride = (size_t)dim * (kind == KIND_F32 ? 4 : 2);
+    for (int64_t d = whole; d < dim; d++) {
+        float sum = 0.0f;
+        for (int64_t t = 0; t < count; t++)
+            sum = fmaf(s[t], cache_at(v + t * stride, kind, d), sum);
+        value[d] = sum;
+    }
+}
+
 static void attend_units(const void *task, int64_t begin, int64_t end) {
     const attend_t *a = task;
     const int64_t dim = a->dim, group = a->heads / a->kv_heads;
@@ -664,21 +707,7 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
                 s[t] = expf(s[t] - top);
                 total += s[t];
             }
-            for (int64_t d = 0; d < dim; d++)
-                value[d] = 0.0f;
-            for (int64_t t = 0; t < count; t++) { /* each value[d] a chain over t in order, LANES of d at a time */
-                const char *v = values + (size_t)(low + t) * dim * size;
-                int64_t d = 0;
-#ifndef GENERIC
-                const vec weight = vset1(s[t]);
-                for (; d + LANES <= dim; d += LANES)
-                    vstore(value + d, vfma(weight, a->kind == KIND_F32 ? vload((const float *)v + d)
-                                                                      : widen_bf16((const uint16_t *)v + d),
-                                           vload(value + d)));
-#endif
-                for (; d < dim; d++)
-                    value[d] = fmaf(s[t], cache_at(v, a->kind, d), value[d]);
-            }
+            weigh_values(value, s, values + (size_t)low * dim * size, count, dim, a->kind);
             float *out = a->out + ((row * a->heads) + head * group + g) * dim;
             for (int64_t d = 0; d < dim; d++)
                 out[d] = value[d] / total;
@@ -801,7 +830,11 @@ static inline vec vexp(vec x) { /* NaN stays NaN: min and max return their secon
     return vscale2(p, n);
 }
 
-static inline vec silu_times(vec g, vec u, int round_bf16) {
+static inline vec silu_times(vec g, vec u, int round_bf16) { /* g and u as summed: rounded here first */
+    if (round_bf16) {
+        g = vround_bf16(g);
+        u = vround_bf16(u);
+    }
     vec s = vdiv(g, vadd(vset1(1.0f), vexp(vmul(g, vset1(-1.0f)))));
     if (round_bf16)
         s = vround_bf16(s);
@@ -823,8 +856,10 @@ static void silu_row(const float *gate, const float *up, float *act, int64_t n, 
         memcpy(act + whole, out, sizeof(float) * (n - whole));
     }
 #else
-    for (int64_t i = 0; i < n; i++)
-        act[i] = R(R(gate[i] / (1.0f + expf(-gate[i]))) * up[i]);
+    for (int64_t i = 0; i < n; i++) {
+        const float g = R(gate[i]);
+        act[i] = R(R(g / (1.0f + expf(-g))) * R(up[i]));
+    }
 #endif
 }
 
@@ -841,16 +876,16 @@ static void round_all(float *y, int64_t count) { /* y = to_bf16(y) */
         y[i] = to_bf16(y[i]);
 }
 
-static void add_into(float *h, const float *add, int64_t count, int round_bf16) { /* h = R(h + add) */
+static void add_into(float *h, const float *add, int64_t count, int round_bf16) { /* h = R(h + R(add)) */
     int64_t i = 0;
 #ifndef GENERIC
     for (; i + LANES <= count; i += LANES) {
-        vec sum = vadd(vload(h + i), vload(add + i));
+        vec sum = vadd(vload(h + i), round_bf16 ? vround_bf16(vload(add + i)) : vload(add + i));
         vstore(h + i, round_bf16 ? vround_bf16(sum) : sum);
     }
 #endif
     for (; i < count; i++)
-        h[i] = R(h[i] + add[i]);
+        h[i] = R(h[i] + R(add[i]));
 }
 
 static void bf16_bits(uint16_t *to, const float *from, int64_t count) { /* to_bf16's upper halves */
@@ -868,16 +903,14 @@ static void bf16_bits(uint16_t *to, const float *from, int64_t count) { /* to_bf
     }
 }
 
-/* Returns 0, or -1 when the AMX product found no memory: the step fails (the caller undoes it) rather than
+/* y = x W^T as summed: with `round_bf16`, whoever reads y rounds it to bf16 as it loads it (`add_into`,
+   `silu_times`, the rotary loop), where a pass of its own over y cost a prompt a twentieth of its time.
+   Returns 0, or -1 when the AMX product found no memory: the step fails (the caller undoes it) rather than
    summing another way, which would make a row's bits depend on the batch whose size ran out of memory. */
 static int product(const mw_weight *w, const float *x, int64_t rows, float *y, int round_bf16, int threads) {
-    if (w->tiles && round_bf16) {
-        if (mw_amx_linear(x, rows, w->in, w->tiles, w->bias, y, w->out, threads) != 0)
-            return -1;
-    } else
-        mw_linear(x, rows, w->in, w->w, w->kind, w->scale, w->bias, y, w->out, threads);
-    if (round_bf16)
-        round_all(y, rows * w->out);
+    if (w->tiles && round_bf16)
+        return mw_amx_linear(x, rows, w->in, w->tiles, w->bias, y, w->out, threads) ? -1 : 0;
+    mw_linear(x, rows, w->in, w->w, w->kind, w->scale, w->bias, y, w->out, threads);
     return 0;
 }
 
@@ -900,7 +933,19 @@ static void rms_norm(const float *h, const float *weight, int64_t width, float e
 
 static void rotate(float *x, const float *cos, const float *sin, int64_t dim, int round_bf16) {
     const int64_t half = dim / 2;
-    for (int64_t i = 0; i < half; i++) {
+    int64_t i = 0;
+#ifndef GENERIC
+    for (; i + LANES <= half; i += LANES) { /* exact, as `add_into` */
+#define RV(v) (round_bf16 ? vround_bf16(v) : (v))
+        const vec a = vload(x + i), b = vload(x + i + half), minus_b = vmul(b, vset1(-1.0f));
+        const vec first = vadd(RV(vmul(a, vload(cos + i))), RV(vmul(minus_b, vload(sin + i))));
+        const vec second = vadd(RV(vmul(b, vload(cos + i + half))), RV(vmul(a, vload(sin + i + half))));
+        vstore(x + i, RV(first));
+        vstore(x + i + half, RV(second));
+#undef RV
+    }
+#endif
+    for (; i < half; i++) {
         float a = x[i], b = x[i + half];
         x[i] = R(R(a * cos[i]) + R(-b * sin[i]));
         x[i + half] = R(R(b * cos[i + half]) + R(a * sin[i + half]));
@@ -945,6 +990,8 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
         }
         for (int64_t r = 0; r < rows; r++) {
             float *row = qkv + r * qkv_size;
+            if (round_bf16) /* (the product left it as summed) */
+                round_all(row, qkv_size);
             for (int64_t head = 0; head < heads; head++)
                 rotate(row + head * dim, cos + r * dim, sin + r * dim, dim, round_bf16);
             for (int64_t head = 0; head < kv_heads; head++)

@@ -199,12 +199,13 @@ def _caches(lengths, dtype, kv_heads=3, dim=64, seed=0):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_over_caches_of_different_lengths_equals_sdpa_row_by_row(dtype):
+@pytest.mark.parametrize("dim", [64, 72, 256])  # SmolLM2's heads; blocks of vectors and a scalar tail; Gemma's
+def test_decode_attention_over_caches_of_different_lengths_equals_sdpa_row_by_row(dtype, dim):
     lengths = [0, 4, 39, 300, 1500]  # the last row's scores are too many for the kernel's stack: on the heap
-    caches = _caches(lengths, dtype)
+    caches = _caches(lengths, dtype, dim=dim)
     generator = torch.Generator().manual_seed(1)
-    q = torch.randn(5, 9, 1, 64, generator=generator).to(dtype)
-    k, v = (torch.randn(5, 3, 1, 64, generator=generator).to(dtype) for _ in range(2))
+    q = torch.randn(5, 9, 1, dim, generator=generator).to(dtype)
+    k, v = (torch.randn(5, 3, 1, dim, generator=generator).to(dtype) for _ in range(2))
     low = [0, 0, 7, 0, 0]  # the third row attends as through a sliding window from position 7
     out = KERNELS.attend(q, k, v, AttendRows(caches, low, lengths, 0.125), 1, 2)
     assert out.shape == q.shape and out.dtype == dtype
@@ -267,7 +268,7 @@ int main(void) { /* 16,000 floats across [-110, 110], the edges and NaN; a SiLU 
     silu_row(g, u, act, N, 1);
     for (int i = 0; i < N; i++) {
         int round_bf16 = 1;
-        float ref = R(R(g[i] / (1.0f + expf(-g[i]))) * u[i]);
+        float ref = R(R(g[i] / (1.0f + expf(-g[i]))) * u[i]); /* (g and u are bf16 values: R(g) == g) */
         uint32_t bits, ref_bits; memcpy(&bits, &act[i], 4); memcpy(&ref_bits, &ref, 4);
         printf("silu %08x %08x\n", bits, ref_bits);
     }
@@ -286,7 +287,7 @@ int main(void) { /* 16,000 floats across [-110, 110], the edges and NaN; a SiLU 
         float inverse = 1.0f / sqrtf(squares / (float)(N - 11) + 1e-5f);
         int same_add = 1, same_norm = 1;
         for (int i = 0; i < N; i++) {
-            float want = R(h[i] + add[i]);
+            float want = R(h[i] + R(add[i])); /* a product's output, rounded as it is read */
             same_add &= memcmp(&want, &y[i], 4) == 0;
             if (i < N - 11) {
                 float norm = R(weight[i] * R(h[11 + i] * inverse));
@@ -306,6 +307,22 @@ int main(void) { /* 16,000 floats across [-110, 110], the edges and NaN; a SiLU 
         same_bits &= halves[i] == (uint16_t)(bits >> 16);
     }
     printf("pass round_all %d\npass bf16_bits %d\n", same_round, same_bits);
+    float cos_[N], sin_[N];
+    for (int i = 0; i < N; i++) { cos_[i] = 0.9f - i * 0.0013f; sin_[i] = 0.1f + i * 0.0009f; }
+    for (int round_bf16 = 0; round_bf16 < 2; round_bf16++) {
+        int same_rotate = 1;
+        for (int dim = 40; dim <= 64; dim += 24) { /* halves of 20 (a vector and a scalar tail) and 32 */
+            memcpy(y, h + 11, sizeof(float) * dim);
+            rotate(y, cos_, sin_, dim, round_bf16);
+            for (int i = 0; i < dim / 2; i++) {
+                const float a = h[11 + i], b = h[11 + i + dim / 2];
+                const float first = R(R(a * cos_[i]) + R(-b * sin_[i]));
+                const float second = R(R(b * cos_[i + dim / 2]) + R(a * sin_[i + dim / 2]));
+                same_rotate &= memcmp(&first, &y[i], 4) == 0 && memcmp(&second, &y[i + dim / 2], 4) == 0;
+            }
+        }
+        printf("pass rotate/%d %d\n", round_bf16, same_rotate);
+    }
 }
 """
 
@@ -359,7 +376,7 @@ def test_the_vector_exp_and_bf16_rounding_agree_with_libm_and_across_instruction
         assert rounded == "1"
     passes = dict(line.split()[1:] for line in outputs[0] if line.startswith("pass"))
     assert passes == {name: "1" for name in ("add_into/0", "add_into/1", "rms_norm/0", "rms_norm/1", "round_all",
-                                            "bf16_bits")}
+                                            "bf16_bits", "rotate/0", "rotate/1")}
     silu = [line.split()[1:] for line in outputs[0] if line.startswith("silu")]
     assert len(silu) == 1004
     for got, reference in silu:
