@@ -914,10 +914,11 @@ static int product(const mw_weight *w, const float *x, int64_t rows, float *y, i
     return 0;
 }
 
-static void rms_norm(const float *h, const float *weight, int64_t width, float eps, float *x, int round_bf16) {
-    float squares = 0.0f;
-    for (int64_t i = 0; i < width; i++)
-        squares += h[i] * h[i];
+#define NORM_ROWS 8 /* rows whose sums of squares run side by side */
+
+/* x = R(weight * R(h * inverse)) for one row, given its sum of squares. */
+static void rms_scale(const float *h, const float *weight, int64_t width, float eps, float squares, float *x,
+                      int round_bf16) {
     float inverse = 1.0f / sqrtf(squares / (float)width + eps);
     int64_t i = 0;
 #ifndef GENERIC
@@ -929,6 +930,27 @@ static void rms_norm(const float *h, const float *weight, int64_t width, float e
 #endif
     for (; i < width; i++)
         x[i] = R(weight[i] * R(h[i] * inverse));
+}
+
+/* Each row's sum of squares is a chain of adds in element order (a row's bits never depend on its batch); a chain
+   waits on each add, so NORM_ROWS rows' chains run side by side. */
+static void rms_norm(const float *h, const float *weight, int64_t rows, int64_t width, float eps, float *x,
+                     int round_bf16) {
+    for (int64_t r0 = 0; r0 < rows; r0 += NORM_ROWS) {
+        const int n = (int)(rows - r0 < NORM_ROWS ? rows - r0 : NORM_ROWS);
+        float squares[NORM_ROWS] = {0};
+        const float *row = h + r0 * width;
+        if (n == NORM_ROWS)
+            for (int64_t i = 0; i < width; i++)
+                for (int r = 0; r < NORM_ROWS; r++)
+                    squares[r] += row[r * width + i] * row[r * width + i];
+        else
+            for (int r = 0; r < n; r++)
+                for (int64_t i = 0; i < width; i++)
+                    squares[r] += row[r * width + i] * row[r * width + i];
+        for (int r = 0; r < n; r++)
+            rms_scale(row + r * width, weight, width, eps, squares[r], x + (r0 + r) * width, round_bf16);
+    }
 }
 
 static void rotate(float *x, const float *cos, const float *sin, int64_t dim, int round_bf16) {
@@ -982,8 +1004,7 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
     atomic_int failed = 0;
     for (int64_t l = 0; l < layers && !atomic_load(&failed); l++) {
         const mw_layer *p = layer + l;
-        for (int64_t r = 0; r < rows; r++)
-            rms_norm(h + r * width, p->norm_in, width, eps, x + r * width, round_bf16);
+        rms_norm(h, p->norm_in, rows, width, eps, x, round_bf16);
         if (product(&p->qkv, x, rows, qkv, round_bf16, threads)) {
             atomic_store(&failed, 1);
             break;
@@ -1012,8 +1033,7 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
             break;
         }
         add_into(h, out, rows * width, round_bf16);
-        for (int64_t r = 0; r < rows; r++)
-            rms_norm(h + r * width, p->norm_post, width, eps, x + r * width, round_bf16);
+        rms_norm(h, p->norm_post, rows, width, eps, x, round_bf16);
         if (product(&p->gate_up, x, rows, gate_up, round_bf16, threads)) {
             atomic_store(&failed, 1);
             break;
