@@ -390,6 +390,7 @@ static inline float to_bf16(float x) { /* round to nearest even, as torch's .to(
    tiles do 16 x 16 x 32 multiply-adds per instruction, where a vector does 16. */
 
 static void bf16_bits(uint16_t *to, const float *from, int64_t count);
+static void upper_halves(uint16_t *to, const float *from, int64_t count) __attribute__((unused));
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
@@ -548,15 +549,16 @@ int mw_amx(void) {
 }
 
 /* Returns 0, or -1 without the tiles or without memory (nothing written). */
-int mw_amx_linear(const float *x, int64_t rows, int64_t in, const void *tiles, const float *bias, float *y,
-                  int64_t out, int threads) {
+/* `exact`: x holds bf16 values already (to_bf16's outputs), whose upper halves are their bf16 bits. */
+static int amx_product(const float *x, int64_t rows, int64_t in, const void *tiles, const float *bias, float *y,
+                       int64_t out, int exact, int threads) {
     if (!mw_amx() || in % AMX_K || out % (AMX_N * AMX_GROUP) || rows < 1)
         return -1;
     const int64_t padded = rows < AMX_ROWS ? rows : (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     uint16_t *wide = malloc(sizeof(uint16_t) * padded * in);
     if (!wide)
         return -1;
-    bf16_bits(wide, x, rows * in); /* exact: the values are bf16 already (else rounded to nearest) */
+    (exact ? upper_halves : bf16_bits)(wide, x, rows * in); /* else rounded to nearest */
     memset(wide + rows * in, 0, sizeof(uint16_t) * (padded - rows) * in);
     amx_job job = {wide, tiles, y, padded < AMX_ROWS ? 1 : padded / AMX_ROWS, in, out, rows,
                    (int)(padded < AMX_ROWS ? padded : AMX_ROWS)};
@@ -569,8 +571,19 @@ int mw_amx_linear(const float *x, int64_t rows, int64_t in, const void *tiles, c
     free(wide);
     return 0;
 }
+
+int mw_amx_linear(const float *x, int64_t rows, int64_t in, const void *tiles, const float *bias, float *y,
+                  int64_t out, int threads) {
+    return amx_product(x, rows, in, tiles, bias, y, out, 0, threads);
+}
 #else
 int mw_amx(void) { return 0; }
+
+static int amx_product(const float *x, int64_t rows, int64_t in, const void *tiles, const float *bias, float *y,
+                       int64_t out, int exact, int threads) {
+    (void)x, (void)rows, (void)in, (void)tiles, (void)bias, (void)y, (void)out, (void)exact, (void)threads;
+    return -1;
+}
 
 int mw_amx_linear(const float *x, int64_t rows, int64_t in, const void *tiles, const float *bias, float *y,
                   int64_t out, int threads) {
@@ -888,6 +901,20 @@ static void add_into(float *h, const float *add, int64_t count, int round_bf16) 
         h[i] = R(h[i] + R(add[i]));
 }
 
+static void upper_halves(uint16_t *to, const float *from, int64_t count) { /* bf16_bits of bf16 values */
+    int64_t i = 0;
+#if LANES == 16 && !defined(GENERIC)
+    for (; i + LANES <= count; i += LANES)
+        _mm256_storeu_si256((__m256i *)(to + i),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(vload(from + i)), 16)));
+#endif
+    for (; i < count; i++) {
+        uint32_t bits;
+        memcpy(&bits, from + i, sizeof bits);
+        to[i] = (uint16_t)(bits >> 16);
+    }
+}
+
 static void bf16_bits(uint16_t *to, const float *from, int64_t count) { /* to_bf16's upper halves */
     int64_t i = 0;
 #if LANES == 16 && !defined(GENERIC)
@@ -903,13 +930,16 @@ static void bf16_bits(uint16_t *to, const float *from, int64_t count) { /* to_bf
     }
 }
 
-/* y = x W^T as summed: with `round_bf16`, whoever reads y rounds it to bf16 as it loads it (`add_into`,
-   `silu_times`, the rotary loop), where a pass of its own over y cost a prompt a twentieth of its time.
+/* y = R(x) W^T as summed: with `round_bf16`, whoever reads y rounds it to bf16 as it loads it (`add_into`,
+   `silu_times`, the rotary loop), where a pass of its own over y cost a prompt a twentieth of its time. x is
+   rounded here unless it holds bf16 values already (`rounded`); AMX rounds it as it converts it to bf16.
    Returns 0, or -1 when the AMX product found no memory: the step fails (the caller undoes it) rather than
    summing another way, which would make a row's bits depend on the batch whose size ran out of memory. */
-static int product(const mw_weight *w, const float *x, int64_t rows, float *y, int round_bf16, int threads) {
+static int product(const mw_weight *w, float *x, int64_t rows, float *y, int round_bf16, int rounded, int threads) {
     if (w->tiles && round_bf16)
-        return mw_amx_linear(x, rows, w->in, w->tiles, w->bias, y, w->out, threads) ? -1 : 0;
+        return amx_product(x, rows, w->in, w->tiles, w->bias, y, w->out, rounded, threads) ? -1 : 0;
+    if (round_bf16 && !rounded)
+        round_all(x, rows * w->in);
     mw_linear(x, rows, w->in, w->w, w->kind, w->scale, w->bias, y, w->out, threads);
     return 0;
 }
@@ -1005,7 +1035,7 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
     for (int64_t l = 0; l < layers && !atomic_load(&failed); l++) {
         const mw_layer *p = layer + l;
         rms_norm(h, p->norm_in, rows, width, eps, x, round_bf16);
-        if (product(&p->qkv, x, rows, qkv, round_bf16, threads)) {
+        if (product(&p->qkv, x, rows, qkv, round_bf16, 1, threads)) {
             atomic_store(&failed, 1);
             break;
         }
@@ -1026,21 +1056,19 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
         attend_rows(&task, threads);
         if (atomic_load(&failed))
             break;
-        if (round_bf16)
-            round_all(att, rows * q_size);
-        if (product(&p->o, att, rows, out, round_bf16, threads)) {
+        if (product(&p->o, att, rows, out, round_bf16, 0, threads)) {
             atomic_store(&failed, 1);
             break;
         }
         add_into(h, out, rows * width, round_bf16);
         rms_norm(h, p->norm_post, rows, width, eps, x, round_bf16);
-        if (product(&p->gate_up, x, rows, gate_up, round_bf16, threads)) {
+        if (product(&p->gate_up, x, rows, gate_up, round_bf16, 1, threads)) {
             atomic_store(&failed, 1);
             break;
         }
         for (int64_t r = 0; r < rows; r++)
             silu_row(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, act + r * inter, inter, round_bf16);
-        if (product(&p->down, act, rows, out, round_bf16, threads)) {
+        if (product(&p->down, act, rows, out, round_bf16, 1, threads)) {
             atomic_store(&failed, 1);
             break;
         }

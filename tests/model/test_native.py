@@ -313,6 +313,10 @@ int main(void) { /* 16,000 floats across [-110, 110], the edges and NaN; a SiLU 
         same_bits &= halves[i] == (uint16_t)(bits >> 16);
     }
     printf("pass round_all %d\npass bf16_bits %d\n", same_round, same_bits);
+    uint16_t uppers[N]; /* to_bf16's outputs (NaN, inf and the largest floats among them): their upper halves */
+    upper_halves(uppers, y, N);
+    bf16_bits(halves, y, N);
+    printf("pass upper_halves %d\n", memcmp(uppers, halves, sizeof uppers) == 0);
     float cos_[N], sin_[N];
     for (int i = 0; i < N; i++) { cos_[i] = 0.9f - i * 0.0013f; sin_[i] = 0.1f + i * 0.0009f; }
     for (int round_bf16 = 0; round_bf16 < 2; round_bf16++) {
@@ -382,7 +386,7 @@ def test_the_vector_exp_and_bf16_rounding_agree_with_libm_and_across_instruction
         assert rounded == "1"
     passes = dict(line.split()[1:] for line in outputs[0] if line.startswith("pass"))
     assert passes == {name: "1" for name in ("add_into/0", "add_into/1", "rms_norm/0", "rms_norm/1", "round_all",
-                                            "bf16_bits", "rotate/0", "rotate/1")}
+                                            "bf16_bits", "rotate/0", "rotate/1", "upper_halves")}
     silu = [line.split()[1:] for line in outputs[0] if line.startswith("silu")]
     assert len(silu) == 1004
     for got, reference in silu:
