@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per session")
     parser.add_argument("--contexts", nargs="+", type=int, default=[64, 256, 1024])
     parser.add_argument("--repeats", type=int, default=4, help="steps timed per context length")
+    parser.add_argument("--runs", type=int, default=None,
+                        help="runs per session count on nodes, each figure their median (default 3; 1 if --short)")
     parser.add_argument("--short", action="store_true", help="a quick run (CI): few tokens and repeats, no memory")
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
                         help="measure memory per span in fresh processes (default: on unless --short)")
@@ -234,6 +236,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     args = parser.parse_args(argv)
     if args.short:
         args.tokens, args.repeats = min(args.tokens, 4), 1
+    args.runs = max(1, args.runs or (1 if args.short else 3))
     os.environ.update(MODEL_ENV)
 
     import torch

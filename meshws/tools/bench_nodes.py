@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import time
 from typing import Any
 
-from .streams import joining_run, sessions_run, stream_once
+from .streams import joining_run, median_run, stream_once
 
 
 def frame_sizes(metrics_text: str) -> dict[str, float]:
@@ -56,10 +57,10 @@ def measure_processes(args: argparse.Namespace, dtype: str, prompt_ids: list[int
         full = Mesh([("full", f"0-{args.layers - 1}")], common=(*common, *extra), split_threads=False)
         try:
             asyncio.run(stream_once(full.head.url, model_id, prompt_ids, 4))  # warm-up
-            results[name] = asyncio.run(sessions_run(full.head.url, model_id, prompt_ids, args.tokens, 1))
+            results[name] = asyncio.run(median_run(full.head.url, model_id, prompt_ids, args.tokens, 1, args.runs))
             for count in args.sessions if name == "full_node" else ():
                 results["full_node_sessions"][str(count)] = asyncio.run(
-                    sessions_run(full.head.url, model_id, prompt_ids, args.tokens, count))
+                    median_run(full.head.url, model_id, prompt_ids, args.tokens, count, args.runs))
         finally:
             full.stop()
     quants = sorted(set(args.mesh_quant), key=lambda quant: quant != "none")
@@ -85,14 +86,18 @@ def measure_mesh(args: argparse.Namespace, flags: tuple[str, ...], prompt_ids: l
         asyncio.run(stream_once(mesh.head.url, model_id, prompt_ids, 4))  # warm-up
         for count in args.sessions:
             before = [busy_seconds(node.url) for node in mesh.nodes]
-            entry = asyncio.run(sessions_run(mesh.head.url, model_id, prompt_ids, args.tokens, count))
+            entry = asyncio.run(median_run(mesh.head.url, model_id, prompt_ids, args.tokens, count, args.runs))
             after = [busy_seconds(node.url) for node in mesh.nodes]
-            entry["busy_fraction"] = {role: round((b - a) / entry["wall_s"], 3)
+            entry["busy_fraction"] = {role: round((b - a) / sum(entry["runs_wall_s"]), 3)
                                       for role, a, b in zip(("head", "tail"), before, after)}
             results[key][str(count)] = entry
         if first:
             busy = max(args.sessions) - 1
-            results["joining"] = asyncio.run(joining_run(mesh.head.url, model_id, prompt_ids, args.tokens * 2, busy))
+            joins = [asyncio.run(joining_run(mesh.head.url, model_id, prompt_ids, args.tokens * 2, busy))
+                     for _ in range(max(1, args.runs))]
+            results["joining"] = {"busy_sessions": busy,
+                                  "ttft_s": round(statistics.median(join["ttft_s"] for join in joins), 4),
+                                  "runs_ttft_s": [join["ttft_s"] for join in joins]}
             results["wire"] = frame_sizes(read_metrics(mesh.tail.url))
             results["wire"]["prefill_tokens"] = len(prompt_ids)
     finally:

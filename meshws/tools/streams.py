@@ -67,6 +67,18 @@ async def sessions_run(url: str, model: str, prompt_ids: list[int], tokens: int,
     }
 
 
+async def median_run(url: str, model: str, prompt_ids: list[int], tokens: int, count: int, runs: int,
+                     ssl: Any = True) -> dict[str, Any]:
+    """`sessions_run` `runs` times: each figure the median of its runs (one 16-session run swung by a tenth on a
+    2-core machine from one run to the next), and every run's aggregate tok/s beside them."""
+    found = [await sessions_run(url, model, prompt_ids, tokens, count, ssl) for _ in range(max(1, runs))]
+    entry: dict[str, Any] = {key: round(statistics.median(run[key] for run in found), 4) for key in found[0]}
+    entry["sessions"] = count
+    entry["runs_aggregate_tok_s"] = [run["aggregate_tok_s"] for run in found]
+    entry["runs_wall_s"] = [run["wall_s"] for run in found]
+    return entry
+
+
 async def joining_run(url: str, model: str, prompt_ids: list[int], tokens: int, busy: int,
                       ssl: Any = True) -> dict[str, float]:
     """A session that joins `busy` running ones once they all decode: its time to first token."""

@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.real_model, pytest.mark.processes]
 
 def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
     out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, "-m", "meshws.bench", "--short", "--dtype", "float32", "--sessions", "1", "4",
-                             "--mesh-quant", "none", "int8", "--out", str(out)], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "meshws.bench", "--short", "--runs", "2", "--dtype", "float32",
+                             "--sessions", "1", "4", "--mesh-quant", "none", "int8", "--out", str(out)], cwd=ROOT,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -49,6 +49,8 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
                 assert sessions[field] > 0, (dtype, field)
             assert sessions["itl_p95_s"] >= sessions["itl_p50_s"]
             assert set(sessions["busy_fraction"]) == {"head", "tail"}
+            runs = sessions["runs_aggregate_tok_s"]  # each figure the median of two runs: between them
+            assert len(runs) == 2 and min(runs) <= sessions["aggregate_tok_s"] <= max(runs)
             assert all(0 < fraction <= 1.05 for fraction in sessions["busy_fraction"].values()), sessions
             for field in ("per_session_ratio_to_generate", "aggregate_ratio_to_generate", "aggregate_over_one_session"):
                 assert isinstance(sessions[field], float) and sessions[field] >= 0, (dtype, field)  # a busy machine
@@ -57,6 +59,7 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
             for sessions in entry[series].values():
                 assert sessions["aggregate_tok_s"] > 0 and sessions["itl_p95_s"] > 0
         assert entry["joining"]["busy_sessions"] == 3 and entry["joining"]["ttft_s"] > 0
+        assert len(entry["joining"]["runs_ttft_s"]) == 2
         assert 1152 < entry["wire"]["decode_frame_bytes"] <= 1400
         assert entry["wire"]["prefill_frame_bytes"] > entry["wire"]["decode_frame_bytes"]
         assert set(entry["stateless"]) == {"64", "256", "1024"}
