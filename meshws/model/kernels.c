@@ -548,8 +548,8 @@ int mw_amx(void) {
     return amx_allowed;
 }
 
-/* Returns 0, or -1 without the tiles or without memory (nothing written). */
-/* `exact`: x holds bf16 values already (to_bf16's outputs), whose upper halves are their bf16 bits. */
+/* `exact`: x holds bf16 values already (to_bf16's outputs), whose upper halves are their bf16 bits; else each is
+   rounded to nearest. Returns 0, or -1 without the tiles or without memory (nothing written). */
 static int amx_product(const float *x, int64_t rows, int64_t in, const void *tiles, const float *bias, float *y,
                        int64_t out, int exact, int threads) {
     if (!mw_amx() || in % AMX_K || out % (AMX_N * AMX_GROUP) || rows < 1)
@@ -558,7 +558,7 @@ static int amx_product(const float *x, int64_t rows, int64_t in, const void *til
     uint16_t *wide = malloc(sizeof(uint16_t) * padded * in);
     if (!wide)
         return -1;
-    (exact ? upper_halves : bf16_bits)(wide, x, rows * in); /* else rounded to nearest */
+    (exact ? upper_halves : bf16_bits)(wide, x, rows * in);
     memset(wide + rows * in, 0, sizeof(uint16_t) * (padded - rows) * in);
     amx_job job = {wide, tiles, y, padded < AMX_ROWS ? 1 : padded / AMX_ROWS, in, out, rows,
                    (int)(padded < AMX_ROWS ? padded : AMX_ROWS)};
