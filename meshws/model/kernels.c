@@ -757,8 +757,8 @@ int mw_attend(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const 
    rotary on q and k (cos, sin per row: [rows, dim], halves rotated as `rotate_half`); the new
    k, v written to the row's cache and attention as in mw_attend; h += att Wo; x = rmsnorm(h) *
    w_post; h += (silu(x Wg) * x Wu) Wd. With `round_bf16` every value torch's bf16 path would
-   hold in bfloat16 is rounded to bfloat16 where torch rounds it (after each product, norm,
-   rotary term, activation and sum), so a bf16 model gives its torch tokens up to the order of
+   hold in bfloat16 is rounded to bfloat16 where torch rounds it (each product's output, as its
+   reader loads it; each norm, rotary term, activation and sum), so a bf16 model gives its torch tokens up to the order of
    the sums; otherwise all is float32 (SiLU's exp is `vexp`, within an ulp of libm's expf, as torch's own
    vectorised exp may differ from it by an ulp). The hidden state `h` [rows, hidden] is float32 in and out. */
 
@@ -778,13 +778,15 @@ typedef struct {
 
 #define R(x) (round_bf16 ? to_bf16(x) : (x))
 
-/* SiLU's gate times the up projection, a row at a time: act = R(R(g / (1 + exp(-g))) * u). The exp is
+/* SiLU's gate times the up projection, a row at a time: with g = R(gate) and u = R(up), the products' outputs
+   rounded as they are read, act = R(R(g / (1 + exp(-g))) * u). The exp is
    Cephes' expf polynomial on vectors (within an ulp of libm's; SiLU was half of a prompt's elementwise
    time through scalar expf calls). A row's element i always takes the same lane of the same code, so a
    row's values are the same alone or in any batch; the last `n % LANES` take it through a padded vector. */
 #ifndef GENERIC
 #if LANES == 16
 #define vmul(a, b) _mm512_mul_ps(a, b)
+#define vneg(a) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int)0x80000000u)))
 #define vadd(a, b) _mm512_add_ps(a, b)
 #define vdiv(a, b) _mm512_div_ps(a, b)
 #define vmin(a, b) _mm512_min_ps(a, b)
@@ -802,6 +804,7 @@ static inline __m512i round_bits(__m512i bits) { /* to_bf16 on a vector: the sam
 }
 #else
 #define vmul(a, b) _mm256_mul_ps(a, b)
+#define vneg(a) _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)) /* the sign flipped, as the scalar -a (NaN included) */
 #define vadd(a, b) _mm256_add_ps(a, b)
 #define vdiv(a, b) _mm256_div_ps(a, b)
 #define vmin(a, b) _mm256_min_ps(a, b)
@@ -931,7 +934,8 @@ static void bf16_bits(uint16_t *to, const float *from, int64_t count) { /* to_bf
 }
 
 /* y = R(x) W^T as summed: with `round_bf16`, whoever reads y rounds it to bf16 as it loads it (`add_into`,
-   `silu_times`, the rotary loop), where a pass of its own over y cost a prompt a twentieth of its time. x is
+   `silu_times`; q, k and v a row at a time, while the row is in L1 for the rotary loop and the cache), where a
+   pass of its own over all of y cost a prompt a twentieth of its time. x is
    rounded here unless it holds bf16 values already (`rounded`); AMX rounds it as it converts it to bf16.
    Returns 0, or -1 when the AMX product found no memory: the step fails (the caller undoes it) rather than
    summing another way, which would make a row's bits depend on the batch whose size ran out of memory. */
@@ -989,7 +993,7 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t dim, in
 #ifndef GENERIC
     for (; i + LANES <= half; i += LANES) { /* exact, as `add_into` */
 #define RV(v) (round_bf16 ? vround_bf16(v) : (v))
-        const vec a = vload(x + i), b = vload(x + i + half), minus_b = vmul(b, vset1(-1.0f));
+        const vec a = vload(x + i), b = vload(x + i + half), minus_b = vneg(b);
         const vec first = vadd(RV(vmul(a, vload(cos + i))), RV(vmul(minus_b, vload(sin + i))));
         const vec second = vadd(RV(vmul(b, vload(cos + i + half))), RV(vmul(a, vload(sin + i + half))));
         vstore(x + i, RV(first));

@@ -199,7 +199,7 @@ def _caches(lengths, dtype, kv_heads=3, dim=64, seed=0):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dim", [64, 72, 256])  # SmolLM2's heads; blocks of vectors and a scalar tail; Gemma's
+@pytest.mark.parametrize("dim", [64, 104, 256])  # SmolLM2's heads; a block, lone vectors, a scalar tail; Gemma's
 def test_decode_attention_over_caches_of_different_lengths_equals_sdpa_row_by_row(dtype, dim):
     lengths = [0, 4, 39, 300, 1500]  # the last row's scores are too many for the kernel's stack: on the heap
     caches = _caches(lengths, dtype, dim=dim)
@@ -322,10 +322,13 @@ int main(void) { /* 16,000 floats across [-110, 110], the edges and NaN; a SiLU 
     for (int round_bf16 = 0; round_bf16 < 2; round_bf16++) {
         int same_rotate = 1;
         for (int dim = 40; dim <= 64; dim += 24) { /* halves of 20 (a vector and a scalar tail) and 32 */
-            memcpy(y, h + 11, sizeof(float) * dim);
+            float in[64];
+            memcpy(in, h + 11, sizeof(float) * dim);
+            in[1] = NAN; in[dim / 2 + 2] = NAN; in[dim / 2 + 3] = -INFINITY; /* -b flips a NaN's sign too */
+            memcpy(y, in, sizeof(float) * dim);
             rotate(y, cos_, sin_, dim, round_bf16);
             for (int i = 0; i < dim / 2; i++) {
-                const float a = h[11 + i], b = h[11 + i + dim / 2];
+                const float a = in[i], b = in[i + dim / 2];
                 const float first = R(R(a * cos_[i]) + R(-b * sin_[i]));
                 const float second = R(R(b * cos_[i + dim / 2]) + R(a * sin_[i + dim / 2]));
                 same_rotate &= memcmp(&first, &y[i], 4) == 0 && memcmp(&second, &y[i + dim / 2], 4) == 0;
