@@ -758,9 +758,9 @@ int mw_attend(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const 
    k, v written to the row's cache and attention as in mw_attend; h += att Wo; x = rmsnorm(h) *
    w_post; h += (silu(x Wg) * x Wu) Wd. With `round_bf16` every value torch's bf16 path would
    hold in bfloat16 is rounded to bfloat16 where torch rounds it (each product's output, as its
-   reader loads it; each norm, rotary term, activation and sum), so a bf16 model gives its torch tokens up to the order of
-   the sums; otherwise all is float32 (SiLU's exp is `vexp`, within an ulp of libm's expf, as torch's own
-   vectorised exp may differ from it by an ulp). The hidden state `h` [rows, hidden] is float32 in and out. */
+   reader loads it; each norm, rotary term, activation and sum), so a bf16 model gives its torch
+   tokens up to the order of the sums; otherwise all is float32 (SiLU's exp is `vexp`, within an
+   ulp of libm's expf, as torch's own vectorised exp may differ from it by an ulp). The hidden state `h` [rows, hidden] is float32 in and out. */
 
 typedef struct {
     const void *w;
