@@ -243,17 +243,21 @@ static void run(const job_t *j) {
     free(scratch);
 }
 
-/* Helper threads, started on first need and kept. `parallel` hands out a range of units by
-   publishing a new `ticket`: a generation count and how many threads take part. Helper t < that
-   count computes its share and counts `remaining` down; the others go back to sleep at once
-   (a node whose core share shrank must not keep its extra helpers spinning). A helper that
-   took part spins (yielding its core) for SPIN_NS after its share, since a decode step's
-   products come tens of microseconds apart, then sleeps on `wake`. One call at a time uses
-   them (`busy`); a caller that finds them taken computes alone. */
+/* Helper threads, started on first need and kept. `parallel` hands out units by publishing a new
+   `ticket`: a generation count and how many threads take part. Helper t < that count and the caller
+   take units a few at a time (`next`) until none is left, and count them `done`; the others go back
+   to sleep at once (a node whose core share shrank must not keep its extra helpers spinning). The
+   caller returns once every unit is done, never waiting for a helper that took none: a helper whose
+   core another node's step took delays the call by the units it holds, not by a fixed share (nodes
+   on one host lend each other their cores: `cores`). A unit's values do not depend on the thread that
+   computes it. A helper that took part spins (yielding its core) for SPIN_NS afterwards, since a
+   decode step's products come tens of microseconds apart, then sleeps on `wake`. One call at a time
+   uses them (`busy`); a caller that finds them taken computes alone. */
 
 #define MAX_THREADS 64
 #define THREAD_WORK 100000 /* multiply-adds below which one thread does it all */
 #define SPIN_NS 200000
+#define UNIT_SHARES 4 /* a call's units handed out in about this many pieces per thread */
 
 typedef void (*work_fn)(const void *task, int64_t begin, int64_t end);
 
@@ -261,12 +265,13 @@ static struct {
     pthread_mutex_t busy, sleep;
     pthread_cond_t wake;
     atomic_ullong ticket; /* generation << 32 | threads taking part */
-    atomic_int remaining;
+    atomic_ullong next;   /* generation << 32 | the first unit not yet taken */
+    atomic_llong done;    /* units computed, this generation */
     int helpers;
     unsigned long long first_ticket[MAX_THREADS];
     work_fn work;
     const void *task;
-    int64_t units;
+    int64_t units, chunk;
 } pool = {.busy = PTHREAD_MUTEX_INITIALIZER, .sleep = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
 
 /* A forked child has none of its parent's helpers (nor a consistent pool): it starts over. */
@@ -285,8 +290,23 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-static void share(int t, int threads) {
-    pool.work(pool.task, pool.units * t / threads, pool.units * (t + 1) / threads);
+/* Units of `generation`'s work, `chunk` at a time, until none is left. A unit taken is computed before the caller
+   can see them all done, so the work, task and sizes read after taking one are that generation's; read before
+   (another call's, if it began meanwhile), the compare-exchange fails on the slot that call replaced. */
+static void take_units(unsigned long long generation) {
+    for (;;) {
+        unsigned long long slot = atomic_load_explicit(&pool.next, memory_order_acquire);
+        int64_t begin;
+        do {
+            begin = (int64_t)(slot & 0xffffffffu);
+            if (slot >> 32 != generation || begin >= pool.units)
+                return;
+        } while (!atomic_compare_exchange_weak_explicit(&pool.next, &slot, slot + (unsigned long long)pool.chunk,
+                                                        memory_order_acq_rel, memory_order_acquire));
+        int64_t end = begin + pool.chunk < pool.units ? begin + pool.chunk : pool.units;
+        pool.work(pool.task, begin, end);
+        atomic_fetch_add_explicit(&pool.done, end - begin, memory_order_release);
+    }
 }
 
 static void *helper(void *arg) {
@@ -308,25 +328,24 @@ static void *helper(void *arg) {
         seen = ticket;
         int threads = (int)(ticket & 0xffffffffu);
         spin = me < threads;
-        if (spin) { /* the caller waits for this share before it publishes another ticket */
-            share(me, threads);
-            atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_release);
-        }
+        if (spin)
+            take_units(ticket >> 32);
     }
     return NULL;
 }
 
-/* work(task, begin, end) over units [0, units), split evenly over up to `threads` threads. */
+/* work(task, begin, end) over units [0, units), on up to `threads` threads, each taking a few units at a time: a
+   helper that lost its core (another node computes on it) delays the call by the units it holds, not its share. */
 static void parallel(work_fn work, const void *task, int64_t units, int threads) {
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
     if (threads > units)
         threads = (int)units;
-    if (threads < 2 || pthread_mutex_trylock(&pool.busy) != 0) {
+    if (threads < 2 || units >= (1LL << 31) || pthread_mutex_trylock(&pool.busy) != 0) {
         work(task, 0, units);
         return;
     }
-    unsigned long long generation = (atomic_load(&pool.ticket) >> 32) + 1;
+    unsigned long long generation = ((atomic_load(&pool.ticket) >> 32) + 1) & 0xffffffffu;
     while (pool.helpers < threads - 1) {
         pthread_t id;
         int me = pool.helpers + 1;
@@ -341,14 +360,19 @@ static void parallel(work_fn work, const void *task, int64_t units, int threads)
     pool.work = work;
     pool.task = task;
     pool.units = units;
-    atomic_store_explicit(&pool.remaining, threads - 1, memory_order_relaxed);
+    pool.chunk = units / (threads * UNIT_SHARES) > 1 ? units / (threads * UNIT_SHARES) : 1;
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.next, generation << 32, memory_order_release);
     atomic_store_explicit(&pool.ticket, generation << 32 | (unsigned)threads, memory_order_release);
     pthread_mutex_lock(&pool.sleep);
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.sleep);
-    share(0, threads);
-    while (atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0)
+    take_units(generation);
+    while (atomic_load_explicit(&pool.done, memory_order_acquire) < units)
         sched_yield();
+    /* None left to take, whatever the next call's units: a late helper that read this generation's slot
+       fails to take it from the next call (its compare-exchange sees another slot). */
+    atomic_store_explicit(&pool.next, generation << 32 | 0xffffffffu, memory_order_release);
     pthread_mutex_unlock(&pool.busy);
 }
 
