@@ -13,8 +13,8 @@ The share is what torch and OpenBLAS get, and it changes only every few seconds.
 own kernels (whose idle threads yield and then sleep: `native`) are lent more, step by
 step: each registration file holds one byte, 1 while that node computes, and a node about
 to compute gives its kernels `cores // (1 + other nodes computing now)`. So a head and a
-tail serving one session, which compute in turn, each use every core for their step,
-and under load, when both compute, each uses its half.
+tail that compute in turn (one session, or a head's whole wave: `mesh.waves`) each use
+every core for their step, and when both compute, each uses its half.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
 log = logging.getLogger("meshws.node")
 
@@ -49,9 +49,7 @@ def usable_cores() -> int:
 
 
 class CoreShare:
-    def __init__(self, directory: Path | None = None, cores: int | None = None, pid: int | None = None,
-                 live_sessions: Callable[[], int] = lambda: 1) -> None:
-        self.live_sessions = live_sessions  # sessions live on this node: cores are lent while at most one is
+    def __init__(self, directory: Path | None = None, cores: int | None = None, pid: int | None = None) -> None:
         self.directory = directory or Path(tempfile.gettempdir()) / f"meshws-nodes-{os.getuid()}"
         self.cores = cores or usable_cores()
         self.pid = pid or os.getpid()
@@ -114,19 +112,16 @@ class CoreShare:
             if self.threads != before:
                 log.info("%d meshws nodes on this host share its %d cores: %d compute threads here (was %d)",
                          self.nodes, self.cores, self.threads, before)
-        try:
-            lend = self.live_sessions() <= 1
-        except Exception:  # a hint, never a reason for a step to fail
-            lend = True
-        self.apply(lend)  # every time: cheap when nothing changed, and the compute thread's first job needs it
+        self.apply()  # every time: cheap when nothing changed, and the compute thread's first job needs it
 
     def apply(self, lend: bool = True) -> None:
         """Give the share to whichever library multiplies (torch, or numpy's OpenBLAS: `model.blas`); mark this
         node computing, and (`lend`) lend its kernels the cores no other node of this host computes on now.
 
-        Lending pays when nodes compute in turn (one session in flight). With several, the other node is idle
-        only until its next group arrives, microseconds from now: a borrowed core would then be fought over, and
-        a step waits for its slowest thread (head + tail, 4 sessions: a head step took 18 ms instead of 9)."""
+        Lending pays when nodes compute in turn: one session, or a head's whole wave (`mesh.waves`). When the
+        other node starts computing meanwhile, the borrowed core is shared, and since the kernels' threads take
+        a product's units as they come free (`native`), a step then slows by the units its helper holds, not
+        to its slowest thread's pace (a static split had a head step take 18 ms instead of 9)."""
         from .model import blas, native
 
         blas.set_threads(self.threads)
@@ -150,8 +145,7 @@ class CoreShare:
     def describe(self) -> dict[str, object]:
         return {"threads": self.threads,
                 "threads_reason": f"{self.nodes} meshws node(s) on this host share its {self.cores} cores; meshws's "
-                                  "kernels borrow the cores of those not computing at the moment, while at most "
-                                  "one session is live here"}
+                                  "kernels borrow the cores of those not computing at the moment"}
 
     def close(self) -> None:
         from .model import native

@@ -99,7 +99,7 @@ class Node(NodeReports):
                 await self._take_assigned_layers()
             if self.settings.threads is None:  # nodes on this host split its cores (`cores`)
                 try:
-                    self.cores = CoreShare(live_sessions=self._live_sessions)
+                    self.cores = CoreShare()
                 except OSError as exc:
                     log.warning("not sharing this host's cores with other nodes: %s", exc)
             self.backend = await asyncio.to_thread(load_backend, self.settings, self.cores and self.cores.threads)
@@ -115,7 +115,8 @@ class Node(NodeReports):
                                     # the compute thread takes the threads (torch counts them per thread)
                                     retune=self.cores.retune if self.cores else functools.partial(
                                         blas.set_threads, self.settings.threads or blas.threads()),
-                                    micro_batches=self._micro_batches, rest=self.cores.rest if self.cores else None)
+                                    micro_batches=self._micro_batches, rest=self.cores.rest if self.cores else None,
+                                    whole_wave=self._one_wave)
         sessions = self.backend.sessions
         self.metrics = NodeMetrics(sessions=lambda: len(sessions), cache_bytes=lambda: sessions.total_bytes,
                                    weight_bytes=self.backend.weight_bytes)
@@ -300,22 +301,6 @@ class Node(NodeReports):
             if not link.is_up:
                 problems.insert(0, f"next hop {link.url} is {link.status()}")
         return [hop.to_wire() for hop in chain], problems
-
-    # -- health, metrics, batching hint -------------------------------------------
-
-    def _micro_batches(self) -> int:
-        """Decode groups a head keeps in flight: one per shard of its chain, so every shard has one to compute."""
-        if self.role != "head":
-            return 1  # later shards compute groups as they arrive; a full node has no one to overlap with
-        return max(2, len(self.chain())) if self.settings.peer else 2
-
-    def _live_sessions(self) -> int:
-        """Sessions that may send a decode step soon (a batching hint for the worker)."""
-        if self.head is not None:
-            return self.head.generations
-        if self.shard_service is not None:
-            return len(self.shard_service.sessions)
-        return 1
 
 
 async def serve(settings: NodeSettings) -> None:

@@ -1,4 +1,5 @@
-"""What a node reports about itself: `/health` (JSON), `/metrics` (Prometheus) and a log line per generation.
+"""What a node reports about itself: `/health` (JSON), `/metrics` (Prometheus), a log line per generation,
+and the batching hints its compute worker asks for.
 
 `NodeReports` is a part of `meshws.node.Node` kept in its own file: it only reads the
 node's parts (shard, links, head, registry, shard service) and never changes them.
@@ -44,6 +45,7 @@ class NodeReports:
             "supports_kv_cache": backend.supports_kv_cache,
             "compute": {**backend.compute_facts, **(self.cores.describe() if self.cores else {}),
                         "busy_seconds": round(self.worker.busy_seconds, 3), "work": self.worker.counts(),
+                        "waves": {"groups": self._micro_batches(), "whole": self._one_wave()},  # (`mesh.waves`)
                         # (start, end, rows) of the last jobs, on this host's monotonic clock
                         "recent_steps": [[round(a, 4), round(b, 4), rows] for a, b, rows in list(self.worker.recent)]},
             "heap": heap.describe(),  # objects kept out of the garbage collector; its pauses since
@@ -124,3 +126,25 @@ class NodeReports:
             f"{ttft * 1000:.0f} ms" if ttft is not None else "-", stats.decode_tokens_per_second or 0.0,
             stats.prefills, stats.cache_misses,
         )
+
+    # -- batching hints (`mesh.compute`, `mesh.waves`) -------------------------------
+
+    def _micro_batches(self) -> int:
+        """Decode groups a head keeps in flight: one per shard of its chain, so every shard has one to compute;
+        one wave where this host's nodes lend each other their cores (`waves`)."""
+        if self.role != "head" or self._one_wave():
+            return 1  # later shards compute groups as they arrive; a full node has no one to overlap with
+        return max(2, len(self.chain())) if self.settings.peer else 2
+
+    def _one_wave(self) -> bool:
+        """A head sharing this host's cores with other meshws nodes (its later shards, as `meshws mesh` starts
+        them): the whole batch on every core in turn beats a group per node on one core each (`waves`)."""
+        return self.role == "head" and self.cores is not None and self.cores.nodes > 1
+
+    def _live_sessions(self) -> int:
+        """Sessions that may send a decode step soon (a batching hint for the worker)."""
+        if self.head is not None:
+            return self.head.generations
+        if self.shard_service is not None:
+            return len(self.shard_service.sessions)
+        return 1

@@ -277,6 +277,7 @@ class Generator:
         finally:
             if ahead is not None:  # closed (a stop string, a client gone) or failed before that lap: not wanted
                 _abandon(ahead[0])
+            self.worker.finished(sid)  # no more steps of this answer: the head's wave no longer waits for it
 
     @staticmethod
     async def _reroute(path: RoutedPath, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int,

@@ -14,7 +14,8 @@ batch takes such prompts along too (in one call), so the running sessions' steps
 weights apart nor wait a prompt's turn besides their own. Releases (`release`, `urgent`) jump every
 queue: they wait for the chunk or batch running, never for queued work. A job whose caller has gone
 (its future cancelled) is skipped, chunks included. A batch that raises is retried row by row, so
-only the failing row gets the error.
+only the failing row gets the error. Which decode steps a batch takes and how long it waits for them
+(groups in flight, or one wave kept whole where nodes share a host's cores): `waves`.
 """
 
 from __future__ import annotations
@@ -28,12 +29,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Generator, TypeVar
 
 from ..model.backend import DecodeStep, PrefillStep, ShardBackend, StepResult, TensorPayload, decode_alone
+from .waves import InFlight, Waves
 
 T = TypeVar("T")
 IDLE_RETUNE_SECONDS = 3.0  # an idle worker with `retune` still calls it this often
 MAX_BATCH = 64
-LINGER = 0.003  # seconds a partial batch may wait for steps of other live sessions (never for a lone one)
-QUIET = 0.001  # ... a guessed wave no longer than this after the last step came: a group's steps come together
 PREFILL_CHUNK = 256  # tokens of a prefill run between two turns of other work
 
 
@@ -48,11 +48,11 @@ class _Job:
     started: bool = False  # a chunk of it has run
 
 
-class ComputeWorker:
+class ComputeWorker(Waves):
     def __init__(self, backend: ShardBackend, max_batch: int = MAX_BATCH,
                  live_sessions: Callable[[], int] = lambda: 1, prefill_chunk: int = PREFILL_CHUNK,
                  retune: Callable[[], None] | None = None, micro_batches: Callable[[], int] = lambda: 1,
-                 rest: Callable[[], None] | None = None) -> None:
+                 rest: Callable[[], None] | None = None, whole_wave: Callable[[], bool] = lambda: False) -> None:
         self.backend = backend
         self.max_batch = max_batch
         self.prefill_chunk = max(1, prefill_chunk)
@@ -65,6 +65,8 @@ class ComputeWorker:
         # Groups the live sessions' decode steps are split into (on a head: the shards on its route), so
         # that while the next shard computes one group this one computes the next: several waves in flight.
         self.micro_batches = micro_batches
+        self.whole_wave = whole_wave  # or (a head whose host's nodes lend each other cores) one wave, kept whole
+        self._in_flight = InFlight()  # (`waves`) sessions whose step this shard sent on, not yet back
         self.lingers = 0  # decode batches that waited for more steps (never for a lone session)
         self._arrived = 0.0  # when the last decode step was queued
         self.busy_seconds = 0.0  # time spent computing (idle = waiting on the network or on nothing)
@@ -109,7 +111,14 @@ class ComputeWorker:
 
     async def release(self, session_id: str) -> bool:
         """Drop a session's caches, ahead of queued work: a release never waits behind prefills."""
+        self.finished(session_id)
         return await self.urgent(self.backend.release_session, session_id)
+
+    def finished(self, session_id: str) -> None:
+        """`session_id` sends no more steps for now (its answer ended): a wave no longer waits for it."""
+        with self._ready:
+            self._in_flight.back(session_id)
+            self._ready.notify()
 
     def counts(self) -> dict[str, int]:
         """What the worker has run so far, by kind (`/health`)."""
@@ -145,6 +154,7 @@ class ComputeWorker:
                 raise RuntimeError("the compute worker is shut down")
             queue = self._urgent if urgent else self._decodes if job.step is not None else self._others
             queue.append(job)
+            self._in_flight.back(job.step.session_id if job.step else job.prefill.session_id if job.prefill else None)
             if job.step is not None:
                 self._arrived = time.monotonic()
             self._ready.notify()
@@ -165,7 +175,10 @@ class ComputeWorker:
                     batch, job = [], self._urgent.popleft()
                 elif self._decodes and not (other_turn and self._others):
                     group, split = self._group_size()
-                    self._linger(*((group, False) if split else self._wave(group)))
+                    if self._wave_kept():
+                        self._hold_wave()
+                    else:
+                        self._linger(*((group, False) if split else self._wave(group)))
                     batch, job, other_turn = self._take(group, split), None, True
                     together = self._together(None, 1)  # new sessions' prompts to take along, if any may
                 else:
@@ -207,40 +220,6 @@ class ComputeWorker:
             call()
         except Exception:  # a tuning hint: never a reason for the worker to stop
             pass
-
-    def _group_size(self) -> tuple[int, bool]:
-        """How many decode steps a batch waits for (the live sessions split into `micro_batches` groups),
-        and whether they are split at all."""
-        try:
-            live, groups = max(1, int(self.live_sessions())), max(1, int(self.micro_batches()))
-        except Exception:  # a hint, never a reason to fail
-            live, groups = 1, 1
-        return max(1, min(self.max_batch, -(-live // groups))), groups > 1
-
-    def _take(self, group: int, split: bool) -> list[_Job]:
-        """(Lock held.) The decode steps a batch takes off the queue: one group's, or (not split) every one waiting."""
-        return [self._decodes.popleft() for _ in range(min(group if split else self.max_batch, len(self._decodes)))]
-
-    def _wave(self, live: int) -> tuple[int, bool]:
-        """(Lock held; a shard that does not split the sessions itself.) The steps to wait for: the wave the
-        previous shard announced (`DecodeStep.group`: the size of the batch it computed them in), else every
-        live session, a guess (True)."""
-        announced = max((job.step.group for job in self._decodes if job.step is not None), default=1)
-        return (min(live, announced), False) if announced > 1 else (live, True)
-
-    def _linger(self, expected: int, guessed: bool = False) -> None:
-        """(Lock held.) Wait briefly while more live sessions may still add their steps (up to `expected`); a
-        guessed count only as long as steps keep arriving: with groups in flight (`micro_batches`) a later shard
-        gets one group at a time, and the live sessions of other groups will not come now."""
-        if len(self._decodes) >= expected or self._closed:
-            return
-        self.lingers += 1
-        deadline = time.monotonic() + LINGER
-        while len(self._decodes) < expected and not self._closed:
-            remaining = min(deadline, self._arrived + QUIET if guessed else deadline) - time.monotonic()
-            if remaining <= 0:
-                return
-            self._ready.wait(remaining)
 
     def _together(self, first: _Job | None, least: int) -> list[_Job]:
         """(Lock held.) `first` (if any: else beside a decode batch) and the new sessions' prefills queued behind it
@@ -344,6 +323,11 @@ class ComputeWorker:
         if len(batch) > 1:
             self.batches += 1
             self.batched_steps += len(batch)
+        sent = [job.step.session_id for job, result in zip(batch, results)
+                if isinstance(result, TensorPayload) and job.step is not None]
+        if sent and self._wave_kept():
+            with self._ready:
+                self._in_flight.sent(sent, time.monotonic())
         for job, result in zip(batch, results):  # hidden states say how many came together (the next shard's wave)
             self._deliver(job, replace(result, group=len(batch)) if isinstance(result, TensorPayload) else result)
 

@@ -3,7 +3,7 @@
 import asyncio
 import time
 
-from fakes import FakeBackend
+from fakes import CachedHeadBackend, FakeBackend
 from meshws.mesh.compute import ComputeWorker
 from meshws.model.backend import DecodeStep, TailTokenResult
 
@@ -205,9 +205,9 @@ async def test_live_sessions_split_into_micro_batches_and_a_lone_session_never_w
 
 def _tail_of_eight(monkeypatch):
     """A tail with eight live sessions, whose linger would last 5 s if it were waited out."""
-    from meshws.mesh import compute
+    from meshws.mesh import waves
 
-    monkeypatch.setattr(compute, "LINGER", 5.0)
+    monkeypatch.setattr(waves, "LINGER", 5.0)
     backend = _RecordingTail()
     return backend, ComputeWorker(backend, live_sessions=lambda: 8)
 
@@ -239,6 +239,54 @@ async def test_a_later_shard_waits_for_the_wave_its_previous_shard_announced(mon
         started = time.monotonic()
         await asyncio.gather(*first, step(2), step(3))
         assert backend.batches == [["s0", "s1", "s2", "s3"]] and time.monotonic() - started < 2.5
+    finally:
+        worker.shutdown()
+
+
+class _RecordingHead(CachedHeadBackend):
+    """A head's layers (hidden states out, sent on to the tail); records its decode batches."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches = []
+
+    def decode_batch(self, steps):
+        self.batches.append([step.session_id for step in steps])
+        return super().decode_batch(steps)
+
+
+async def test_a_head_keeping_one_wave_waits_for_the_sessions_still_on_the_tail_and_never_for_a_lone_one(monkeypatch):
+    # A head whose host's nodes lend each other their cores keeps every session in one batch (`waves`): when two
+    # of a wave's four sessions are back and two are still on the tail, it waits for those, not for a finished
+    # session, nor for a lone one's (nothing else in flight).
+    from meshws.mesh import waves
+
+    monkeypatch.setattr(waves, "WAVE_LINGER", 5.0)  # a wait for a step that never comes would show
+    backend = _RecordingHead()
+    worker = ComputeWorker(backend, live_sessions=lambda: 4, whole_wave=lambda: True)
+
+    def step(index):
+        backend._seq.setdefault(f"s{index}", 6)
+        return asyncio.ensure_future(worker.decode(DecodeStep(f"s{index}", token_id=7)))
+
+    try:
+        started = time.monotonic()
+        for _ in range(3):
+            await step(9)
+        assert worker.lingers == 0 and backend.batches == [], "a lone session waited"
+        worker.finished("s9")
+        blocker = asyncio.ensure_future(worker.call(time.sleep, 0.1))
+        await asyncio.sleep(0.02)
+        await asyncio.gather(*(step(index) for index in range(4)), blocker)  # one wave of four
+        assert backend.batches == [["s0", "s1", "s2", "s3"]]
+        early = [step(0), step(1)]  # back from the tail first
+        await asyncio.sleep(0.1)
+        assert not any(task.done() for task in early), "the wave ran without the two still on the tail"
+        await asyncio.gather(*early, step(2), step(3))
+        assert backend.batches[-1] == ["s0", "s1", "s2", "s3"] and worker.lingers == 1
+        worker.finished("s3")  # its answer ended: the others go on without it
+        await asyncio.gather(step(0), step(1), step(2))
+        assert backend.batches[-1] == ["s0", "s1", "s2"] and time.monotonic() - started < 2.5
     finally:
         worker.shutdown()
 

@@ -1,9 +1,11 @@
 """Two nodes started by hand on one machine with default flags split its cores (README's way to start a mesh)."""
 
+import asyncio
 import time
 
 import pytest
 
+from helpers import CHAT_PROMPTS, chat_ids, complete_ids
 from meshws.cores import usable_cores
 from meshws.model.blas import choose_matmul
 from meshws.model.cpu import choose_dtype
@@ -12,7 +14,14 @@ from meshws.tools.launch import NodeProcess, free_port
 pytestmark = [pytest.mark.real_model, pytest.mark.processes]
 
 
-def test_hand_started_head_and_tail_share_the_cores():
+@pytest.fixture(scope="module")
+def tokenizer(embedded_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(embedded_model.folder))
+
+
+async def test_hand_started_head_and_tail_share_the_cores_and_compute_one_wave_in_turn(tokenizer):
     tail_port = free_port()
     tail = NodeProcess("--role", "tail", "--layers", "15-29", name="tail", port=tail_port)
     head = None
@@ -34,6 +43,17 @@ def test_hand_started_head_and_tail_share_the_cores():
         assert compute["path"].startswith("lean llama")
         assert ("OpenBLAS products" in compute["path"]) == (matmul == "openblas")
         assert compute["matmul"] == matmul and compute["matmul_reason"]
+        # Sharing a host's cores, the head keeps its sessions in one wave, which each node computes on every core
+        # in turn (`mesh.waves`): a burst of prompts splits it, the head's wait for the rest joins it again.
+        assert compute["waves"] == {"groups": 1, "whole": True} and tail.health()["compute"]["waves"]["groups"] == 1
+        ids = [chat_ids(tokenizer, CHAT_PROMPTS[index % 3]) for index in range(6)]
+        alone = [await complete_ids(head.url, ids[index], 24, ignore_eos=True) for index in range(3)]
+        started = time.monotonic()
+        together = await asyncio.gather(*(complete_ids(head.url, one, 24, ignore_eos=True) for one in ids))
+        assert list(together) == alone * 2
+        steps = [rows for start, _, rows in head.health()["compute"]["recent_steps"] if start >= started]
+        assert steps.count(6) >= 10, steps  # the whole wave's decode steps in one batch
+        assert head.health()["compute"]["work"]["lingers"] > 0
     finally:
         for node in (head, tail):
             if node is not None:
