@@ -235,6 +235,8 @@ class Generator:
                     continue
                 except ValueError as exc:  # a step refused by a backend (bad length, dtype...)
                     raise PipelineError(str(exc)) from exc
+                finally:
+                    self.worker.returned(sid)  # back from the route: the head's wave no longer waits for it
                 misses = 0
                 if prefilled is not None:
                     prefilled.set()  # the prompt is in every cache of the route: other choices may fork it
@@ -277,7 +279,6 @@ class Generator:
         finally:
             if ahead is not None:  # closed (a stop string, a client gone) or failed before that lap: not wanted
                 _abandon(ahead[0])
-            self.worker.finished(sid)  # no more steps of this answer: the head's wave no longer waits for it
 
     @staticmethod
     async def _reroute(path: RoutedPath, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int,

@@ -111,11 +111,12 @@ class ComputeWorker(Waves):
 
     async def release(self, session_id: str) -> bool:
         """Drop a session's caches, ahead of queued work: a release never waits behind prefills."""
-        self.finished(session_id)
+        self.returned(session_id)
         return await self.urgent(self.backend.release_session, session_id)
 
-    def finished(self, session_id: str) -> None:
-        """`session_id` sends no more steps for now (its answer ended): a wave no longer waits for it."""
+    def returned(self, session_id: str) -> None:
+        """`session_id`'s step is back from the later shards (or failed there, or its answer ended): a wave no
+        longer waits for it, whenever its next step comes (a client slow to read delays its own, not the wave)."""
         with self._ready:
             self._in_flight.back(session_id)
             self._ready.notify()

@@ -10,8 +10,9 @@ once a round instead of once per group, at twice one core's bandwidth (bf16, 16 
 
 A head keeps its wave whole: when some sessions' decode steps are back and others are still on later
 shards, it waits for those (up to `WAVE_LINGER`), since a burst of new sessions splits a wave and the
-parts would never meet again. It never waits for a lone session (nothing else is in flight), nor for a
-session whose answer ended (`finished`), nor for a step sent longer than `STALE` ago (a lost shard).
+parts would never meet again. It waits only for steps on their way (a lone session's never): one whose
+result is back (`ComputeWorker.returned`) is not waited for, so a client slow to read its tokens, or an
+answer that ended, delays no one else; nor is a step sent longer than `STALE` ago (a lost shard).
 """
 
 from __future__ import annotations

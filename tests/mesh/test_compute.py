@@ -257,7 +257,7 @@ class _RecordingHead(CachedHeadBackend):
 
 async def test_a_head_keeping_one_wave_waits_for_the_sessions_still_on_the_tail_and_never_for_a_lone_one(monkeypatch):
     # A head whose host's nodes lend each other their cores keeps every session in one batch (`waves`): when two
-    # of a wave's four sessions are back and two are still on the tail, it waits for those, not for a finished
+    # of a wave's four sessions are back and two are still on the tail, it waits for those, not for one returned
     # session, nor for a lone one's (nothing else in flight).
     from meshws.mesh import waves
 
@@ -274,7 +274,7 @@ async def test_a_head_keeping_one_wave_waits_for_the_sessions_still_on_the_tail_
         for _ in range(3):
             await step(9)
         assert worker.lingers == 0 and backend.batches == [], "a lone session waited"
-        worker.finished("s9")
+        worker.returned("s9")  # its step is back (its client reads slowly: its next step comes later)
         blocker = asyncio.ensure_future(worker.call(time.sleep, 0.1))
         await asyncio.sleep(0.02)
         await asyncio.gather(*(step(index) for index in range(4)), blocker)  # one wave of four
@@ -284,7 +284,7 @@ async def test_a_head_keeping_one_wave_waits_for_the_sessions_still_on_the_tail_
         assert not any(task.done() for task in early), "the wave ran without the two still on the tail"
         await asyncio.gather(*early, step(2), step(3))
         assert backend.batches[-1] == ["s0", "s1", "s2", "s3"] and worker.lingers == 1
-        worker.finished("s3")  # its answer ended: the others go on without it
+        worker.returned("s3")  # back too, but its answer ended: the others go on without it
         await asyncio.gather(step(0), step(1), step(2))
         assert backend.batches[-1] == ["s0", "s1", "s2"] and time.monotonic() - started < 2.5
     finally:
