@@ -276,9 +276,12 @@ class ComputeWorker(Waves):
         self._delivered(decodes, results[len(jobs):])
 
     def _run_decodes(self, batch: list[_Job]) -> None:
-        if len(batch) == 1:
-            step = batch[0].step
-            self._run_one(batch[0], lambda: decode_alone(self.backend, step))  # type: ignore[arg-type]
+        if len(batch) == 1:  # (delivered as a batch's: a wave's part that ran alone is on its way too)
+            try:
+                result: Any = decode_alone(self.backend, batch[0].step)  # type: ignore[arg-type]
+            except BaseException as exc:  # delivered to the caller, never lost in the thread
+                result = exc
+            self._delivered(batch, [result])
         elif batch:
             self._run_batch(batch)
 

@@ -291,6 +291,34 @@ async def test_a_head_keeping_one_wave_waits_for_the_sessions_still_on_the_tail_
         worker.shutdown()
 
 
+async def test_a_waves_part_that_ran_alone_is_waited_for_like_the_rest(monkeypatch):
+    # A wave split in two (one session's step came late and ran alone while the other three were on the tail):
+    # the lone part is on its way too, so the three wait for it and the wave is whole again the next round.
+    from meshws.mesh import waves
+
+    monkeypatch.setattr(waves, "WAVE_LINGER", 0.3)
+    backend = _RecordingHead()
+    worker = ComputeWorker(backend, live_sessions=lambda: 4, whole_wave=lambda: True)
+
+    def step(index):
+        backend._seq.setdefault(f"s{index}", 6)
+        return asyncio.ensure_future(worker.decode(DecodeStep(f"s{index}", token_id=7)))
+
+    try:
+        blocker = asyncio.ensure_future(worker.call(time.sleep, 0.1))
+        await asyncio.sleep(0.02)
+        await asyncio.gather(*(step(index) for index in range(3)), blocker)  # s3's first step is not here yet
+        await step(3)  # waits out WAVE_LINGER for the three on the tail, then runs alone
+        assert backend.batches == [["s0", "s1", "s2"]]  # (s3 alone: the one-row path)
+        rest = [step(0), step(1), step(2)]  # back from the tail while s3 is still there
+        await asyncio.sleep(0.1)
+        assert not any(task.done() for task in rest), "the three ran without the part that ran alone"
+        await asyncio.gather(*rest, step(3))
+        assert backend.batches[-1] == ["s0", "s1", "s2", "s3"]
+    finally:
+        worker.shutdown()
+
+
 class _TogetherTail(_ChunkedTail):
     """Short prompts of new sessions may run together; records each call of several."""
 
