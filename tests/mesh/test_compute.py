@@ -255,13 +255,12 @@ class _RecordingHead(CachedHeadBackend):
         return super().decode_batch(steps)
 
 
-async def test_a_head_keeping_one_wave_waits_for_the_sessions_still_on_the_tail_and_never_for_a_lone_one(monkeypatch):
-    # A head whose host's nodes lend each other their cores keeps every session in one batch (`waves`): when two
-    # of a wave's four sessions are back and two are still on the tail, it waits for those, not for one returned
-    # session, nor for a lone one's (nothing else in flight).
+def _one_wave_head(monkeypatch, linger):
+    """A head keeping one wave of four live sessions (`waves`), its longest wait `linger`; and a function that
+    sends session `index`'s next decode step."""
     from meshws.mesh import waves
 
-    monkeypatch.setattr(waves, "WAVE_LINGER", 5.0)  # a wait for a step that never comes would show
+    monkeypatch.setattr(waves, "WAVE_LINGER", linger)
     backend = _RecordingHead()
     worker = ComputeWorker(backend, live_sessions=lambda: 4, whole_wave=lambda: True)
 
@@ -269,6 +268,14 @@ async def test_a_head_keeping_one_wave_waits_for_the_sessions_still_on_the_tail_
         backend._seq.setdefault(f"s{index}", 6)
         return asyncio.ensure_future(worker.decode(DecodeStep(f"s{index}", token_id=7)))
 
+    return backend, worker, step
+
+
+async def test_a_head_keeping_one_wave_waits_for_the_sessions_still_on_the_tail_and_never_for_a_lone_one(monkeypatch):
+    # A head whose host's nodes lend each other their cores keeps every session in one batch (`waves`): when two
+    # of a wave's four sessions are back and two are still on the tail, it waits for those, not for one returned
+    # session, nor for a lone one's (nothing else in flight).
+    backend, worker, step = _one_wave_head(monkeypatch, 5.0)  # a wait for a step that never came would show
     try:
         started = time.monotonic()
         for _ in range(3):
@@ -294,16 +301,7 @@ async def test_a_head_keeping_one_wave_waits_for_the_sessions_still_on_the_tail_
 async def test_a_waves_part_that_ran_alone_is_waited_for_like_the_rest(monkeypatch):
     # A wave split in two (one session's step came late and ran alone while the other three were on the tail):
     # the lone part is on its way too, so the three wait for it and the wave is whole again the next round.
-    from meshws.mesh import waves
-
-    monkeypatch.setattr(waves, "WAVE_LINGER", 0.3)
-    backend = _RecordingHead()
-    worker = ComputeWorker(backend, live_sessions=lambda: 4, whole_wave=lambda: True)
-
-    def step(index):
-        backend._seq.setdefault(f"s{index}", 6)
-        return asyncio.ensure_future(worker.decode(DecodeStep(f"s{index}", token_id=7)))
-
+    backend, worker, step = _one_wave_head(monkeypatch, 0.3)
     try:
         blocker = asyncio.ensure_future(worker.call(time.sleep, 0.1))
         await asyncio.sleep(0.02)
