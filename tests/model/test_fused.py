@@ -1,8 +1,9 @@
 """The fused decode step (`fused.FusedDecode`): every layer of a Llama-style shard in one kernel call.
 
 It must give the op-by-op lean path's tokens (which the golden tests tie to transformers'),
-in float32, bfloat16 (rounding where torch's bf16 path rounds) and int8; a row's bits must
-not depend on the rows batched with it; and what it is handed is checked before the C code
+in float32, bfloat16 (rounding where torch's bf16 path rounds; where bf16 products are
+emulated, a tie between two logits may go either way) and int8; a row's bits must not
+depend on the rows batched with it; and what it is handed is checked before the C code
 reads it.
 """
 
