@@ -277,11 +277,7 @@ class ComputeWorker(Waves):
 
     def _run_decodes(self, batch: list[_Job]) -> None:
         if len(batch) == 1:  # (delivered as a batch's: a wave's part that ran alone is on its way too)
-            try:
-                result: Any = decode_alone(self.backend, batch[0].step)  # type: ignore[arg-type]
-            except BaseException as exc:  # delivered to the caller, never lost in the thread
-                result = exc
-            self._delivered(batch, [result])
+            self._delivered(batch, [self._alone(batch[0])])
         elif batch:
             self._run_batch(batch)
 
@@ -314,13 +310,15 @@ class ComputeWorker(Waves):
         try:
             results: list[Any] = self.backend.decode_batch([job.step for job in batch])  # type: ignore[misc]
         except Exception:  # one row may have broken the batch: each row alone, so only that row fails
-            results = []
-            for job in batch:
-                try:
-                    results.append(decode_alone(self.backend, job.step))  # type: ignore[arg-type]
-                except BaseException as exc:
-                    results.append(exc)
+            results = [self._alone(job) for job in batch]
         self._delivered(batch, results)
+
+    def _alone(self, job: _Job) -> Any:
+        """A decode step on the one-row path: its result, or the exception for its caller (never lost here)."""
+        try:
+            return decode_alone(self.backend, job.step)  # type: ignore[arg-type]
+        except BaseException as exc:
+            return exc
 
     def _delivered(self, batch: list[_Job], results: list[Any]) -> None:
         """A decode batch's results to their callers."""
