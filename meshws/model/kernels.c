@@ -13,7 +13,9 @@
    fused multiply-add chain over k = lane, lane + LANES, ...; then the lanes pairwise as a
    tree; then the inputs past the last multiple of LANES one by one. So a row's result never
    depends on the rows batched with it, on how outputs are split between threads, or on
-   which loop below computed it. (LANES is 16 with AVX-512, else 8: machines differ.) */
+   which loop below computed it. (LANES is 16 with AVX-512, else 8: machines differ.) A batch of
+   LANES rows or more runs those same chains with rows in vectors (`panel_tile`): each weight is
+   read once for LANES rows instead of once per two. */
 
 #define _GNU_SOURCE
 #include <math.h>
@@ -35,6 +37,8 @@ typedef __m512 vec;
 #define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define vstore(p, v) _mm512_storeu_ps(p, v)
 #define vset1(x) _mm512_set1_ps(x)
+#define vplus(a, b) _mm512_add_ps(a, b)
+#define PANEL 24 /* outputs of a batch's unit (`panel_rows`): 2 x 12 x 16 rows or 24 x 16 rows of accumulators */
 #define widen_i8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define widen_bf16(p) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
@@ -48,6 +52,8 @@ typedef __m256 vec;
 #define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define vstore(p, v) _mm256_storeu_ps(p, v)
 #define vset1(x) _mm256_set1_ps(x)
+#define vplus(a, b) _mm256_add_ps(a, b)
+#define PANEL 12 /* 16 vector registers: 2 x 6 x 8 rows or 12 x 8 rows of accumulators */
 #define widen_i8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define widen_bf16(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
@@ -243,6 +249,128 @@ static void run(const job_t *j) {
     free(scratch);
 }
 
+#ifndef GENERIC
+/* A batch's rows [r0, r0 + RV * LANES) by outputs [o0, o0 + NO), with the rows in vectors and each weight broadcast:
+   a tile's accumulators read one x vector per RV * NO multiply-adds where `tile` reads NO + RV. The sums are
+   `tile`'s bit for bit: `tile` keeps LANES partial sums per row and output, partial sum l taking k = l, l + LANES,
+   ... in turn, then sums them as `hsum` does; here lane l's products run as one pass over k = l, l + LANES, ...
+   (x laid out for it by `lay_lanes`: `xl`), and the LANES passes' sums are added as `hsum` adds a vector's lanes,
+   one row per vector lane. The tail past the last whole vector of `in` is `finish`'s, as in `tile`. */
+static inline __attribute__((always_inline)) void panel_tile(const job_t *j, const float *xl, int64_t r0, int64_t o0,
+                                                             const float *wf, const float *next, const int RV,
+                                                             const int NO) {
+    const int64_t in = j->in, steps = in / LANES, group = RV * LANES, lines = next ? NO * in / 16 : 0;
+    vec part[PANEL][2][LANES];
+    for (int l = 0; l < LANES; l++) {
+        vec acc[2][PANEL];
+        for (int v = 0; v < RV; v++)
+            for (int c = 0; c < NO; c++)
+                acc[v][c] = vzero();
+        const float *xs = xl + l * steps * group, *ws = wf + l;
+        for (int64_t s = 0; s < steps; s++, xs += group, ws += LANES) {
+            int64_t line = 2 * (l * steps + s);
+            if (line < lines) { /* the next tile's weights, two lines a step: read while this one's products run */
+                __builtin_prefetch(next + 16 * line, 0, 3);
+                __builtin_prefetch(next + 16 * line + 16, 0, 3);
+            }
+            vec xv[2];
+            for (int v = 0; v < RV; v++)
+                xv[v] = vload(xs + v * LANES);
+            for (int c = 0; c < NO; c++) {
+                vec wv = vset1(ws[c * in]);
+                for (int v = 0; v < RV; v++)
+                    acc[v][c] = vfma(xv[v], wv, acc[v][c]);
+            }
+        }
+        for (int v = 0; v < RV; v++)
+            for (int c = 0; c < NO; c++)
+                part[c][v][l] = acc[v][c];
+    }
+    for (int c = 0; c < NO; c++)
+        for (int v = 0; v < RV; v++) {
+            vec *p = part[c][v];
+            for (int half = LANES / 2; half >= 1; half /= 2) /* hsum's pairs: lane i with lane i + half */
+                for (int i = 0; i < half; i++)
+                    p[i] = vplus(p[i], p[i + half]);
+            float sums[LANES];
+            vstore(sums, p[0]);
+            for (int i = 0; i < LANES; i++) {
+                int64_t r = r0 + v * LANES + i;
+                store(j, r, o0 + c, finish(sums[i], j->x + r * in, wf + c * in, j, o0 + c, steps * LANES));
+            }
+        }
+}
+
+/* x's rows [0, rows) by whole groups of RV * LANES rows, lane-major: group g's value for row i, k = s * LANES + l
+   at xl[g * group * whole + (l * steps + s) * group + i], whole = steps * LANES. */
+static void lay_lanes(float *xl, const float *x, int64_t rows, int64_t in, int64_t group) {
+    const int64_t steps = in / LANES, whole = steps * LANES;
+    for (int64_t g = 0; g + group <= rows; g += group)
+        for (int64_t i = 0; i < group; i++)
+            for (int64_t s = 0; s < steps; s++)
+                for (int l = 0; l < LANES; l++)
+                    xl[g * whole + (l * steps + s) * group + i] = x[(g + i) * in + s * LANES + l];
+}
+
+typedef struct {
+    job_t job;
+    const float *xl; /* `lay_lanes`'s x, rows [0, paired) in groups of 2 * LANES, then one of LANES if `single` */
+    int64_t paired;
+    int single;
+} panel_job;
+
+/* Units of PANEL outputs of a batch: the grouped rows on panel tiles, the rest (fewer than LANES) on `run`. */
+static void panel_rows(const void *task, int64_t begin, int64_t end) {
+    const panel_job *p = task;
+    const job_t *j = &p->job;
+    const int64_t in = j->in, o_end = end * PANEL < j->out ? end * PANEL : j->out, whole = in / LANES * LANES;
+    float *scratch = j->kind == KIND_F32 ? NULL : malloc(sizeof(float) * PANEL * in);
+    int64_t o = begin * PANEL;
+    if (j->kind != KIND_F32 && !scratch) { /* no memory to widen weights into: `run` widens them in registers */
+        job_t all = *j;
+        all.o_begin = o;
+        all.o_end = o_end;
+        run(&all);
+        return;
+    }
+    for (; o + PANEL <= o_end; o += PANEL) {
+        const float *wf = (const float *)j->w + o * in;
+        if (scratch) {
+            for (int c = 0; c < PANEL; c++)
+                widen_row(scratch + c * in, j->w, j->kind, (o + c) * in, in);
+            wf = scratch;
+        }
+        int64_t r = 0;
+        const float *next = scratch ? NULL : wf + PANEL * in, *ahead;
+        for (; r < p->paired; r += 2 * LANES) {
+            ahead = r + 2 * LANES < p->paired || p->single ? NULL : next; /* the next panel's, on the last rows */
+            panel_tile(j, p->xl + r * whole, r, o, wf, ahead, 2, PANEL / 2);
+            panel_tile(j, p->xl + r * whole, r, o + PANEL / 2, wf + PANEL / 2 * in,
+                       ahead ? ahead + PANEL / 2 * in : NULL, 2, PANEL / 2);
+        }
+        if (p->single)
+            panel_tile(j, p->xl + r * whole, r, o, wf, next, 1, PANEL);
+    }
+    free(scratch);
+    const int64_t grouped = p->paired + (p->single ? LANES : 0);
+    job_t rest = *j; /* the rows left over, and the outputs past the last whole panel: `tile`'s sums all the same */
+    rest.x += grouped * in;
+    rest.y += grouped * j->out;
+    rest.rows -= grouped;
+    rest.o_begin = begin * PANEL;
+    rest.o_end = o_end;
+    if (rest.rows > 0)
+        run(&rest);
+    if (o < o_end && grouped > 0) {
+        rest = *j;
+        rest.rows = grouped;
+        rest.o_begin = o;
+        rest.o_end = o_end;
+        run(&rest);
+    }
+}
+#endif
+
 /* Helper threads, started on first need and kept. `parallel` hands out units by publishing a new
    `ticket`: a generation count and how many threads take part. Helper t < that count and the caller
    take units a few at a time (`next`) until none is left, and count them `done`; the others go back
@@ -387,6 +515,21 @@ static void linear_tiles(const void *task, int64_t begin, int64_t end) {
 void mw_linear(const float *x, int64_t rows, int64_t in, const void *w, int kind, const float *scale,
                const float *bias, float *y, int64_t out, int threads) {
     job_t whole = {x, w, scale, bias, y, rows, in, out, 0, out, kind};
+#ifndef GENERIC
+    if (rows >= LANES && in >= LANES) { /* a batch: rows in vectors, weights broadcast (`panel_tile`) */
+        panel_job p = {whole, NULL, rows / (2 * LANES) * 2 * LANES, rows % (2 * LANES) >= LANES};
+        float *xl = malloc(sizeof(float) * (p.paired + LANES) * in);
+        if (xl) {
+            lay_lanes(xl, x, p.paired, in, 2 * LANES);
+            if (p.single)
+                lay_lanes(xl + p.paired * (in / LANES * LANES), x + p.paired * in, LANES, in, LANES);
+            p.xl = xl;
+            parallel(panel_rows, &p, (out + PANEL - 1) / PANEL, rows * in * out < THREAD_WORK ? 1 : threads);
+            free(xl);
+            return;
+        }
+    }
+#endif
     parallel(linear_tiles, &whole, (out + OUT_TILE - 1) / OUT_TILE, rows * in * out < THREAD_WORK ? 1 : threads);
 }
 

@@ -41,16 +41,19 @@ def test_products_equal_the_dequantized_matrix(out_features, in_features, rows):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 5, 70])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 24, 70])
 def test_float_weights_multiply_as_they_are_and_a_row_keeps_its_bits_in_any_batch(dtype, rows):
+    # 8 rows and more run on panel tiles (rows in vectors), the rows past the last whole group and the outputs past
+    # the last whole panel on `tile`; 203 inputs leave a tail past the last whole vector.
     weight = torch.randn(1030, 203, generator=torch.Generator().manual_seed(3)).to(dtype)
     bias = torch.randn(1030, generator=torch.Generator().manual_seed(4))
     x = torch.randn(rows, 203, generator=torch.Generator().manual_seed(rows))
     exact = x.double() @ weight.double().T + bias.double()
     got = KERNELS.linear(x, weight, None, bias, 2)
     assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-4 * float(exact.abs().max()))
-    for index in (0, rows - 1):
+    for index in sorted({0, rows // 2, rows - 1}):
         assert torch.equal(KERNELS.linear(x[index : index + 1], weight, None, bias, 1), got[index : index + 1])
+    assert torch.equal(KERNELS.linear(x, weight, None, bias, 1), got)
     with pytest.raises(ValueError):  # float weights take no scales, int8 ones must have them
         KERNELS.linear(x, weight, torch.ones(1030), bias, 1)
 
