@@ -269,9 +269,9 @@ static inline __attribute__((always_inline)) void panel_tile(const job_t *j, con
         const float *xs = xl + l * steps * group, *ws = wf + l;
         for (int64_t s = 0; s < steps; s++, xs += group, ws += LANES) {
             int64_t line = 2 * (l * steps + s);
-            if (line < lines) { /* the next tile's weights, two lines a step: read while this one's products run */
-                __builtin_prefetch(next + 16 * line, 0, 3);
-                __builtin_prefetch(next + 16 * line + 16, 0, 3);
+            if (line < lines) { /* the next tile's weights into L2, two lines a step, while this one's products run */
+                __builtin_prefetch(next + 16 * line, 0, 2);
+                __builtin_prefetch(next + 16 * line + 16, 0, 2);
             }
             vec xv[2];
             for (int v = 0; v < RV; v++)
@@ -306,10 +306,10 @@ static inline __attribute__((always_inline)) void panel_tile(const job_t *j, con
 static void lay_lanes(float *xl, const float *x, int64_t rows, int64_t in, int64_t group) {
     const int64_t steps = in / LANES, whole = steps * LANES;
     for (int64_t g = 0; g + group <= rows; g += group)
-        for (int64_t i = 0; i < group; i++)
-            for (int64_t s = 0; s < steps; s++)
-                for (int l = 0; l < LANES; l++)
-                    xl[g * whole + (l * steps + s) * group + i] = x[(g + i) * in + s * LANES + l];
+        for (int l = 0; l < LANES; l++)
+            for (int64_t s = 0; s < steps; s++, xl += group)
+                for (int64_t i = 0; i < group; i++)
+                    xl[i] = x[(g + i) * in + s * LANES + l];
 }
 
 typedef struct {
@@ -341,15 +341,14 @@ static void panel_rows(const void *task, int64_t begin, int64_t end) {
             wf = scratch;
         }
         int64_t r = 0;
-        const float *next = scratch ? NULL : wf + PANEL * in, *ahead;
+        const float *next = scratch ? NULL : wf + PANEL * in; /* the next panel's weights: the first rows ask */
         for (; r < p->paired; r += 2 * LANES) {
-            ahead = r + 2 * LANES < p->paired || p->single ? NULL : next; /* the next panel's, on the last rows */
-            panel_tile(j, p->xl + r * whole, r, o, wf, ahead, 2, PANEL / 2);
+            panel_tile(j, p->xl + r * whole, r, o, wf, r ? NULL : next, 2, PANEL / 2);
             panel_tile(j, p->xl + r * whole, r, o + PANEL / 2, wf + PANEL / 2 * in,
-                       ahead ? ahead + PANEL / 2 * in : NULL, 2, PANEL / 2);
+                       next && !r ? next + PANEL / 2 * in : NULL, 2, PANEL / 2);
         }
         if (p->single)
-            panel_tile(j, p->xl + r * whole, r, o, wf, next, 1, PANEL);
+            panel_tile(j, p->xl + r * whole, r, o, wf, r ? NULL : next, 1, PANEL);
     }
     free(scratch);
     const int64_t grouped = p->paired + (p->single ? LANES : 0);
