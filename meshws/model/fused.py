@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy
 import torch
 
-from .native import KINDS, AttendRows, Kernels, threads
+from .native import BLOCK_KINDS, KINDS, AttendRows, Kernels, threads
 
 
 class _Weight(ctypes.Structure):
@@ -44,13 +44,17 @@ class FusedDecode:
         self.eps, self.scale, self.dtype = float(lean.eps), float(lean.scaling), lean.dtype
         self._keep: list[torch.Tensor] = []  # the float32 copies the structures point into
         self.amx = False  # some products run on AMX tiles (bf16 weights, a CPU that has them)
-        self.copy_bytes = 0  # of the copies made for the kernel (AMX tiles, float32 norms of a bf16 model)
+        self.copy_bytes = 0  # of the copies made for the kernel (AMX tiles, float32 norms of a bf16 model, blocks)
+        self.blocks = 0  # linears read as blocks of codes (`blocks`)
         self._array = (_Layer * self.layers)()
         for slot, layer in zip(self._array, lean.layers):
             for name, packed in zip(("qkv", "o", "gate_up", "down"), layer.linears()):
                 setattr(slot, name, self._weight(packed))
             slot.norm_in, slot.norm_post = (self._float(norm) for norm in layer.norms[:2])
         head = lean.lm_head  # a tail's: on AMX tiles as well, where the layers are
+        if head is not None and head.blocks is not None:  # (`logits` reads them)
+            self.copy_bytes += head.blocks.nbytes
+            self.blocks += 1
         self.head_tiles = self._tiles(head.weight) if self.amx and head is not None and head.weight is not None \
             else None
         self.width = self._array[0].o.out
@@ -76,6 +80,12 @@ class FusedDecode:
         return copy.data_ptr()
 
     def _weight(self, packed: Any) -> _Weight:
+        if packed.blocks is not None:  # float32 weights as their codes (`blocks`): the same values
+            self._keep.append(packed.blocks)
+            self.copy_bytes += packed.blocks.nbytes
+            self.blocks += 1
+            return _Weight(packed.blocks.data_ptr(), None, self._float(packed.bias), packed.shape[0], packed.shape[1],
+                           BLOCK_KINDS[packed.blocks.shape[2]], 0, None)
         weight = packed.codes if packed.codes is not None else packed.weight
         if weight is None or weight.dtype not in KINDS or not weight.is_contiguous() \
                 or tuple(weight.shape) != tuple(packed.shape):
@@ -97,12 +107,13 @@ class FusedDecode:
     def logits(self, hidden: torch.Tensor, head: Any, float_rows: int) -> torch.Tensor | None:
         """The LM head `head` (a packed linear) of `hidden` on the kernel: on AMX tiles at any number of rows,
         float weights up to `float_rows` rows; None where the kernel does not take them (torch's then)."""
-        if self.head_tiles is None and (head.weight is None or hidden.numel() > float_rows * hidden.shape[-1]):
+        weight = head.blocks if head.blocks is not None else head.weight  # a GGUF's Q8_0 codes, or float
+        if self.head_tiles is None and (weight is None or hidden.numel() > float_rows * hidden.shape[-1]):
             return None
         rows = hidden.detach().reshape(-1, hidden.shape[-1]).float()
         bias = None if head.bias is None else head.bias.float()
         out = self.kernels.amx_linear(rows, self.head_tiles, bias, threads()) if self.head_tiles is not None \
-            else self.kernels.linear(rows, head.weight, None, bias, threads())
+            else self.kernels.linear(rows, weight, None, bias, threads())
         return out.to(hidden.dtype).view(*hidden.shape[:-1], out.shape[-1])
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: Sequence[Any],

@@ -4,7 +4,13 @@
    activations x [rows, in] and weights w [out, in] of one of three kinds:
      KIND_INT8  int8, one float scale per output channel;
      KIND_BF16  bfloat16, no scale (a bf16 model's own weights);
-     KIND_F32   float32, no scale.
+     KIND_F32   float32, no scale;
+     KIND_Q4    float32 values held as 4-bit codes: per 32 inputs a block of Q4_BYTES, float d and m, then
+                16 bytes of codes (input i of the block in the low half of byte i, input i + 16 in its high
+                half), the value d * code + m as two float32 operations: exactly the float32 values of a
+                GGUF's Q4_1 tensor, which `gguf` dequantises so (`blocks.py`). `in` is a multiple of 32;
+     KIND_Q8    float32 values held as 8-bit codes: per 32 inputs a float d and 32 signed codes (Q8_BYTES),
+                the value d * code: a GGUF's Q8_0 tensor's.
    Weights are widened to float in registers, so one token's product reads each weight's
    bytes once and nothing else. (A bf16 times a bf16 value is exact in float, so the bf16
    kind gives torch's bf16 product up to the order of the sums.)
@@ -38,6 +44,8 @@ typedef __m512 vec;
 #define vstore(p, v) _mm512_storeu_ps(p, v)
 #define vset1(x) _mm512_set1_ps(x)
 #define vplus(a, b) _mm512_add_ps(a, b)
+#define vtimes(a, b) _mm512_mul_ps(a, b)
+#define widen_u8(v) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)) /* 16 bytes */
 #define PANEL 24 /* outputs of a batch's unit (`panel_rows`): 2 x 12 x 16 rows or 24 x 16 rows of accumulators */
 #define widen_i8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define widen_bf16(p) \
@@ -53,6 +61,8 @@ typedef __m256 vec;
 #define vstore(p, v) _mm256_storeu_ps(p, v)
 #define vset1(x) _mm256_set1_ps(x)
 #define vplus(a, b) _mm256_add_ps(a, b)
+#define vtimes(a, b) _mm256_mul_ps(a, b)
+#define widen_u8(v) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)) /* the low 8 bytes */
 #define PANEL 12 /* 16 vector registers: 2 x 6 x 8 rows or 12 x 8 rows of accumulators */
 #define widen_i8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define widen_bf16(p) \
@@ -66,6 +76,10 @@ typedef __m256 vec;
 #define KIND_INT8 0 /* weights' and caches' kinds (`native.KINDS`; caches are bf16 or float32) */
 #define KIND_BF16 1
 #define KIND_F32 2
+#define KIND_Q4 3
+#define Q4_BYTES 24 /* a KIND_Q4 block: d, m and 32 codes of 4 bits */
+#define KIND_Q8 4
+#define Q8_BYTES 36 /* a KIND_Q8 block: d and 32 codes of 8 bits */
 #define OUT_TILE 4   /* outputs computed together */
 #define ROW_BLOCK 64 /* rows that share one widening of a tile's weights */
 
@@ -84,6 +98,21 @@ static inline float cache_at(const void *w, int kind, int64_t index) {
         return ((const float *)w)[index];
     if (kind == KIND_INT8)
         return (float)((const int8_t *)w)[index];
+    if (kind == KIND_Q4) {
+        const uint8_t *block = (const uint8_t *)w + (index >> 5) * Q4_BYTES;
+        int i = (int)(index & 31);
+        float d, m;
+        memcpy(&d, block, sizeof d);
+        memcpy(&m, block + 4, sizeof m);
+        float code = (float)(i < 16 ? block[8 + i] & 15 : block[8 + i - 16] >> 4), scaled = d * code;
+        return scaled + m;
+    }
+    if (kind == KIND_Q8) {
+        const uint8_t *block = (const uint8_t *)w + (index >> 5) * Q8_BYTES;
+        float d;
+        memcpy(&d, block, sizeof d);
+        return d * (float)(int8_t)block[4 + (index & 31)];
+    }
     uint32_t bits = (uint32_t)((const uint16_t *)w)[index] << 16;
     float value;
     memcpy(&value, &bits, sizeof value);
@@ -127,12 +156,49 @@ static void store(const job_t *j, int64_t r, int64_t o, float sum) {
 }
 
 #ifndef GENERIC
+/* KIND_Q4 weights [at, at + LANES), at a multiple of LANES: as `cache_at` gives them, lane by lane. */
+static inline __attribute__((always_inline)) vec widen_q4(const void *w, int64_t at) {
+    const uint8_t *block = (const uint8_t *)w + (at >> 5) * Q4_BYTES;
+    int i = (int)(at & 31);
+    float d, m;
+    memcpy(&d, block, sizeof d);
+    memcpy(&m, block + 4, sizeof m);
+#if LANES == 16
+    __m128i codes = _mm_loadu_si128((const __m128i *)(block + 8));
+#else
+    __m128i codes = _mm_loadl_epi64((const __m128i *)(block + 8 + (i & 15)));
+#endif
+    if (i >= 16)
+        codes = _mm_srli_epi16(codes, 4);
+    codes = _mm_and_si128(codes, _mm_set1_epi8(15));
+    return vplus(vtimes(vset1(d), widen_u8(codes)), vset1(m));
+}
+
+/* KIND_Q8 weights [at, at + LANES), likewise. */
+static inline __attribute__((always_inline)) vec widen_q8(const void *w, int64_t at) {
+    const uint8_t *block = (const uint8_t *)w + (at >> 5) * Q8_BYTES;
+    float d;
+    memcpy(&d, block, sizeof d);
+    return vtimes(vset1(d), widen_i8(block + 4 + (at & 31)));
+}
+
 static inline __attribute__((always_inline)) vec widen(const void *w, int kind, int64_t at) {
-    return kind == KIND_INT8   ? widen_i8((const int8_t *)w + at)
+    return kind == KIND_Q4     ? widen_q4(w, at)
+           : kind == KIND_Q8   ? widen_q8(w, at)
+           : kind == KIND_INT8 ? widen_i8((const int8_t *)w + at)
            : kind == KIND_BF16 ? widen_bf16((const uint16_t *)w + at)
                                : vload((const float *)w + at);
 }
 #endif
+
+/* Where weight `at` of `kind` lies, in bytes from the first (a KIND_Q4 weight: its block's start). */
+static inline int64_t weight_offset(int kind, int64_t at) {
+    return kind == KIND_Q4   ? (at >> 5) * Q4_BYTES
+           : kind == KIND_Q8 ? (at >> 5) * Q8_BYTES
+           : kind == KIND_BF16 ? 2 * at
+           : kind == KIND_F32  ? 4 * at
+                               : at;
+}
 
 /* Weights w[at .. at + count) as floats into `to`. */
 static void widen_row(float *to, const void *w, int kind, int64_t at, int64_t count) {
@@ -167,7 +233,7 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r
                 __builtin_prefetch(wf + (c + OUT_TILE) * in + k, 0, 3);
             if (!wf && kind != KIND_F32) /* the next tile's weights, a tile ahead (a hint: past the end, nothing):
                                             bf16 steps 15 % faster; float32, a line per vector, slower */
-                __builtin_prefetch((const char *)j->w + (at + OUT_TILE * in) * (kind == KIND_BF16 ? 2 : 1), 0, 3);
+                __builtin_prefetch((const char *)j->w + weight_offset(kind, at + OUT_TILE * in), 0, 3);
         }
         for (int i = 0; i < nr; i++) {
             vec xv = vload(j->x + (r0 + i) * in + k);
@@ -206,6 +272,10 @@ static void decode_tile(const job_t *j, int nr, int64_t o0) {
         nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_INT8) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_INT8);
     else if (j->kind == KIND_BF16)
         nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_BF16) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_BF16);
+    else if (j->kind == KIND_Q4)
+        nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_Q4) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_Q4);
+    else if (j->kind == KIND_Q8)
+        nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_Q8) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_Q8);
     else
         nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_F32) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_F32);
 }

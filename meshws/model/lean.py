@@ -155,6 +155,7 @@ class LeanLayers:
         return (f"lean {self.kind}" + (f", {self.quant} weights{kernel}" if self.quant else "")
                 + (", decode fused (meshws kernel)" if self.fused else "")
                 + (", bf16 products on AMX tiles" if self.fused and self.fused.amx else "")
+                + (", float32 weights as GGUF codes" if self.fused and self.fused.blocks else "")
                 + (", OpenBLAS products" if self.openblas else "") + (", compiled" if self.compiled else ""))
 
     def _linears(self) -> list[Linear]:

@@ -64,6 +64,7 @@ def threads() -> int:
 
 
 KINDS = {torch.int8: 0, torch.bfloat16: 1, torch.float32: 2}  # weights `mw_linear` takes (caches: the last two)
+BLOCK_KINDS = {24: 3, 36: 4}  # and float32 weights as blocks of 32 (`blocks`), by a block's bytes: 4- or 8-bit codes
 
 
 class Kernels:
@@ -145,10 +146,14 @@ class Kernels:
     def linear(self, rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None,
                threads: int) -> torch.Tensor:
         """`rows @ (weight * scales[:, None]).T + bias` in float32: rows float32 `[n, in]`, weight `[out, in]`,
-        contiguous, int8 with one float32 scale per output, or bfloat16 or float32 without."""
-        if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != weight.shape[1]:
-            raise ValueError(f"the kernel takes float32 rows of width {weight.shape[1]}, not {tuple(rows.shape)}")
-        if weight.dtype not in KINDS or (weight.dtype == torch.int8) != (scales is not None):
+        contiguous, int8 with one float32 scale per output, or bfloat16 or float32 without; or float32 weights
+        as blocks of codes (`blocks`: uint8 `[out, in // 32, 24 or 36]`)."""
+        blocks = weight.dtype == torch.uint8 and weight.dim() == 3 and weight.shape[2] in BLOCK_KINDS
+        width = weight.shape[1] * 32 if blocks else weight.shape[1]
+        if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != width:
+            raise ValueError(f"the kernel takes float32 rows of width {width}, not {tuple(rows.shape)}")
+        if not blocks and (weight.dtype not in KINDS or (weight.dtype == torch.int8) != (scales is not None)) \
+                or blocks and scales is not None:
             raise ValueError("the kernel takes int8 weights with scales, or bfloat16 or float32 weights without")
         out_features = weight.shape[0]
         if not weight.is_contiguous() or any(t is not None and (t.dtype != torch.float32 or t.shape != (out_features,)
@@ -157,7 +162,8 @@ class Kernels:
         rows = rows.contiguous()
         out = torch.empty(rows.shape[0], weight.shape[0])
         if rows.shape[0]:
-            self._linear(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), KINDS[weight.dtype],
+            self._linear(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(),
+                         BLOCK_KINDS[weight.shape[2]] if blocks else KINDS[weight.dtype],
                          None if scales is None else scales.data_ptr(), None if bias is None else bias.data_ptr(),
                          out.data_ptr(), weight.shape[0], threads)
         return out

@@ -20,6 +20,7 @@ import torch
 from . import blas
 from .backend import DecodeStep, PrefillRun, PrefillStep, StepResult, TailTokenResult, TensorPayload, TokenLogprob
 from .batched import RowRunner, Rows, decode_rows, prefill_rows, prefills_together
+from .blocks import with_gguf_blocks
 from .cache_store import KVCacheMiss, SessionCacheStore
 from .compiled import compile_lean
 from .constraints import Grammars
@@ -65,7 +66,8 @@ class ModelShard:
         self.context_length = getattr(config, "max_position_embeddings", None) or 2048
         layers_config = shard_config(config, start, end)
         self.model = load_shard_model(resolved, layers_config, self.layout, self.settings.dtype)
-        self.lean = self._lean_path(resolved.model_id)
+        self.lean = with_gguf_blocks(self._lean_path(resolved.model_id), resolved, start,  # fp32: a GGUF's codes
+                                     bool(getattr(config, "tie_word_embeddings", False)))
         self.weight_bytes = tensor_bytes(self.held_tensors()) + (self.lean.kept_bytes if self.lean else 0)
         self.tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder)) if self.layout.is_head else None
         budget = self.settings.max_cache_bytes
@@ -74,12 +76,8 @@ class ModelShard:
             if budget is not None:
                 log.info("KV cache budget %.0f MiB (half the memory free now; --max-cache-bytes sets it)",
                          budget / 2**20)
-        self.sessions = SessionCacheStore(
-            max_sessions=self.settings.max_sessions,
-            ttl_seconds=self.settings.cache_ttl,
-            max_bytes=budget,
-            measure=cache_length,
-        )
+        self.sessions = SessionCacheStore(max_sessions=self.settings.max_sessions, ttl_seconds=self.settings.cache_ttl,
+                                          max_bytes=budget, measure=cache_length)
         if self.lean is not None:
             self.layers = SessionLayers(self.lean.run, self.lean.new_cache, self.sessions, start,
                                         label=f"model {self.model_id}")

@@ -5,7 +5,8 @@
 * `measure_decode_step`: one token through a 15-layer middle shard (no embeddings, no LM
   head), per compute path (transformers; lean, fused where meshws's kernels run it; the same
   weights op by op; op by op on OpenBLAS for fp32; int8 weights): ms per step and
-  the ratio to the floor, i.e. the time to read the shard's weights once at that bandwidth;
+  the ratio to the floor, i.e. the time to read the weights a step reads once at that bandwidth (a
+  fused float32 step reads a Q4_1 GGUF's layers as their codes, `blocks`, not their float32 copies);
 * `measure_llama_cpp`: llama.cpp (llama-cpp-python, an optional extra) on the same GGUF,
   the same prompt token ids and the same thread count: decode tok/s and time to first
   token. None when it is not installed.
@@ -65,7 +66,10 @@ def measure_decode_step(resolved: Any, dtype: str, bandwidth: float, steps: int 
                 times.append(time.perf_counter() - started)
         shard.release_session("bench")
         step = statistics.median(times[2:])
-        floor = shard.weight_bytes / bandwidth
+        coded = [] if shard.lean is None or shard.lean.fused is None else [
+            packed for layer in shard.lean.layers for packed in layer.linears() if packed.blocks is not None]
+        read = shard.weight_bytes - sum(packed.weight.nbytes for packed in coded)  # what a step reads
+        floor = read / bandwidth
         results[name] = {"step_ms": round(step * 1e3, 2), "floor_ms": round(floor * 1e3, 2),
                          "over_floor": round(step / floor, 2), "weight_mib": round(shard.weight_bytes / 2**20, 1),
                          "path": shard.compute_path}

@@ -37,14 +37,18 @@ def plain(embedded_model):
 
 def test_the_shard_says_which_path_it_runs(embedded_model, plain):
     lean = ModelShard(embedded_model, 20, 30, replace(LEAN, matmul="torch"))
-    path = "lean llama, decode fused (meshws kernel)" if kernels() else "lean llama"
+    path = "lean llama, decode fused (meshws kernel), float32 weights as GGUF codes" if kernels() else "lean llama"
     assert lean.compute_path == path and plain.compute_path == "transformers"
     assert lean.compute_facts["path"] == path and lean.compute_facts["dtype"] == "float32"
     assert lean.compute_facts["attention"] == ("meshws kernel" if kernels() else "torch sdpa")
     assert plain.compute_facts["attention"] == "transformers"
     assert (lean.compute_facts["matmul"], plain.compute_facts["matmul"]) == ("torch", "torch")
     assert len(lean.model.model.layers) == 0, "transformers' copies of the layers are let go"
-    assert lean.weight_bytes == 4 * lean.parameter_count()
+    linears = [packed for layer in lean.lean.layers for packed in layer.linears()]  # Q4_1 in the GGUF, the LM head
+    blocks = sum(packed.blocks.nbytes for packed in [*linears, lean.lean.lm_head] if packed.blocks is not None)
+    assert blocks == ((sum(packed.weight.nbytes for packed in linears) * 24 + lean.lean.lm_head.weight.nbytes * 36)
+                      // 128 if kernels() else 0)  # (Q8_0) read by the fused decode as codes: 24 or 36 bytes a block
+    assert lean.weight_bytes == 4 * lean.parameter_count() + blocks
     if blas.choose_matmul("openblas", "float32", False)[0] != "openblas":
         return  # numpy here has no OpenBLAS to multiply with (test_blas says so too)
     before = blas.threads()

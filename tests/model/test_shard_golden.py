@@ -132,8 +132,12 @@ def test_shards_hold_only_their_own_weights(fresh_model):
     assert middle.model.lm_head is None and middle.model.model.embed_tokens is None
     assert head.parameter_count() == pytest.approx(embedding + 15 * per_layer)
     assert head.tokenizer is not None and middle.tokenizer is None and tail.tokenizer is None
-    # The bytes a node reports: its own weights (a tied matrix once), in the compute dtype.
-    assert tail.weight_bytes == 4 * tail.parameter_count() and full.weight_bytes == 4 * full.parameter_count()
+    # The bytes a node reports: its own weights (a tied matrix once), in the compute dtype, and the copies its fused
+    # decode reads (a Q4_1 GGUF's layers and its Q8_0 LM head as their codes: `blocks`), nothing else.
+    for shard in (tail, full):
+        linears = [packed for layer in shard.lean.layers for packed in layer.linears()] + [shard.lean.lm_head]
+        codes = sum(packed.blocks.nbytes for packed in linears if packed.blocks is not None)
+        assert shard.weight_bytes == 4 * shard.parameter_count() + codes
     assert 0.45 < tail.weight_bytes / full.weight_bytes < 0.65
 
 

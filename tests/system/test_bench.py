@@ -30,10 +30,11 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
         openblas = ["lean_openblas"] * (choose_matmul("openblas", dtype, False)[0] == "openblas")
         names = ["transformers", "lean", "lean_ops", *openblas, "lean_int8"]
         fused = ", decode fused (meshws kernel)" if kernels() else ""
+        codes = ", float32 weights as GGUF codes" * bool(fused and dtype == "float32")  # (a Q4_1 GGUF's layers)
         auto = "lean llama" + ", OpenBLAS products" * (not fused and choose_matmul("auto", dtype, False)[0] == "openblas")
         assert set(steps) == set(names)
         assert [steps[name]["path"] for name in names] == [
-            "transformers", auto + fused, auto, *["lean llama, OpenBLAS products"] * len(openblas),
+            "transformers", auto + fused + codes, auto, *["lean llama, OpenBLAS products"] * len(openblas),
             "lean llama, int8 weights " + ("(meshws kernel)" if kernels() else "(FBGEMM)") + fused]
         for step in steps.values():
             assert step["step_ms"] > 0 and step["floor_ms"] > 0 and step["over_floor"] > 0
