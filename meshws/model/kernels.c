@@ -374,7 +374,7 @@ static inline __attribute__((always_inline)) void panel_tile(const job_t *j, con
 /* x's rows [0, rows) by whole groups of RV * LANES rows, lane-major: group g's value for row i, k = s * LANES + l
    at xl[g * group * whole + (l * steps + s) * group + i], whole = steps * LANES. */
 static void lay_lanes(float *xl, const float *x, int64_t rows, int64_t in, int64_t group) {
-    const int64_t steps = in / LANES, whole = steps * LANES;
+    const int64_t steps = in / LANES;
     for (int64_t g = 0; g + group <= rows; g += group)
         for (int l = 0; l < LANES; l++)
             for (int64_t s = 0; s < steps; s++, xl += group)
