@@ -33,6 +33,7 @@ log = logging.getLogger("meshws.shard")
 BLOCK = 32  # inputs a block covers
 GGUF_BYTES = {3: 20, 8: 34}  # ggml's Q4_1 (float16 d and m, 16 bytes of codes) and Q8_0 (float16 d, 32 codes)
 OUR_BYTES = {3: 24, 8: 36}  # meshws's blocks (`kernels.c` Q4_BYTES, Q8_BYTES): d (and m) as float32
+CHECK_ROWS = 1024  # rows of a linear dequantised at once to check its blocks
 
 
 def our_blocks(raw: np.ndarray, ggml_type: int, out: int, inputs: int) -> torch.Tensor:
@@ -90,8 +91,10 @@ def _checked(packed: Any, parts: list[torch.Tensor | None], what: str) -> Any:
             or packed.weight.dtype != torch.float32 or packed.codes is not None \
             or len({part.shape[2] for part in parts}) != 1:
         return packed
-    blocks = torch.cat(parts)
-    if not torch.equal(dequantized(blocks).view(torch.int32), packed.weight.contiguous().view(torch.int32)):
+    blocks, weight = torch.cat(parts), packed.weight
+    if any(not torch.equal(dequantized(blocks[at:at + CHECK_ROWS]).view(torch.int32),
+                           weight[at:at + CHECK_ROWS].contiguous().view(torch.int32))
+           for at in range(0, blocks.shape[0], CHECK_ROWS)):  # (a few rows at a time: a large model's too)
         log.warning("%s: the GGUF's blocks do not give its float32 weights; it stays float32", what)
         return packed
     return packed._replace(blocks=blocks)

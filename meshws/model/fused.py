@@ -107,7 +107,7 @@ class FusedDecode:
     def logits(self, hidden: torch.Tensor, head: Any, float_rows: int) -> torch.Tensor | None:
         """The LM head `head` (a packed linear) of `hidden` on the kernel: on AMX tiles at any number of rows,
         float weights up to `float_rows` rows; None where the kernel does not take them (torch's then)."""
-        weight = head.blocks if head.blocks is not None else head.weight  # a GGUF's Q8_0 codes, or float
+        weight = head.blocks if head.blocks is not None else head.weight  # a GGUF's codes (`blocks`), or float
         if self.head_tiles is None and (weight is None or hidden.numel() > float_rows * hidden.shape[-1]):
             return None
         rows = hidden.detach().reshape(-1, hidden.shape[-1]).float()

@@ -411,7 +411,8 @@ static void panel_rows(const void *task, int64_t begin, int64_t end) {
             wf = scratch;
         }
         int64_t r = 0;
-        const float *next = scratch ? NULL : wf + PANEL * in; /* the next panel's weights: the first rows ask */
+        /* the next panel's weights, asked for by the first rows (none past this unit's outputs) */
+        const float *next = scratch || o + 2 * PANEL > o_end ? NULL : wf + PANEL * in;
         for (; r < p->paired; r += 2 * LANES) {
             panel_tile(j, p->xl + r * whole, r, o, wf, r ? NULL : next, 2, PANEL / 2);
             panel_tile(j, p->xl + r * whole, r, o + PANEL / 2, wf + PANEL / 2 * in,

@@ -45,7 +45,7 @@ class Linear(NamedTuple):
     codes: torch.Tensor | None = None  # int8 `[out, in]` for meshws's own kernel (`native`), with...
     scales: torch.Tensor | None = None  # ...one float32 scale per output channel
     kernels: Kernels | None = None  # the library that multiplies `codes`
-    blocks: torch.Tensor | None = None  # a float32 weight's Q4_1 blocks, which the fused decode reads (`blocks`)
+    blocks: torch.Tensor | None = None  # a float32 weight's Q4_1 or Q8_0 codes, which the fused decode reads
 
     def tensors(self) -> list[torch.Tensor]:
         """The float tensors held (an int8 matrix and its scales are counted apart: see `int8_bytes`)."""

@@ -66,9 +66,10 @@ def measure_decode_step(resolved: Any, dtype: str, bandwidth: float, steps: int 
                 times.append(time.perf_counter() - started)
         shard.release_session("bench")
         step = statistics.median(times[2:])
-        coded = [] if shard.lean is None or shard.lean.fused is None else [
+        coded = [] if shard.lean is None else [
             packed for layer in shard.lean.layers for packed in layer.linears() if packed.blocks is not None]
-        read = shard.weight_bytes - sum(packed.weight.nbytes for packed in coded)  # what a step reads
+        read = shard.weight_bytes - sum(  # what a step reads: the codes where it runs fused, else the float32
+            packed.weight.nbytes if shard.lean.fused is not None else packed.blocks.nbytes for packed in coded)
         floor = read / bandwidth
         results[name] = {"step_ms": round(step * 1e3, 2), "floor_ms": round(floor * 1e3, 2),
                          "over_floor": round(step / floor, 2), "weight_mib": round(shard.weight_bytes / 2**20, 1),
