@@ -70,8 +70,9 @@ class GgufBlocks:
     def blocks(self, model_name: str) -> torch.Tensor | None:
         name = self.by_model.get(model_name)
         entry = None if name is None else self.tensors.table.tensors.get(name)
-        if entry is None or entry.ggml_type not in GGUF_BYTES or len(entry.shape) != 2 or entry.shape[1] % BLOCK:
-            return None
+        if entry is None or entry.ggml_type not in GGUF_BYTES or len(entry.shape) != 2 or entry.shape[1] % BLOCK \
+                or entry.nbytes != entry.shape[0] * entry.shape[1] // BLOCK * GGUF_BYTES[entry.ggml_type]:
+            return None  # (a table whose sizes disagree: the float32 weights, converted or refused elsewhere)
         out, inputs = entry.shape
         raw = np.memmap(self.tensors.table.path, np.uint8, "r", entry.offset, entry.nbytes)
         rows = np.arange(out, dtype=np.float64).reshape(out, 1)  # the processor's row order, by moving indices
