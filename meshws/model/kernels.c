@@ -46,7 +46,8 @@ typedef __m512 vec;
 #define vplus(a, b) _mm512_add_ps(a, b)
 #define vtimes(a, b) _mm512_mul_ps(a, b)
 #define widen_u8(v) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)) /* 16 bytes */
-#define PANEL 24 /* outputs of a batch's unit (`panel_rows`): 2 x 12 x 16 rows or 24 x 16 rows of accumulators */
+/* No panel tiles (`panel_tile`): 4 x 4 dot-product tiles already read 0.5 vectors a multiply-add here, and a panel
+   of 24 outputs does not fit L1 once per lane pass (16 rows: 38-43 GFLOP/s with tiles, 19-25 on panels). */
 #define widen_i8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define widen_bf16(p) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
@@ -63,7 +64,7 @@ typedef __m256 vec;
 #define vplus(a, b) _mm256_add_ps(a, b)
 #define vtimes(a, b) _mm256_mul_ps(a, b)
 #define widen_u8(v) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)) /* the low 8 bytes */
-#define PANEL 12 /* 16 vector registers: 2 x 6 x 8 rows or 12 x 8 rows of accumulators */
+#define PANEL 12 /* outputs of a batch's unit (`panel_rows`), 16 vector registers: 2 x 6 x 8 or 12 x 8 rows */
 #define widen_i8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define widen_bf16(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
@@ -319,7 +320,7 @@ static void run(const job_t *j) {
     free(scratch);
 }
 
-#ifndef GENERIC
+#ifdef PANEL /* AVX2: batches on panel tiles */
 /* A batch's rows [r0, r0 + RV * LANES) by outputs [o0, o0 + NO), with the rows in vectors and each weight broadcast:
    a tile's accumulators read one x vector per RV * NO multiply-adds where `tile` reads NO + RV. The sums are
    `tile`'s bit for bit: `tile` keeps LANES partial sums per row and output, partial sum l taking k = l, l + LANES,
@@ -585,7 +586,7 @@ static void linear_tiles(const void *task, int64_t begin, int64_t end) {
 void mw_linear(const float *x, int64_t rows, int64_t in, const void *w, int kind, const float *scale,
                const float *bias, float *y, int64_t out, int threads) {
     job_t whole = {x, w, scale, bias, y, rows, in, out, 0, out, kind};
-#ifndef GENERIC
+#ifdef PANEL
     if (rows >= LANES && in >= LANES) { /* a batch: rows in vectors, weights broadcast (`panel_tile`) */
         panel_job p = {whole, NULL, rows / (2 * LANES) * 2 * LANES, rows % (2 * LANES) >= LANES};
         float *xl = malloc(sizeof(float) * (p.paired + LANES) * in);
