@@ -6,7 +6,9 @@
   head), per compute path (transformers; lean, fused where meshws's kernels run it; the same
   weights op by op; op by op on OpenBLAS for fp32; int8 weights): ms per step and
   the ratio to the floor, i.e. the time to read the weights a step reads once at that bandwidth (a
-  fused float32 step reads a Q4_1 GGUF's layers as their codes, `blocks`, not their float32 copies);
+  fused float32 step reads a Q4_1 GGUF's layers as their codes, `blocks`, not their float32 copies),
+  and for the lean paths one step of 16 sessions at once (`batch_ms`, and `batch_over_one`: its cost
+  in lone steps; 16 would mean a wave saves nothing);
 * `measure_llama_cpp`: llama.cpp (llama-cpp-python, an optional extra) on the same GGUF,
   the same prompt token ids and the same thread count: decode tok/s and time to first
   token. None when it is not installed.
@@ -66,6 +68,7 @@ def measure_decode_step(resolved: Any, dtype: str, bandwidth: float, steps: int 
                 times.append(time.perf_counter() - started)
         shard.release_session("bench")
         step = statistics.median(times[2:])
+        batch = None if shard.lean is None else _batch_step(shard, context, steps)
         coded = [] if shard.lean is None else [
             packed for layer in shard.lean.layers for packed in layer.linears() if packed.blocks is not None]
         read = shard.weight_bytes - sum(  # what a step reads: the codes where it runs fused, else the float32
@@ -74,7 +77,31 @@ def measure_decode_step(resolved: Any, dtype: str, bandwidth: float, steps: int 
         results[name] = {"step_ms": round(step * 1e3, 2), "floor_ms": round(floor * 1e3, 2),
                          "over_floor": round(step / floor, 2), "weight_mib": round(shard.weight_bytes / 2**20, 1),
                          "path": shard.compute_path}
+        if batch is not None:  # what a 16-session wave costs this shard, against 16 lone steps
+            results[name].update(batch_ms=round(batch * 1e3, 2), batch_over_one=round(batch / step, 2))
     return results
+
+
+def _batch_step(shard: Any, context: int, steps: int, rows: int = 16) -> float:
+    """Seconds per decode step of `rows` sessions at once (`run_rows`, the path a wave takes), median."""
+    import torch
+
+    from ..model.tensors import positions
+
+    lean, width = shard.lean, shard.hidden_size
+    caches = [lean.new_cache() for _ in range(rows)]
+    with torch.inference_mode():
+        for row, cache in enumerate(caches):  # prompts of different lengths, as a wave's sessions have
+            lean.run(torch.randn(1, context - row, width, dtype=shard.compute_dtype),
+                     positions(0, context - row), cache)
+        times = []
+        for index in range(steps):
+            hidden = torch.randn(rows, 1, width, dtype=shard.compute_dtype)
+            at = torch.tensor([[context - row + index] for row in range(rows)])
+            started = time.perf_counter()
+            lean.run_rows(hidden, at, caches)
+            times.append(time.perf_counter() - started)
+    return statistics.median(times[2:])
 
 
 def measure_llama_cpp(gguf: Path | None, prompt_ids: list[int], tokens: int) -> dict[str, Any] | None:

@@ -38,6 +38,12 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
             "lean llama, int8 weights " + ("(meshws kernel)" if kernels() else "(FBGEMM)") + fused]
         for step in steps.values():
             assert step["step_ms"] > 0 and step["floor_ms"] > 0 and step["over_floor"] > 0
+        # lean paths also time a 16-session step (`run_rows`, a wave's path); transformers has none
+        assert "batch_ms" not in steps["transformers"]
+        for name in names[1:]:
+            assert steps[name]["batch_ms"] > 0
+            assert steps[name]["batch_over_one"] == pytest.approx(steps[name]["batch_ms"] / steps[name]["step_ms"],
+                                                                  rel=0.02)
         # a byte per weight (0.25x of fp32's 15 layers), padded by FBGEMM (576 inputs take 1024): 0.40x
         assert steps["lean_int8"]["weight_mib"] < 0.45 * steps["lean"]["weight_mib"] * (2 if dtype == "bfloat16" else 1)
         llama = entry["llama_cpp"]  # an optional extra: measured only where llama-cpp-python is installed
