@@ -174,18 +174,21 @@ class ComputeWorker(Waves):
                     return
                 if self._urgent:
                     batch, job = [], self._urgent.popleft()
-                elif self._decodes and not (other_turn and self._others):
+                elif self._decodes and not (other_turn and self._others) and not (self._others and self._wave_out()):
                     group, split = self._group_size()
                     if self._wave_kept():
                         self._hold_wave()
+                        if self._others and self._wave_out():
+                            continue  # other work came while the wave is out: it runs now, never splitting the wave
                     else:
                         self._linger(*((group, False) if split else self._wave(group)))
                     batch, job, other_turn = self._take(group, split), None, True
                     together = self._together(None, 1)  # new sessions' prompts to take along, if any may
                 else:
                     batch, job = [], self._others.popleft()
-                    together = self._together(job, 1 if self._decodes else 2)
-                    if together and self._decodes:  # the decode steps waiting go along, in the prompts' call
+                    ride = bool(self._decodes) and not self._wave_out()  # (a wave's part waits for the rest of it)
+                    together = self._together(job, 1 if ride else 2)
+                    if together and ride:  # the decode steps waiting go along, in the prompts' call
                         batch = self._take(*self._group_size())
                     other_turn = False
             batch = [waiting for waiting in batch if not waiting.future.done()]  # callers gone: no work for them

@@ -60,6 +60,7 @@ class Waves:
     whole_wave: Callable[[], bool]
     _decodes: deque[Any]
     _urgent: deque[Any]
+    _others: deque[Any]
     _ready: threading.Condition
     _closed: bool
     _arrived: float
@@ -94,10 +95,16 @@ class Waves:
     def _hold_wave(self) -> None:
         """(Lock held; `whole_wave`.) Wait while sessions of this wave are still on later shards (`waves`)."""
         deadline, counted = time.monotonic() + WAVE_LINGER, False
-        while not (self._closed or self._urgent) and len(self._decodes) < self.max_batch \
+        while not (self._closed or self._urgent or self._others) and len(self._decodes) < self.max_batch \
                 and self._in_flight.waiting(time.monotonic()) and time.monotonic() < deadline:
             self.lingers, counted = self.lingers + (not counted), True
             self._ready.wait(deadline - time.monotonic())
+
+    def _wave_out(self) -> bool:
+        """(Lock held.) Is a kept wave still partly on later shards, with room for the rest of it? (Meanwhile this shard
+        may do other work, such as a joining session's prompt: it would otherwise idle.)"""
+        return self._wave_kept() and len(self._decodes) < self.max_batch \
+            and bool(self._in_flight.waiting(time.monotonic()))
 
     def _linger(self, expected: int, guessed: bool = False) -> None:
         """(Lock held.) Wait briefly while more live sessions may still add their steps (up to `expected`); a

@@ -317,6 +317,28 @@ async def test_a_waves_part_that_ran_alone_is_waited_for_like_the_rest(monkeypat
         worker.shutdown()
 
 
+async def test_a_session_joining_while_the_wave_is_on_the_tail_prefills_then_without_splitting_the_wave(monkeypatch):
+    # A head keeping one wave idles while part of it is on the tail: a new session's prompt runs in that time
+    # (its time to first token was rounds of waves), and the part of the wave already back waits for the rest.
+    from meshws.model.backend import PrefillStep
+
+    backend, worker, step = _one_wave_head(monkeypatch, 5.0)  # a wait for a step that never came would show
+    try:
+        blocker = asyncio.ensure_future(worker.call(time.sleep, 0.1))
+        await asyncio.sleep(0.02)
+        await asyncio.gather(*(step(index) for index in range(4)), blocker)  # one wave of four, now on the tail
+        back = [step(0), step(1)]  # two back; s2 and s3 still on the tail
+        await asyncio.sleep(0.05)
+        joined = await asyncio.wait_for(worker.prefill(PrefillStep("new", token_ids=[5] * 6)), 2.0)
+        assert joined.shape == [1, 6, 8] and backend.prefills == ["new"]
+        await asyncio.sleep(0.05)
+        assert not any(task.done() for task in back), "the wave's part that was back ran without the rest"
+        await asyncio.gather(*back, step(2), step(3))
+        assert backend.batches == [["s0", "s1", "s2", "s3"]] * 2
+    finally:
+        worker.shutdown()
+
+
 class _TogetherTail(_ChunkedTail):
     """Short prompts of new sessions may run together; records each call of several."""
 
