@@ -325,6 +325,18 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r
         for (int c = 0; c < no; c++)
             sums[i][c] = reduce(lanes[i][c]);
 #endif
+#if LANES == 16 && OUT_TILE == 4
+    if (whole == in && no == OUT_TILE) { /* nothing past the vectors: a row's four outputs scaled and stored at once */
+        const __m128 scale = j->scale ? _mm_loadu_ps(j->scale + o0) : _mm_setzero_ps();
+        const __m128 bias = j->bias ? _mm_loadu_ps(j->bias + o0) : _mm_setzero_ps();
+        for (int i = 0; i < nr; i++) { /* (`store`'s operations, lane by lane) */
+            __m128 v = _mm_loadu_ps(sums[i]);
+            v = j->scale ? _mm_mul_ps(v, scale) : v;
+            _mm_storeu_ps(j->y + (r0 + i) * j->out + o0, j->bias ? _mm_add_ps(v, bias) : v);
+        }
+        return;
+    }
+#endif
     for (int i = 0; i < nr; i++)
         for (int c = 0; c < no; c++)
             store(j, r0 + i, o0 + c, finish(sums[i][c], j->x + (r0 + i) * in, wf ? wf + c * in : NULL, j, o0 + c, whole));
