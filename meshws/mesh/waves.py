@@ -113,9 +113,13 @@ class Waves:
         if len(self._decodes) >= expected or self._closed:
             return
         self.lingers += 1
-        deadline = time.monotonic() + LINGER
+        started = time.monotonic()
+        deadline, cap = started + LINGER, started + WAVE_LINGER
         while len(self._decodes) < expected and not self._closed:
-            remaining = min(deadline, self._arrived + QUIET if guessed else deadline) - time.monotonic()
+            # a guessed wave while steps come close together; an announced one while they keep coming at all (the
+            # previous shard's event loop sends a large wave's frames one by one: 31 took longer than LINGER)
+            until = min(deadline, self._arrived + QUIET) if guessed else max(deadline, min(self._arrived + LINGER, cap))
+            remaining = until - time.monotonic()
             if remaining <= 0:
                 return
             self._ready.wait(remaining)

@@ -243,6 +243,32 @@ async def test_a_later_shard_waits_for_the_wave_its_previous_shard_announced(mon
         worker.shutdown()
 
 
+async def test_an_announced_wave_is_waited_for_while_its_steps_keep_coming(monkeypatch):
+    # The previous shard's event loop sends a large wave's frames one by one: while they keep coming (each
+    # within LINGER of the last) the tail waits for the whole announced wave; one that never comes holds the
+    # rest only LINGER past the last that did.
+    from meshws.mesh import waves
+
+    backend, worker = _tail_of_eight(monkeypatch)
+    monkeypatch.setattr(waves, "LINGER", 0.1)
+    monkeypatch.setattr(waves, "WAVE_LINGER", 5.0)
+    try:
+        def step(index):
+            return asyncio.ensure_future(worker.decode(DecodeStep(f"s{index}", body=b"", shape=(1, 1, 8), group=4)))
+
+        steps = []
+        for index in range(4):  # 0.2 s in all, twice LINGER
+            steps.append(step(index))
+            await asyncio.sleep(0.06)
+        await asyncio.gather(*steps)
+        assert backend.batches == [["s0", "s1", "s2", "s3"]], "the wave ran in parts"
+        started = time.monotonic()
+        await asyncio.gather(*(step(index) for index in range(3)))  # s3's step is lost
+        assert backend.batches[-1] == ["s0", "s1", "s2"] and time.monotonic() - started < 2.5
+    finally:
+        worker.shutdown()
+
+
 class _RecordingHead(CachedHeadBackend):
     """A head's layers (hidden states out, sent on to the tail); records its decode batches."""
 
