@@ -157,12 +157,14 @@ static inline float hsum(vec v) {
 static inline __attribute__((always_inline)) void hsum16(const vec *v, float *sums) {
     vec a[8], b[4], c[2];
     for (int n = 0; n < 8; n++) /* v[2n]'s l + 8 sums in lanes 0-7, v[2n + 1]'s in 8-15 */
-        a[n] = vplus(_mm512_shuffle_f32x4(v[2 * n], v[2 * n + 1], 0x44), _mm512_shuffle_f32x4(v[2 * n], v[2 * n + 1], 0xEE));
+        a[n] = vplus(_mm512_shuffle_f32x4(v[2 * n], v[2 * n + 1], 0x44),
+                     _mm512_shuffle_f32x4(v[2 * n], v[2 * n + 1], 0xEE));
     for (int n = 0; n < 4; n++) /* quarter g: v[4n + g]'s l + 4 sums */
-        b[n] = vplus(_mm512_shuffle_f32x4(a[2 * n], a[2 * n + 1], 0x88), _mm512_shuffle_f32x4(a[2 * n], a[2 * n + 1], 0xDD));
+        b[n] = vplus(_mm512_shuffle_f32x4(a[2 * n], a[2 * n + 1], 0x88),
+                     _mm512_shuffle_f32x4(a[2 * n], a[2 * n + 1], 0xDD));
     for (int n = 0; n < 2; n++) /* quarter g: v[8n + g]'s l + 2 sums, then v[8n + 4 + g]'s */
         c[n] = vplus(_mm512_shuffle_ps(b[2 * n], b[2 * n + 1], 0x44), _mm512_shuffle_ps(b[2 * n], b[2 * n + 1], 0xEE));
-    vec r = vplus(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD)); /* lane 4g + j: v[4j + g] */
+    vec r = vplus(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD)); /* 4g + j: v[4j + g] */
     vstore(sums, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r));
 }
 #endif

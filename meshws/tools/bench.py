@@ -172,7 +172,8 @@ def print_table(report: dict[str, Any]) -> None:
         for name, step in result["decode_step"].items():
             print(f"15-layer decode step, {step['path']:<30}: {step['step_ms']:6.2f} ms = {step['over_floor']:.2f}x "
                   f"the {step['floor_ms']:.2f} ms floor ({step['weight_mib']} MiB at {report['bandwidth_gb_s']} GB/s)"
-                  + (f"; 16 rows {step['batch_ms']:.2f} ms = {step['batch_over_one']:.2f} steps" if "batch_ms" in step else ""))
+                  + (f"; 16 rows {step['batch_ms']:.2f} ms = {step['batch_over_one']:.2f} steps"
+                     if "batch_ms" in step else ""))
         for series in mesh_series(result):
             print(f"{series.replace('_', ' ')} sessions | tok/s per session (x gen) | aggregate tok/s (x gen, x one) | "
                   "ttft p50 / p95 | inter-token p50 / p95 | busy head / tail")
