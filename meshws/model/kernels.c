@@ -213,6 +213,25 @@ static inline __attribute__((always_inline)) void widen_q4_block(const void *w, 
     *low = vplus(vtimes(scale, widen_u8(_mm_and_si128(codes, mask))), least);
     *high = vplus(vtimes(scale, widen_u8(_mm_and_si128(_mm_srli_epi16(codes, 4), mask))), least);
 }
+
+/* A whole KIND_Q8 block likewise: `widen_q8` of at and of at + 16, with one read of d. */
+static inline __attribute__((always_inline)) void widen_q8_block(const void *w, int64_t at, vec *low, vec *high) {
+    const uint8_t *block = (const uint8_t *)w + (at >> 5) * Q8_BYTES;
+    float d;
+    memcpy(&d, block, sizeof d);
+    const vec scale = vset1(d);
+    *low = vtimes(scale, widen_i8(block + 4));
+    *high = vtimes(scale, widen_i8(block + 4 + LANES));
+}
+
+/* Either kind's block (`kind` KIND_Q4 or KIND_Q8). */
+static inline __attribute__((always_inline)) void widen_block(const void *w, int kind, int64_t at, vec *low,
+                                                              vec *high) {
+    if (kind == KIND_Q4)
+        widen_q4_block(w, at, low, high);
+    else
+        widen_q8_block(w, at, low, high);
+}
 #endif
 
 /* KIND_Q8 weights [at, at + LANES), likewise. */
@@ -245,10 +264,10 @@ static inline int64_t weight_offset(int kind, int64_t at) {
 static void widen_row(float *to, const void *w, int kind, int64_t at, int64_t count) {
     int64_t k = 0;
 #if LANES == 16
-    if (kind == KIND_Q4 && at % 32 == 0)
+    if ((kind == KIND_Q4 || kind == KIND_Q8) && at % 32 == 0)
         for (; k + 32 <= count; k += 32) {
             vec low, high;
-            widen_q4_block(w, at + k, &low, &high);
+            widen_block(w, kind, at + k, &low, &high);
             vstore(to + k, low);
             vstore(to + k + LANES, high);
         }
@@ -274,12 +293,12 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r
             acc[i][c] = vzero();
     int64_t k = 0;
 #if LANES == 16
-    if (!wf && kind == KIND_Q4 && in % 32 == 0) /* a block's weights widened at once; each sum takes k as below */
+    if (!wf && (kind == KIND_Q4 || kind == KIND_Q8) && in % 32 == 0) /* a block at once; each sum's k as below */
         for (; k < whole; k += 32) {
             vec low[OUT_TILE], high[OUT_TILE];
             for (int c = 0; c < no; c++) {
                 int64_t at = (o0 + c) * in + k;
-                widen_q4_block(j->w, at, &low[c], &high[c]);
+                widen_block(j->w, kind, at, &low[c], &high[c]);
                 __builtin_prefetch((const char *)j->w + weight_offset(kind, at + OUT_TILE * in), 0, 3);
             }
             for (int i = 0; i < nr; i++) {
