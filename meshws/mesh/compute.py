@@ -46,6 +46,7 @@ class _Job:
     chunks: Generator[None, None, Any] | None = None  # or a chunked prefill, resumed once per turn
     prefill: PrefillStep | None = None  # (that prefill's step: new sessions' prompts may run together)
     started: bool = False  # a chunk of it has run
+    queued: float = 0.0  # when it came (`waves`: how long a wave's part that is back waits for the rest)
 
 
 class ComputeWorker(Waves):
@@ -154,6 +155,7 @@ class ComputeWorker(Waves):
                     job.chunks.close()
                 raise RuntimeError("the compute worker is shut down")
             queue = self._urgent if urgent else self._decodes if job.step is not None else self._others
+            job.queued = time.monotonic()
             queue.append(job)
             self._in_flight.back(job.step.session_id if job.step else job.prefill.session_id if job.prefill else None)
             if job.step is not None:
@@ -181,7 +183,7 @@ class ComputeWorker(Waves):
                         if self._others and self._wave_out():
                             continue  # other work came while the wave is out: it runs now, never splitting the wave
                     else:
-                        self._linger(*((group, False) if split else self._wave(group)))
+                        self._linger(*((group,) if split else self._wave(group)))
                     batch, job, other_turn = self._take(group, split), None, True
                     together = self._together(None, 1)  # new sessions' prompts to take along, if any may
                 else:

@@ -9,8 +9,9 @@ once a round instead of once per group, at twice one core's bandwidth (bf16, 16 
 365 -> 423 tok/s, p95 gap 48 -> 37 ms).
 
 A head keeps its wave whole: when some sessions' decode steps are back and others are still on later
-shards, it waits for those (up to `WAVE_LINGER`), since a burst of new sessions splits a wave and the
-parts would never meet again. It waits only for steps on their way (a lone session's never): one whose
+shards, it waits for those (up to `WAVE_LINGER` after the first of them is back, running other work such
+as a joining session's prompt meanwhile), since a burst of new sessions splits a wave and the parts would
+never meet again. It waits only for steps on their way (a lone session's never): one whose
 result is back (`ComputeWorker.returned`) is not waited for, so a client slow to read its tokens, or an
 answer that ended, delays no one else; nor is a step sent longer than `STALE` ago (a lost shard).
 """
@@ -58,7 +59,7 @@ class Waves:
     live_sessions: Callable[[], int]
     micro_batches: Callable[[], int]
     whole_wave: Callable[[], bool]
-    _decodes: deque[Any]
+    _decodes: deque[Any]  # (jobs with `step` and `queued`, the time they came)
     _urgent: deque[Any]
     _others: deque[Any]
     _ready: threading.Condition
@@ -79,12 +80,12 @@ class Waves:
         """(Lock held.) The decode steps a batch takes off the queue: one group's, or (not split) every one waiting."""
         return [self._decodes.popleft() for _ in range(min(group if split else self.max_batch, len(self._decodes)))]
 
-    def _wave(self, live: int) -> tuple[int, bool]:
+    def _wave(self, live: int) -> tuple[int, bool, bool]:
         """(Lock held; a shard that does not split the sessions itself.) The steps to wait for: the wave the
-        previous shard announced (`DecodeStep.group`: the size of the batch it computed them in), else every
-        live session, a guess (True)."""
+        previous shard announced (`DecodeStep.group`: the size of the batch it computed them in; True last),
+        else every live session, a guess (True second)."""
         announced = max((job.step.group for job in self._decodes if job.step is not None), default=1)
-        return (min(live, announced), False) if announced > 1 else (live, True)
+        return (min(live, announced), False, True) if announced > 1 else (live, True, False)
 
     def _wave_kept(self) -> bool:
         try:
@@ -93,8 +94,9 @@ class Waves:
             return False
 
     def _hold_wave(self) -> None:
-        """(Lock held; `whole_wave`.) Wait while sessions of this wave are still on later shards (`waves`)."""
-        deadline, counted = time.monotonic() + WAVE_LINGER, False
+        """(Lock held; `whole_wave`.) Wait while sessions of this wave are still on later shards (`waves`), up to
+        WAVE_LINGER after its first step came back; and not while other work waits (`_wave_out`: it runs then)."""
+        deadline, counted = self._wave_deadline(), False
         while not (self._closed or self._urgent or self._others) and len(self._decodes) < self.max_batch \
                 and self._in_flight.waiting(time.monotonic()) and time.monotonic() < deadline:
             self.lingers, counted = self.lingers + (not counted), True
@@ -103,13 +105,20 @@ class Waves:
     def _wave_out(self) -> bool:
         """(Lock held.) Is a kept wave still partly on later shards, with room for the rest of it? (Meanwhile this shard
         may do other work, such as a joining session's prompt: it would otherwise idle.)"""
-        return self._wave_kept() and len(self._decodes) < self.max_batch \
-            and bool(self._in_flight.waiting(time.monotonic()))
+        now = time.monotonic()
+        return self._wave_kept() and len(self._decodes) < self.max_batch and now < self._wave_deadline() \
+            and bool(self._in_flight.waiting(now))
 
-    def _linger(self, expected: int, guessed: bool = False) -> None:
+    def _wave_deadline(self) -> float:
+        """(Lock held.) How long the part of a wave that is back waits for the rest: WAVE_LINGER after the first
+        of it came, however much other work ran meanwhile."""
+        return (self._decodes[0].queued if self._decodes else time.monotonic()) + WAVE_LINGER
+
+    def _linger(self, expected: int, guessed: bool = False, announced: bool = False) -> None:
         """(Lock held.) Wait briefly while more live sessions may still add their steps (up to `expected`); a
         guessed count only as long as steps keep arriving: with groups in flight (`micro_batches`) a later shard
-        gets one group at a time, and the live sessions of other groups will not come now."""
+        gets one group at a time, and the live sessions of other groups will not come now. An announced wave
+        (`_wave`) is waited for while its steps keep coming, up to WAVE_LINGER."""
         if len(self._decodes) >= expected or self._closed:
             return
         self.lingers += 1
@@ -118,7 +127,8 @@ class Waves:
         while len(self._decodes) < expected and not self._closed:
             # a guessed wave while steps come close together; an announced one while they keep coming at all (the
             # previous shard's event loop sends a large wave's frames one by one: 31 took longer than LINGER)
-            until = min(deadline, self._arrived + QUIET) if guessed else max(deadline, min(self._arrived + LINGER, cap))
+            until = min(deadline, self._arrived + QUIET) if guessed else \
+                max(deadline, min(self._arrived + LINGER, cap)) if announced else deadline
             remaining = until - time.monotonic()
             if remaining <= 0:
                 return

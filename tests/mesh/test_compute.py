@@ -5,7 +5,7 @@ import time
 
 from fakes import CachedHeadBackend, FakeBackend
 from meshws.mesh.compute import ComputeWorker
-from meshws.model.backend import DecodeStep, TailTokenResult
+from meshws.model.backend import DecodeStep, TailTokenResult, TensorPayload
 
 
 class _RecordingTail(FakeBackend):
@@ -250,16 +250,16 @@ async def test_an_announced_wave_is_waited_for_while_its_steps_keep_coming(monke
     from meshws.mesh import waves
 
     backend, worker = _tail_of_eight(monkeypatch)
-    monkeypatch.setattr(waves, "LINGER", 0.1)
+    monkeypatch.setattr(waves, "LINGER", 0.3)
     monkeypatch.setattr(waves, "WAVE_LINGER", 5.0)
     try:
         def step(index):
             return asyncio.ensure_future(worker.decode(DecodeStep(f"s{index}", body=b"", shape=(1, 1, 8), group=4)))
 
         steps = []
-        for index in range(4):  # 0.2 s in all, twice LINGER
+        for index in range(4):  # the last comes 0.45 s after the first: 1.5 LINGER
             steps.append(step(index))
-            await asyncio.sleep(0.06)
+            await asyncio.sleep(0.15)
         await asyncio.gather(*steps)
         assert backend.batches == [["s0", "s1", "s2", "s3"]], "the wave ran in parts"
         started = time.monotonic()
@@ -361,6 +361,56 @@ async def test_a_session_joining_while_the_wave_is_on_the_tail_prefills_then_wit
         assert not any(task.done() for task in back), "the wave's part that was back ran without the rest"
         await asyncio.gather(*back, step(2), step(3))
         assert backend.batches == [["s0", "s1", "s2", "s3"]] * 2
+    finally:
+        worker.shutdown()
+
+
+class _TogetherHead(_RecordingHead):
+    """A head whose new sessions' prompts may run together, with decode steps riding along; records those calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.prompt_calls = []
+
+    def prefills_together(self, step):
+        return True
+
+    def prefill_batch(self, steps, decodes=()):
+        self.prompt_calls.append(([step.session_id for step in steps], [step.session_id for step in decodes]))
+        return [TensorPayload(body=b"\x00" * 16, shape=[1, 1, 8]) for _ in [*steps, *decodes]]
+
+
+async def test_a_joining_prompt_takes_no_part_of_a_wave_along_and_that_part_waits_no_longer_than_wave_linger(
+        monkeypatch):
+    # While part of a kept wave is on the tail, a joining prompt runs alone: the part already back must not ride
+    # along in its call (the wave would split for good). And however much other work comes meanwhile, that part
+    # waits WAVE_LINGER after it came back at most, then runs without the rest (a lost or slow tail).
+    from meshws.mesh import waves
+    from meshws.model.backend import PrefillStep
+
+    monkeypatch.setattr(waves, "WAVE_LINGER", 0.3)
+    backend = _TogetherHead()
+    worker = ComputeWorker(backend, live_sessions=lambda: 4, whole_wave=lambda: True)
+
+    def step(index):
+        backend._seq.setdefault(f"s{index}", 6)
+        return asyncio.ensure_future(worker.decode(DecodeStep(f"s{index}", token_id=7)))
+
+    try:
+        blocker = asyncio.ensure_future(worker.call(time.sleep, 0.1))
+        await asyncio.sleep(0.02)
+        await asyncio.gather(*(step(index) for index in range(4)), blocker)  # one wave of four, now on the tail
+        back = [step(0), step(1)]  # s2 and s3 never come back
+        await asyncio.sleep(0.02)
+        await asyncio.wait_for(worker.prefill(PrefillStep("new", token_ids=[5] * 6)), 2.0)
+        assert backend.prompt_calls == [] and backend.prefills == ["new"], "the prompt took the wave's part along"
+        first = asyncio.ensure_future(worker.call(time.sleep, 0.4))  # other work, past the part's WAVE_LINGER
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(worker.call(time.sleep, 0.4))
+        await asyncio.wait_for(asyncio.gather(*back), 2.0)
+        assert not second.done(), "the wave's part waited behind other work past WAVE_LINGER"
+        assert backend.batches == [["s0", "s1", "s2", "s3"], ["s0", "s1"]]
+        await asyncio.gather(first, second)
     finally:
         worker.shutdown()
 
