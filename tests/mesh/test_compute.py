@@ -281,13 +281,13 @@ class _RecordingHead(CachedHeadBackend):
         return super().decode_batch(steps)
 
 
-def _one_wave_head(monkeypatch, linger):
-    """A head keeping one wave of four live sessions (`waves`), its longest wait `linger`; and a function that
-    sends session `index`'s next decode step."""
+def _one_wave_head(monkeypatch, linger, backend=None):
+    """A head keeping one wave of four live sessions (`waves`), its longest wait `linger` (on `backend`, else a
+    `_RecordingHead`); and a function that sends session `index`'s next decode step."""
     from meshws.mesh import waves
 
     monkeypatch.setattr(waves, "WAVE_LINGER", linger)
-    backend = _RecordingHead()
+    backend = backend or _RecordingHead()
     worker = ComputeWorker(backend, live_sessions=lambda: 4, whole_wave=lambda: True)
 
     def step(index):
@@ -295,6 +295,13 @@ def _one_wave_head(monkeypatch, linger):
         return asyncio.ensure_future(worker.decode(DecodeStep(f"s{index}", token_id=7)))
 
     return backend, worker, step
+
+
+async def _wave_on_the_tail(worker, step, count=4):
+    """Sessions 0 .. count - 1 send their steps while the worker is busy: they run as one wave, now on the tail."""
+    blocker = asyncio.ensure_future(worker.call(time.sleep, 0.1))
+    await asyncio.sleep(0.02)
+    await asyncio.gather(*(step(index) for index in range(count)), blocker)
 
 
 async def test_a_head_keeping_one_wave_waits_for_the_sessions_still_on_the_tail_and_never_for_a_lone_one(monkeypatch):
@@ -308,9 +315,7 @@ async def test_a_head_keeping_one_wave_waits_for_the_sessions_still_on_the_tail_
             await step(9)
         assert worker.lingers == 0 and backend.batches == [], "a lone session waited"
         worker.returned("s9")  # its step is back (its client reads slowly: its next step comes later)
-        blocker = asyncio.ensure_future(worker.call(time.sleep, 0.1))
-        await asyncio.sleep(0.02)
-        await asyncio.gather(*(step(index) for index in range(4)), blocker)  # one wave of four
+        await _wave_on_the_tail(worker, step)  # one wave of four
         assert backend.batches == [["s0", "s1", "s2", "s3"]]
         early = [step(0), step(1)]  # back from the tail first
         await asyncio.sleep(0.1)
@@ -329,9 +334,7 @@ async def test_a_waves_part_that_ran_alone_is_waited_for_like_the_rest(monkeypat
     # the lone part is on its way too, so the three wait for it and the wave is whole again the next round.
     backend, worker, step = _one_wave_head(monkeypatch, 0.3)
     try:
-        blocker = asyncio.ensure_future(worker.call(time.sleep, 0.1))
-        await asyncio.sleep(0.02)
-        await asyncio.gather(*(step(index) for index in range(3)), blocker)  # s3's first step is not here yet
+        await _wave_on_the_tail(worker, step, 3)  # s3's first step is not here yet
         await step(3)  # waits out WAVE_LINGER for the three on the tail, then runs alone
         assert backend.batches == [["s0", "s1", "s2"]]  # (s3 alone: the one-row path)
         rest = [step(0), step(1), step(2)]  # back from the tail while s3 is still there
@@ -350,9 +353,7 @@ async def test_a_session_joining_while_the_wave_is_on_the_tail_prefills_then_wit
 
     backend, worker, step = _one_wave_head(monkeypatch, 5.0)  # a wait for a step that never came would show
     try:
-        blocker = asyncio.ensure_future(worker.call(time.sleep, 0.1))
-        await asyncio.sleep(0.02)
-        await asyncio.gather(*(step(index) for index in range(4)), blocker)  # one wave of four, now on the tail
+        await _wave_on_the_tail(worker, step)
         back = [step(0), step(1)]  # two back; s2 and s3 still on the tail
         await asyncio.sleep(0.05)
         joined = await asyncio.wait_for(worker.prefill(PrefillStep("new", token_ids=[5] * 6)), 2.0)
@@ -385,21 +386,11 @@ async def test_a_joining_prompt_takes_no_part_of_a_wave_along_and_that_part_wait
     # While part of a kept wave is on the tail, a joining prompt runs alone: the part already back must not ride
     # along in its call (the wave would split for good). And however much other work comes meanwhile, that part
     # waits WAVE_LINGER after it came back at most, then runs without the rest (a lost or slow tail).
-    from meshws.mesh import waves
     from meshws.model.backend import PrefillStep
 
-    monkeypatch.setattr(waves, "WAVE_LINGER", 0.3)
-    backend = _TogetherHead()
-    worker = ComputeWorker(backend, live_sessions=lambda: 4, whole_wave=lambda: True)
-
-    def step(index):
-        backend._seq.setdefault(f"s{index}", 6)
-        return asyncio.ensure_future(worker.decode(DecodeStep(f"s{index}", token_id=7)))
-
+    backend, worker, step = _one_wave_head(monkeypatch, 0.3, _TogetherHead())
     try:
-        blocker = asyncio.ensure_future(worker.call(time.sleep, 0.1))
-        await asyncio.sleep(0.02)
-        await asyncio.gather(*(step(index) for index in range(4)), blocker)  # one wave of four, now on the tail
+        await _wave_on_the_tail(worker, step)
         back = [step(0), step(1)]  # s2 and s3 never come back
         await asyncio.sleep(0.02)
         await asyncio.wait_for(worker.prefill(PrefillStep("new", token_ids=[5] * 6)), 2.0)
