@@ -43,7 +43,7 @@ from .bench_laps import measure_laps
 from .bench_nodes import measure_processes
 from .bench_turns import measure_conversation
 from .local_mesh import tail_start
-from .memory_bench import measure_memory, print_memory, write_report
+from .memory_bench import measure_memory, print_memory, report_path, write_report
 
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
 MODEL_ENV = {"HF_HUB_OFFLINE": "1"}
@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     parser.add_argument("--link-delay", nargs=2, type=float, default=[25.0, 25.0], metavar=("TO_TAIL_MS", "TO_HEAD_MS"),
                         help="the speculation scenario's delayed link, each direction (default 25 25)")
     args = parser.parse_args(argv)
+    out = report_path(parser, args.out, "bench.json")
     if args.short:
         args.tokens, args.repeats = min(args.tokens, 4), 1
     args.runs = max(1, args.runs or (1 if args.short else 3))
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
         add_ratios(result)
         result["targets"] = targets(result)
         report["results"][dtype] = result
-    plot = write_plot(report, Path(args.out).with_suffix(".png"))
+    plot = write_plot(report, out.with_suffix(".png"))
     report["plot"] = str(plot) if plot else None
     print_table(report)
     print(f"plot: {plot}" if plot else "no plot: matplotlib is not installed (pip install meshws[bench])")
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
         print("measuring memory per span (fresh processes and caches) ...", flush=True)
         report["memory"] = measure_memory(args.model, args.layers)
         print_memory(report["memory"])
-    write_report(report, args.out)
+    write_report(report, out)
 
 
 if __name__ == "__main__":

@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--probe", help=argparse.SUPPRESS)  # internal: "baseline" or "START-END" (half-open)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    out = report_path(parser, args.out, "memory.json") if not args.probe else None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.probe:
         span = None if args.probe == "baseline" else tuple(int(n) for n in args.probe.split("-"))
@@ -140,12 +141,21 @@ def main(argv: list[str] | None = None) -> None:
     total = AutoConfig.from_pretrained(str(resolve_model(args.model).folder)).num_hidden_layers
     report = measure_memory(args.model, total, args.dtype, args.spans)
     print_memory(report)
-    write_report(report, args.out)
+    write_report(report, out)  # type: ignore[arg-type]
 
 
-def write_report(report: dict[str, Any], out: str) -> None:
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def report_path(parser: argparse.ArgumentParser, out: str, name: str) -> Path:
+    """Where `--out` asks for the JSON: a folder (one that exists, or ends with a slash) gets `name` in it. Its
+    folder is made now, so a run that cannot write its report fails before it measures, not after."""
+    path = Path(out) / name if out.endswith(("/", os.sep)) or Path(out).is_dir() else Path(out)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out {out}: cannot write there ({exc.strerror or exc})")
+    return path
+
+
+def write_report(report: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(report, indent=1))
     print(f"\nwrote {path}")
 
