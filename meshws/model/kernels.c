@@ -408,9 +408,14 @@ static void run(const job_t *j) {
             int no = (int)(j->o_end - o < OUT_TILE ? j->o_end - o : OUT_TILE);
             if (j->kind == KIND_F32)
                 wf = (float *)j->w + o * in;
-            else if (wf)
+            else if (wf) {
                 for (int c = 0; c < no; c++)
                     widen_row(wf + c * in, j->w, j->kind, (o + c) * in, in);
+                /* the next tile's codes, on their way while this one's products run (a hint: past the end, none) */
+                const char *next = (const char *)j->w + weight_offset(j->kind, (o + OUT_TILE) * in);
+                for (int64_t line = 0; line < weight_offset(j->kind, OUT_TILE * in); line += 64)
+                    __builtin_prefetch(next + line, 0, 2);
+            }
             int64_t r = block;
             if (no == OUT_TILE && wf)
                 for (; r + MAX_ROWS <= block_end; r += MAX_ROWS)
