@@ -1,6 +1,7 @@
 """`--out` of the benchmarks: a file, or a folder that gets the report's own name; unwritable places fail first."""
 
 import argparse
+import os
 
 import pytest
 
@@ -27,3 +28,28 @@ def test_a_place_that_cannot_hold_the_report_fails_before_anything_is_measured(t
     with pytest.raises(SystemExit) as exit_:
         report_path(_parser(), str(tmp_path / "file" / "bench.json"), "bench.json")
     assert exit_.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_a_folder_that_takes_no_files_fails_before_anything_is_measured(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("this user writes into read-only folders (root)")
+        with pytest.raises(SystemExit):
+            report_path(_parser(), str(locked), "bench.json")
+        assert "cannot write there" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o700)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /proc")
+def test_a_folder_that_exists_but_holds_no_files_fails_even_for_root(capsys):
+    with pytest.raises(SystemExit):
+        report_path(_parser(), "/proc/", "bench.json")
+    assert "cannot write there" in capsys.readouterr().err
+
+
+def test_dot_names_the_folder_itself(tmp_path):
+    assert report_path(_parser(), str(tmp_path / "new") + "/.", "bench.json") == tmp_path / "new" / "bench.json"

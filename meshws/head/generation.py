@@ -268,14 +268,10 @@ class Generator:
                     if logprob is not None and stats.logprobs is not None:
                         stats.logprobs.append((token, logprob))
                     if index == len(tokens) - 1 and not need_prefill and len(sequence) < request.max_tokens:
-                        # queued before the token is streamed, not after: the next lap's head step joins this
-                        # wave's batch on the worker whatever the client's write costs (a stop string in the
-                        # text wastes it: the caches are cut back to what was kept)
+                        # queued before the token is streamed (a stop string wastes it: caches are cut back), and
+                        # the write waits a turn of the loop: the wave's other steps read with this one queue theirs
+                        # first, and its batch starts before their SSE writes, which run beside its products
                         ahead = _timed(self._head_step(sid, sequence, sampling))
-                        # and the client's write waits one turn of the loop: the wave's other steps that came in
-                        # the same read queue theirs first, so the head's wave starts before sixteen SSE writes,
-                        # not after them (those then run beside its products: 16 bf16 sessions, the handoff from
-                        # the tail 2.8-2.95 -> 2.3-2.5 ms)
                         await asyncio.sleep(0)
                     yield TokenEvent(token, logprob=logprob)
                     if len(sequence) >= request.max_tokens:

@@ -417,7 +417,8 @@ static void run(const job_t *j) {
                     widen_row(wf + c * in, j->w, j->kind, (o + c) * in, in);
                 /* the next tile's codes, on their way while this one's products run (a hint: past the end, none) */
                 const char *next = (const char *)j->w + weight_offset(j->kind, (o + OUT_TILE) * in);
-                for (int64_t line = 0; line < weight_offset(j->kind, OUT_TILE * in); line += 64)
+                const int64_t span = weight_offset(j->kind, OUT_TILE * in) + (int64_t)((uintptr_t)next & 63);
+                for (int64_t line = 0; line < span; line += 64) /* (every line it touches, the last one too) */
                     __builtin_prefetch(next + line, 0, 2);
             }
             int64_t r = block;

@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
         add_ratios(result)
         result["targets"] = targets(result)
         report["results"][dtype] = result
-    plot = write_plot(report, out.with_suffix(".png"))
+    plot = write_plot(report, out.with_suffix(".png") if out.suffix != ".png" else out.with_name(out.stem + "-plot.png"))
     report["plot"] = str(plot) if plot else None
     print_table(report)
     print(f"plot: {plot}" if plot else "no plot: matplotlib is not installed (pip install meshws[bench])")

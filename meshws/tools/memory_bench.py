@@ -147,9 +147,11 @@ def main(argv: list[str] | None = None) -> None:
 def report_path(parser: argparse.ArgumentParser, out: str, name: str) -> Path:
     """Where `--out` asks for the JSON: a folder (one that exists, or ends with a slash) gets `name` in it. Its
     folder is made now, so a run that cannot write its report fails before it measures, not after."""
-    path = Path(out) / name if out.endswith(("/", os.sep)) or Path(out).is_dir() else Path(out)
+    folder = out.endswith(("/", os.sep)) or os.path.basename(out) in ("", ".", "..") or Path(out).is_dir()
+    path = Path(out) / name if folder else Path(out)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=path.parent).close()  # a folder that exists but takes no files fails now too
     except OSError as exc:
         parser.error(f"--out {out}: cannot write there ({exc.strerror or exc})")
     return path
