@@ -128,12 +128,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--probe", help=argparse.SUPPRESS)  # internal: "baseline" or "START-END" (half-open)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    out = report_path(parser, args.out, "memory.json") if not args.probe else None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.probe:
         span = None if args.probe == "baseline" else tuple(int(n) for n in args.probe.split("-"))
         print(json.dumps(probe(args.model, span, args.cache, args.dtype)), flush=True)  # type: ignore[arg-type]
         return
+    out = report_path(parser, args.out, "memory.json")  # (a probe writes no report)
     from transformers import AutoConfig
 
     from ..model.source import resolve_model
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     total = AutoConfig.from_pretrained(str(resolve_model(args.model).folder)).num_hidden_layers
     report = measure_memory(args.model, total, args.dtype, args.spans)
     print_memory(report)
-    write_report(report, out)  # type: ignore[arg-type]
+    write_report(report, out)
 
 
 def report_path(parser: argparse.ArgumentParser, out: str, name: str) -> Path:
