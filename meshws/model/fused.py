@@ -4,10 +4,12 @@ The lean path's layers, run op by op through torch, cost a decode step some fort
 framework calls per layer: norms, rotary, residual sums and the products each dispatch
 on their own, and at one row the dispatch, not the arithmetic, is most of a layer. Here
 the whole step, every layer and every row of a batch, is one call: the products read the
-shard's own weights (int8 with scales, bfloat16 or float32, `[out, in]`), the elementwise
-work runs between them in C, and each row attends to its own cache as `Kernels.attend`
-does. A bfloat16 model rounds to bfloat16 wherever torch's bf16 path holds a value in
-bfloat16, so its tokens stay torch's up to the order of the sums; float32 stays float32.
+shard's own weights (a GGUF's blocks as stored, with 8-bit activations or widened exactly;
+int8 with scales, bfloat16 or float32, `[out, in]`), the elementwise work runs between them
+in C, and each row attends to its own cache as `Kernels.attend` does. A bfloat16 model rounds
+to bfloat16 wherever torch's bf16 path holds a value in bfloat16, so its tokens stay torch's
+up to the order of the sums; float32 stays float32. Qwen2's biases and Qwen3's per-head q/k
+norms run here too; a GGUF's Llama rows rotate in pairs (2i, 2i + 1), as llama.cpp stores them.
 
 Gemma-3 (extra norms, soft windows, GELU) keeps the op-by-op path.
 """
@@ -20,7 +22,7 @@ from typing import Any, Sequence
 import numpy
 import torch
 
-from .native import BLOCK_KINDS, KINDS, AttendRows, Kernels, threads
+from .native import KINDS, AttendRows, Kernels, threads
 
 
 class _Weight(ctypes.Structure):
@@ -30,8 +32,9 @@ class _Weight(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight),
-                ("norm_in", ctypes.c_void_p), ("norm_post", ctypes.c_void_p)]
+    _fields_ = [("qkv", _Weight * 3), ("o", _Weight), ("gate_up", _Weight * 2), ("down", _Weight),
+                ("norm_in", ctypes.c_void_p), ("norm_post", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p)]
 
 
 class FusedDecode:
@@ -42,32 +45,43 @@ class FusedDecode:
         self.layers = len(lean.layers)
         self.heads, self.kv_heads, self.dim = lean.heads, lean.kv_heads, lean.head_dim
         self.eps, self.scale, self.dtype = float(lean.eps), float(lean.scaling), lean.dtype
+        self.pairs, self.q8 = int(lean.spec.rope_pairs), int(lean.spec.q8)
         self._keep: list[torch.Tensor] = []  # the float32 copies the structures point into
         self.amx = False  # some products run on AMX tiles (bf16 weights, a CPU that has them)
-        self.copy_bytes = 0  # of the copies made for the kernel (AMX tiles, float32 norms of a bf16 model, blocks)
-        self.blocks = 0  # linears read as blocks of codes (`blocks`)
+        self.copy_bytes = 0  # of the copies made for the kernel (AMX tiles, float32 norms of a bf16 model)
         self._array = (_Layer * self.layers)()
         for slot, layer in zip(self._array, lean.layers):
-            for name, packed in zip(("qkv", "o", "gate_up", "down"), layer.linears()):
-                setattr(slot, name, self._weight(packed))
+            if len(layer.qkv) not in (1, 3) or len(layer.gate_up) not in (1, 2):
+                raise ValueError("q, k and v come as one matrix or three, gate and up as one or two")
+            for at, packed in enumerate(layer.qkv):
+                slot.qkv[at] = self._weight(packed)
+            for at, packed in enumerate(layer.gate_up):
+                slot.gate_up[at] = self._weight(packed)
+            slot.o, slot.down = self._weight(layer.o), self._weight(layer.down)
             slot.norm_in, slot.norm_post = (self._float(norm) for norm in layer.norms[:2])
+            slot.q_norm, slot.k_norm = self._float(layer.q_norm), self._float(layer.k_norm)
         head = lean.lm_head  # a tail's: on AMX tiles as well, where the layers are
-        if head is not None and head.blocks is not None:  # (`logits` reads them)
-            self.copy_bytes += head.blocks.nbytes
-            self.blocks += 1
         self.head_tiles = self._tiles(head.weight) if self.amx and head is not None and head.weight is not None \
             else None
         self.width = self._array[0].o.out
-        q_size, kv_size, inter = self.heads * self.dim, self.kv_heads * self.dim, self._array[0].down.inputs
+        q_size, kv_size = self.heads * self.dim, self.kv_heads * self.dim
+        inter = self._array[0].down.inputs
         for slot in self._array:  # the C code trusts these for every stride: checked once here
-            shapes = [(w.out, w.inputs) for w in (slot.qkv, slot.o, slot.gate_up, slot.down)]
-            if shapes != [(q_size + 2 * kv_size, self.width), (self.width, q_size), (2 * inter, self.width),
-                          (self.width, inter)] or self.heads % self.kv_heads or self.dim % 2:
-                raise ValueError(f"layer shapes {shapes} do not fit {self.heads} heads, {self.kv_heads} kv heads")
+            qkv = [(w.out, w.inputs) for w in slot.qkv if w.out]
+            gate_up = [(w.out, w.inputs) for w in slot.gate_up if w.out]
+            wanted_qkv = [(q_size + 2 * kv_size, self.width)] if len(qkv) == 1 else \
+                [(q_size, self.width), (kv_size, self.width), (kv_size, self.width)]
+            wanted_gate_up = [(2 * inter, self.width)] if len(gate_up) == 1 else [(inter, self.width)] * 2
+            shapes = [(slot.o.out, slot.o.inputs), (slot.down.out, slot.down.inputs)]
+            if qkv != wanted_qkv or gate_up != wanted_gate_up or shapes != [(self.width, q_size), (self.width, inter)] \
+                    or self.heads % self.kv_heads or self.dim % 2:
+                raise ValueError(f"layer shapes {qkv + gate_up + shapes} do not fit {self.heads} heads, "
+                                 f"{self.kv_heads} kv heads")
         for layer in lean.layers:
             if any(norm.numel() != self.width for norm in layer.norms[:2]) or any(
                     t is not None and t.numel() != lin.shape[0] for lin in layer.linears() for t in (lin.bias,
-                                                                                                  lin.scales)):
+                                                                                                  lin.scales)) \
+                    or any(t is not None and t.numel() != self.dim for t in (layer.q_norm, layer.k_norm)):
                 raise ValueError("norm weights, biases and scales must have one value per channel")
 
     def _float(self, tensor: torch.Tensor | None) -> int | None:
@@ -80,12 +94,12 @@ class FusedDecode:
         return copy.data_ptr()
 
     def _weight(self, packed: Any) -> _Weight:
-        if packed.blocks is not None:  # float32 weights as their codes (`blocks`): the same values
-            self._keep.append(packed.blocks)
-            self.copy_bytes += packed.blocks.nbytes
-            self.blocks += 1
-            return _Weight(packed.blocks.data_ptr(), None, self._float(packed.bias), packed.shape[0], packed.shape[1],
-                           BLOCK_KINDS[packed.blocks.shape[2]], 0, None)
+        if packed.blocks is not None:  # a GGUF's tensor as stored: its type id is the kernels' kind
+            blocks = packed.blocks
+            if packed.kernels is None or (blocks.quantized and blocks.type_id not in packed.kernels.block_types):
+                raise ValueError(f"{blocks.name}: the kernels do not compute on {blocks.type_name}")
+            return _Weight(blocks.data.data_ptr(), None, self._float(packed.bias), packed.shape[0], packed.shape[1],
+                           blocks.type_id, 0, None)
         weight = packed.codes if packed.codes is not None else packed.weight
         if weight is None or weight.dtype not in KINDS or not weight.is_contiguous() \
                 or tuple(weight.shape) != tuple(packed.shape):
@@ -107,7 +121,7 @@ class FusedDecode:
     def logits(self, hidden: torch.Tensor, head: Any, float_rows: int) -> torch.Tensor | None:
         """The LM head `head` (a packed linear) of `hidden` on the kernel: on AMX tiles at any number of rows,
         float weights up to `float_rows` rows; None where the kernel does not take them (torch's then)."""
-        weight = head.blocks if head.blocks is not None else head.weight  # a GGUF's codes (`blocks`), or float
+        weight = head.weight  # (a GGUF's blocks: `packed.linear`)
         if self.head_tiles is None and (weight is None or hidden.numel() > float_rows * hidden.shape[-1]):
             return None
         rows = hidden.detach().reshape(-1, hidden.shape[-1]).float()
@@ -136,7 +150,8 @@ class FusedDecode:
                                      self.kv_heads, self.dim, self.eps, self.scale, int(self.dtype == torch.bfloat16),
                                      state.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.ctypes.data,
                                      values.ctypes.data, checked.capacity.ctypes.data, checked.low_at.ctypes.data,
-                                     checked.low_at.ctypes.data + 8 * rows, KINDS[checked.dtype], threads)
+                                     checked.low_at.ctypes.data + 8 * rows, KINDS[checked.dtype], self.pairs,
+                                     self.q8, threads)
         if failed:
             raise MemoryError("no memory for a decode step")
         return state.to(hidden.dtype).view(rows, 1, self.width)

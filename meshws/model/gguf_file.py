@@ -12,11 +12,13 @@ Name mapping and llama.cpp's value transforms are not here (see `gguf_convert`).
 
 from __future__ import annotations
 
+import mmap
+import os
 import struct
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -41,7 +43,7 @@ class GgufTensor:
 @dataclass(frozen=True)
 class GgufTable:
     path: Path
-    metadata: dict[str, Any]  # scalar and string values; arrays are given as their length
+    metadata: dict[str, Any]  # scalar and string values; arrays as their length, unless asked for whole
     tensors: dict[str, GgufTensor]
 
     @property
@@ -49,40 +51,54 @@ class GgufTable:
         return str(self.metadata["general.architecture"])
 
 
-def read_table(path: Path) -> GgufTable:
-    """Parse the header and tensor table of `path` without touching tensor data."""
+def read_table(path: Path, arrays: Iterable[str] = ()) -> GgufTable:
+    """Parse the header and tensor table of `path` without touching tensor data; the metadata arrays named in
+    `arrays` (a vocabulary, merges) are read whole, as lists."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    blob = np.memmap(path, mode="r", dtype=np.uint8)
-    if bytes(blob[:4]) != MAGIC:
-        raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
-    version, tensor_count, metadata_count = struct.unpack_from("<IQQ", blob, 4)
-    if version not in VERSIONS:
-        raise ValueError(f"{path} is GGUF version {version}; only versions 2 and 3 (little-endian) are read")
-    pos = 24
-    metadata: dict[str, Any] = {}
-    for _ in range(metadata_count):
-        key, pos = _string(blob, pos)
-        (value_type,) = struct.unpack_from("<I", blob, pos)
-        metadata[key], pos = _value(blob, pos + 4, value_type)
-    entries = []
-    for _ in range(tensor_count):
-        name, pos = _string(blob, pos)
-        (dims,) = struct.unpack_from("<I", blob, pos)
-        shape = tuple(reversed(struct.unpack_from(f"<{dims}Q", blob, pos + 4)))
-        ggml_type, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * dims)
-        pos += 4 + 8 * dims + 12
-        entries.append((name, shape, ggml_type, offset))
+    wanted = set(arrays)
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size < 24:
+            raise ValueError(f"{path} is not a GGUF file (too short)")
+        blob = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        if blob[:4] != MAGIC:
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
+        version, tensor_count, metadata_count = struct.unpack_from("<IQQ", blob, 4)
+        if version not in VERSIONS:
+            raise ValueError(f"{path} is GGUF version {version}; only versions 2 and 3 (little-endian) are read")
+        pos = 24
+        metadata: dict[str, Any] = {}
+        for _ in range(metadata_count):
+            key, pos = _string(blob, pos)
+            (value_type,) = struct.unpack_from("<I", blob, pos)
+            metadata[key], pos = _value(blob, pos + 4, value_type, key in wanted)
+        entries = []
+        for _ in range(tensor_count):
+            name, pos = _string(blob, pos)
+            (dims,) = struct.unpack_from("<I", blob, pos)
+            shape = tuple(reversed(struct.unpack_from(f"<{dims}Q", blob, pos + 4)))
+            ggml_type, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * dims)
+            pos += 4 + 8 * dims + 12
+            entries.append((name, shape, ggml_type, offset))
+    except struct.error:
+        raise ValueError(f"{path} is truncated in its header") from None
+    finally:
+        blob.close()
     alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
     data_start = (pos + alignment - 1) // alignment * alignment
     tensors = {}
     for name, shape, ggml_type, offset in entries:
-        block_elements, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        try:
+            block_elements, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        except (ValueError, KeyError):
+            raise ValueError(f"{path}: tensor {name} has ggml type {ggml_type}, which gguf does not know") from None
         nbytes = prod(shape) // block_elements * block_bytes
         tensors[name] = GgufTensor(name, shape, ggml_type, data_start + offset, nbytes)
     end = max((t.offset + t.nbytes for t in tensors.values()), default=data_start)
-    if end > blob.size:
-        raise ValueError(f"{path} is truncated: its tensors end at byte {end}, the file at {blob.size}")
+    if end > size:
+        raise ValueError(f"{path} is truncated: its tensors end at byte {end}, the file at {size}")
     if "general.architecture" not in metadata:
         raise ValueError(f"{path} names no general.architecture")
     return GgufTable(Path(path), metadata, tensors)
@@ -110,13 +126,15 @@ def dequantize(table: GgufTable, name: str) -> np.ndarray:
     return out.reshape(info.shape)
 
 
-def _string(blob: np.ndarray, pos: int) -> tuple[str, int]:
+def _string(blob: Any, pos: int) -> tuple[str, int]:
     (length,) = struct.unpack_from("<Q", blob, pos)
     start = pos + 8
-    return bytes(blob[start : start + length]).decode("utf-8"), start + length
+    if start + length > len(blob):
+        raise struct.error("a string runs past the end")
+    return blob[start : start + length].decode("utf-8", errors="replace"), start + length
 
 
-def _value(blob: np.ndarray, pos: int, value_type: int) -> tuple[Any, int]:
+def _value(blob: Any, pos: int, value_type: int, whole: bool = False) -> tuple[Any, int]:
     if value_type in SCALARS:
         fmt = SCALARS[value_type]
         return struct.unpack_from(fmt, blob, pos)[0], pos + struct.calcsize(fmt)
@@ -126,11 +144,16 @@ def _value(blob: np.ndarray, pos: int, value_type: int) -> tuple[Any, int]:
         element_type, count = struct.unpack_from("<IQ", blob, pos)
         pos += 12
         if element_type in SCALARS:
-            return count, pos + count * struct.calcsize(SCALARS[element_type])
-        for _ in range(count):  # strings (a vocabulary) or nested arrays: walk past them
-            if element_type == STRING:
+            width = struct.calcsize(SCALARS[element_type])
+            if not whole:
+                return count, pos + count * width
+            return list(struct.unpack_from(f"<{count}{SCALARS[element_type][1]}", blob, pos)), pos + count * width
+        values = []
+        for _ in range(count):  # strings (a vocabulary) or nested arrays: walked, kept if asked for
+            if element_type == STRING and not whole:
                 pos += 8 + struct.unpack_from("<Q", blob, pos)[0]
-            else:
-                _, pos = _value(blob, pos, element_type)
-        return count, pos
+                continue
+            value, pos = _value(blob, pos, element_type, whole)
+            values.append(value)
+        return (values if whole else count), pos
     raise ValueError(f"unknown GGUF metadata value type {value_type}")

@@ -1,19 +1,14 @@
 /* meshws native kernels, built on first use by `native.py` with the machine's C compiler.
 
    mw_linear: y[r, o] = scale[o] * sum_k x[r, k] * w[o, k] (+ bias[o]) for float32
-   activations x [rows, in] and weights w [out, in] of one of three kinds:
-     KIND_INT8  int8, one float scale per output channel;
-     KIND_BF16  bfloat16, no scale (a bf16 model's own weights);
-     KIND_F32   float32, no scale;
-     KIND_Q4    float32 values held as 4-bit codes: per 32 inputs a block of Q4_BYTES, float d and m, then
-                16 bytes of codes (input i of the block in the low half of byte i, input i + 16 in its high
-                half), the value d * code + m as two float32 operations: exactly the float32 values of a
-                GGUF's Q4_1 tensor, which `gguf` dequantises so (`blocks.py`). `in` is a multiple of 32;
-     KIND_Q8    float32 values held as 8-bit codes: per 32 inputs a float d and 32 signed codes (Q8_BYTES),
-                the value d * code: a GGUF's Q8_0 tensor's.
-   Weights are widened to float in registers, so one token's product reads each weight's
-   bytes once and nothing else. (A bf16 times a bf16 value is exact in float, so the bf16
-   kind gives torch's bf16 product up to the order of the sums.)
+   activations x [rows, in] and weights w [out, in] of a kind (ggml's type ids, as GGUF files number them):
+     KIND_F32, KIND_F16, KIND_BF16  floats as stored, no scale (a bf16 model's own weights, a GGUF's F16...);
+     KIND_INT8  int8, one float scale per output channel (meshws's `--quant int8`; not a ggml type);
+     a GGUF block type (`quants.c`: Q4_0 ... Q6_K), its exact float32 values as `gguf` dequantizes them.
+   Float and int8 weights are widened to float in registers, so one token's product reads each weight's
+   bytes once and nothing else; block weights are widened a tile of outputs at a time into a scratch that
+   stays in L1. (A bf16 times a bf16 value is exact in float, so the bf16 kind gives torch's bf16 product
+   up to the order of the sums.) y's rows lie `ldy` floats apart.
 
    Every (row, output) pair sums in the same order whatever the batch: LANES lanes, each a
    fused multiply-add chain over k = lane, lane + LANES, ...; then the lanes pairwise as a
@@ -51,6 +46,7 @@ typedef __m512 vec;
 #define widen_i8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define widen_bf16(p) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define widen_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LANES 8
@@ -68,19 +64,17 @@ typedef __m256 vec;
 #define widen_i8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define widen_bf16(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define widen_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #else
 #define LANES 8
 #define MAX_ROWS 2
 #define GENERIC 1
 #endif
 
-#define KIND_INT8 0 /* weights' and caches' kinds (`native.KINDS`; caches are bf16 or float32) */
-#define KIND_BF16 1
-#define KIND_F32 2
-#define KIND_Q4 3
-#define Q4_BYTES 24 /* a KIND_Q4 block: d, m and 32 codes of 4 bits */
-#define KIND_Q8 4
-#define Q8_BYTES 36 /* a KIND_Q8 block: d and 32 codes of 8 bits */
+#define KIND_F32 0 /* weights' and caches' kinds, ggml's ids (`native.KINDS`; caches are bf16 or float32) */
+#define KIND_F16 1
+#define KIND_BF16 30
+#define KIND_INT8 100 /* meshws's int8 with a scale per output: no ggml type */
 #define OUT_TILE 4   /* outputs computed together */
 #define ROW_BLOCK 64 /* rows that share one widening of a tile's weights */
 
@@ -89,9 +83,16 @@ typedef struct {
     const void *w;
     const float *scale, *bias;
     float *y;
-    int64_t rows, in, out, o_begin, o_end;
+    int64_t rows, in, out, o_begin, o_end, ldy;
     int kind;
 } job_t;
+
+struct block_type;
+static const struct block_type *block_type_of(int type);
+static int is_block_kind(int kind);
+static void widen_values(const struct block_type *t, const void *w, int64_t at, int64_t count, float *to);
+static int64_t block_offset(const struct block_type *t, int64_t at);
+static float half_to_float(const uint8_t *p);
 
 /* `bytes` on a cache line's boundary (free() frees it): a vector load that straddles two lines costs two, and a
    16-row product of widened weights or of the fused step's own rows ran a quarter slower on malloc's 16 bytes. */
@@ -105,21 +106,8 @@ static inline float cache_at(const void *w, int kind, int64_t index) {
         return ((const float *)w)[index];
     if (kind == KIND_INT8)
         return (float)((const int8_t *)w)[index];
-    if (kind == KIND_Q4) {
-        const uint8_t *block = (const uint8_t *)w + (index >> 5) * Q4_BYTES;
-        int i = (int)(index & 31);
-        float d, m;
-        memcpy(&d, block, sizeof d);
-        memcpy(&m, block + 4, sizeof m);
-        float code = (float)(i < 16 ? block[8 + i] & 15 : block[8 + i - 16] >> 4), scaled = d * code;
-        return scaled + m;
-    }
-    if (kind == KIND_Q8) {
-        const uint8_t *block = (const uint8_t *)w + (index >> 5) * Q8_BYTES;
-        float d;
-        memcpy(&d, block, sizeof d);
-        return d * (float)(int8_t)block[4 + (index & 31)];
-    }
+    if (kind == KIND_F16)
+        return half_to_float((const uint8_t *)w + 2 * index);
     uint32_t bits = (uint32_t)((const uint16_t *)w)[index] << 16;
     float value;
     memcpy(&value, &bits, sizeof value);
@@ -178,104 +166,33 @@ static float finish(float sum, const float *x, const float *wf, const job_t *j, 
 
 static void store(const job_t *j, int64_t r, int64_t o, float sum) {
     float v = j->scale ? sum * j->scale[o] : sum;
-    j->y[r * j->out + o] = j->bias ? v + j->bias[o] : v;
+    j->y[r * j->ldy + o] = j->bias ? v + j->bias[o] : v;
 }
 
 #ifndef GENERIC
-/* KIND_Q4 weights [at, at + LANES), at a multiple of LANES: as `cache_at` gives them, lane by lane. */
-static inline __attribute__((always_inline)) vec widen_q4(const void *w, int64_t at) {
-    const uint8_t *block = (const uint8_t *)w + (at >> 5) * Q4_BYTES;
-    int i = (int)(at & 31);
-    float d, m;
-    memcpy(&d, block, sizeof d);
-    memcpy(&m, block + 4, sizeof m);
-#if LANES == 16
-    __m128i codes = _mm_loadu_si128((const __m128i *)(block + 8));
-#else
-    __m128i codes = _mm_loadl_epi64((const __m128i *)(block + 8 + (i & 15)));
-#endif
-    if (i >= 16)
-        codes = _mm_srli_epi16(codes, 4);
-    codes = _mm_and_si128(codes, _mm_set1_epi8(15));
-    return vplus(vtimes(vset1(d), widen_u8(codes)), vset1(m));
-}
-
-#if LANES == 16
-/* A whole KIND_Q4 block, weights [at, at + 32) with at a multiple of 32: `widen_q4` of at and of at + 16, with one
-   read of d, m and the codes (a one-row step of the codes spent most of its time widening them). */
-static inline __attribute__((always_inline)) void widen_q4_block(const void *w, int64_t at, vec *low, vec *high) {
-    const uint8_t *block = (const uint8_t *)w + (at >> 5) * Q4_BYTES;
-    float d, m;
-    memcpy(&d, block, sizeof d);
-    memcpy(&m, block + 4, sizeof m);
-    const __m128i codes = _mm_loadu_si128((const __m128i *)(block + 8));
-    /* The block's 16 values d * q + m, each computed as `widen_q4` computes it, looked up by code: vpermps reads an
-       index's low 4 bits only, so the low nibbles need no mask, and the high ones none once shifted down (the byte
-       above's bits land above them). Two multiplies and adds a block where there were four, and no conversions. */
-    const vec table = vplus(vtimes(vset1(d), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-                            vset1(m));
-    *low = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), table);
-    *high = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(codes, 4)), table);
-}
-
-/* A whole KIND_Q8 block likewise: `widen_q8` of at and of at + 16, with one read of d. */
-static inline __attribute__((always_inline)) void widen_q8_block(const void *w, int64_t at, vec *low, vec *high) {
-    const uint8_t *block = (const uint8_t *)w + (at >> 5) * Q8_BYTES;
-    float d;
-    memcpy(&d, block, sizeof d);
-    const vec scale = vset1(d);
-    *low = vtimes(scale, widen_i8(block + 4));
-    *high = vtimes(scale, widen_i8(block + 4 + LANES));
-}
-
-/* Either kind's block (`kind` KIND_Q4 or KIND_Q8). */
-static inline __attribute__((always_inline)) void widen_block(const void *w, int kind, int64_t at, vec *low,
-                                                              vec *high) {
-    if (kind == KIND_Q4)
-        widen_q4_block(w, at, low, high);
-    else
-        widen_q8_block(w, at, low, high);
-}
-#endif
-
-/* KIND_Q8 weights [at, at + LANES), likewise. */
-static inline __attribute__((always_inline)) vec widen_q8(const void *w, int64_t at) {
-    const uint8_t *block = (const uint8_t *)w + (at >> 5) * Q8_BYTES;
-    float d;
-    memcpy(&d, block, sizeof d);
-    return vtimes(vset1(d), widen_i8(block + 4 + (at & 31)));
-}
-
 static inline __attribute__((always_inline)) vec widen(const void *w, int kind, int64_t at) {
-    return kind == KIND_Q4     ? widen_q4(w, at)
-           : kind == KIND_Q8   ? widen_q8(w, at)
-           : kind == KIND_INT8 ? widen_i8((const int8_t *)w + at)
+    return kind == KIND_INT8   ? widen_i8((const int8_t *)w + at)
            : kind == KIND_BF16 ? widen_bf16((const uint16_t *)w + at)
+           : kind == KIND_F16  ? widen_f16((const uint16_t *)w + at)
                                : vload((const float *)w + at);
 }
 #endif
 
-/* Where weight `at` of `kind` lies, in bytes from the first (a KIND_Q4 weight: its block's start). */
+/* Where weight `at` of `kind` lies, in bytes from the first (a block type's weight: its block's start). */
 static inline int64_t weight_offset(int kind, int64_t at) {
-    return kind == KIND_Q4   ? (at >> 5) * Q4_BYTES
-           : kind == KIND_Q8 ? (at >> 5) * Q8_BYTES
-           : kind == KIND_BF16 ? 2 * at
-           : kind == KIND_F32  ? 4 * at
-                               : at;
+    return kind == KIND_BF16 || kind == KIND_F16 ? 2 * at
+           : kind == KIND_F32                    ? 4 * at
+           : kind == KIND_INT8                   ? at
+                                                 : block_offset(block_type_of(kind), at);
 }
 
 /* Weights w[at .. at + count) as floats into `to`. */
 static void widen_row(float *to, const void *w, int kind, int64_t at, int64_t count) {
     int64_t k = 0;
-#if LANES == 16
-    if ((kind == KIND_Q4 || kind == KIND_Q8) && at % 32 == 0)
-        for (; k + 32 <= count; k += 32) {
-            vec low, high;
-            widen_block(w, kind, at + k, &low, &high);
-            vstore(to + k, low);
-            vstore(to + k + LANES, high);
-        }
-#endif
+    if (is_block_kind(kind)) { /* whole blocks: a row of a block tensor */
+        widen_values(block_type_of(kind), w, at, count, to);
+        return;
+    }
 #ifndef GENERIC
     for (; k + LANES <= count; k += LANES)
         vstore(to + k, widen(w, kind, at + k));
@@ -296,22 +213,6 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r
         for (int c = 0; c < OUT_TILE; c++)
             acc[i][c] = vzero();
     int64_t k = 0;
-#if LANES == 16
-    if (!wf && (kind == KIND_Q4 || kind == KIND_Q8) && in % 32 == 0) /* a block at once; each sum's k as below */
-        for (; k < whole; k += 32) {
-            vec low[OUT_TILE], high[OUT_TILE];
-            for (int c = 0; c < no; c++) {
-                int64_t at = (o0 + c) * in + k;
-                widen_block(j->w, kind, at, &low[c], &high[c]);
-                __builtin_prefetch((const char *)j->w + weight_offset(kind, at + OUT_TILE * in), 0, 3);
-            }
-            for (int i = 0; i < nr; i++) {
-                vec first = vload(j->x + (r0 + i) * in + k), second = vload(j->x + (r0 + i) * in + k + LANES);
-                for (int c = 0; c < no; c++)
-                    acc[i][c] = vfma(second, high[c], vfma(first, low[c], acc[i][c]));
-            }
-        }
-#endif
     for (; k < whole; k += LANES) {
         vec wv[OUT_TILE];
         for (int c = 0; c < no; c++) {
@@ -363,7 +264,7 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r
         for (int i = 0; i < nr; i++) { /* (`store`'s operations, lane by lane) */
             __m128 v = _mm_loadu_ps(sums[i]);
             v = j->scale ? _mm_mul_ps(v, scale) : v;
-            _mm_storeu_ps(j->y + (r0 + i) * j->out + o0, j->bias ? _mm_add_ps(v, bias) : v);
+            _mm_storeu_ps(j->y + (r0 + i) * j->ldy + o0, j->bias ? _mm_add_ps(v, bias) : v);
         }
         return;
     }
@@ -379,10 +280,8 @@ static void decode_tile(const job_t *j, int nr, int64_t o0) {
         nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_INT8) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_INT8);
     else if (j->kind == KIND_BF16)
         nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_BF16) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_BF16);
-    else if (j->kind == KIND_Q4)
-        nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_Q4) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_Q4);
-    else if (j->kind == KIND_Q8)
-        nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_Q8) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_Q8);
+    else if (j->kind == KIND_F16)
+        nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_F16) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_F16);
     else
         nr == 1 ? tile(j, 0, 1, o0, OUT_TILE, NULL, KIND_F32) : tile(j, 0, 2, o0, OUT_TILE, NULL, KIND_F32);
 }
@@ -393,7 +292,7 @@ static void batch_tile(const job_t *j, int64_t r0, int64_t o0, const float *wf) 
 
 static void run(const job_t *j) {
     const int64_t in = j->in;
-    if (j->rows <= 2) { /* a decode step: weights widened in registers, read once */
+    if (j->rows <= 2 && !is_block_kind(j->kind)) { /* a decode step: weights widened in registers, read once */
         for (int64_t o = j->o_begin; o < j->o_end; o += OUT_TILE) {
             int no = (int)(j->o_end - o < OUT_TILE ? j->o_end - o : OUT_TILE);
             if (no == OUT_TILE)
@@ -538,7 +437,7 @@ static void panel_rows(const void *task, int64_t begin, int64_t end) {
     const int64_t grouped = p->paired + (p->single ? LANES : 0);
     job_t rest = *j; /* the rows left over, and the outputs past the last whole panel: `tile`'s sums all the same */
     rest.x += grouped * in;
-    rest.y += grouped * j->out;
+    rest.y += grouped * j->ldy;
     rest.rows -= grouped;
     rest.o_begin = begin * PANEL;
     rest.o_end = o_end;
@@ -694,10 +593,12 @@ static void linear_tiles(const void *task, int64_t begin, int64_t end) {
     run(&part);
 }
 
+#include "quants.c"
+
 /* threads: how many may compute (the caller's share of the cores). */
 void mw_linear(const float *x, int64_t rows, int64_t in, const void *w, int kind, const float *scale,
-               const float *bias, float *y, int64_t out, int threads) {
-    job_t whole = {x, w, scale, bias, y, rows, in, out, 0, out, kind};
+               const float *bias, float *y, int64_t ldy, int64_t out, int threads) {
+    job_t whole = {x, w, scale, bias, y, rows, in, out, 0, out, ldy, kind};
 #ifdef PANEL
     if (rows >= LANES && in >= LANES) { /* a batch: rows in vectors, weights broadcast (`panel_tile`) */
         panel_job p = {whole, NULL, rows / (2 * LANES) * 2 * LANES, rows % (2 * LANES) >= LANES};
@@ -1115,10 +1016,14 @@ int mw_attend(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const 
 /* mw_decode: a Llama-style decode step through all of a shard's layers in one call, for a batch
    of rows each at its own position of its own cache (the lean path's `run_rows`, framework-free).
 
-   Per layer, as transformers' modules compute it: x = rmsnorm(h) * w_in; q, k, v = x Wqkv;
-   rotary on q and k (cos, sin per row: [rows, dim], halves rotated as `rotate_half`); the new
-   k, v written to the row's cache and attention as in mw_attend; h += att Wo; x = rmsnorm(h) *
-   w_post; h += (silu(x Wg) * x Wu) Wd. With `round_bf16` every value torch's bf16 path would
+   Per layer, as transformers' modules compute it: x = rmsnorm(h) * w_in; q, k, v = x Wqkv (one
+   matrix, or three: a GGUF's tensors, each with its bias: Qwen2's); Qwen3's per-head RMS norms of
+   q and k; rotary on q and k (cos, sin per row: [rows, dim], pairs rotated as `rotate_half` does,
+   i and i + dim/2, or with `rope_pairs` 2i and 2i + 1: a GGUF's Llama rows, which llama.cpp keeps
+   in that order); the new k, v written to the row's cache and attention as in mw_attend; h += att
+   Wo; x = rmsnorm(h) * w_post; h += (silu(x Wg) * x Wu) Wd. With `q8`, products on block weights
+   quantize x to 8 bits (`mw_qlinear`), once for q, k and v and once for gate and up; else they are
+   exact float32 (`mw_linear`). With `round_bf16` every value torch's bf16 path would
    hold in bfloat16 is rounded to bfloat16 where torch rounds it (each product's output, as its
    reader loads it; each norm, rotary term, activation and sum), so a bf16 model gives its torch
    tokens up to the order of the sums; otherwise all is float32 (SiLU's exp is `vexp`, within an
@@ -1134,8 +1039,12 @@ typedef struct {
 } mw_weight;
 
 typedef struct {
-    mw_weight qkv, o, gate_up, down;
+    mw_weight qkv[3]; /* q, k, v as one matrix (the others' `out` 0) or three */
+    mw_weight o;
+    mw_weight gate_up[2]; /* gate and up, one matrix or two */
+    mw_weight down;
     const float *norm_in, *norm_post;
+    const float *q_norm, *k_norm; /* per-head RMS norm weights [dim] of q and k (Qwen3), or NULL */
 } mw_layer;
 
 #define R(x) (round_bf16 ? to_bf16(x) : (x))
@@ -1301,13 +1210,33 @@ static void bf16_bits(uint16_t *to, const float *from, int64_t count) { /* to_bf
    rounded here unless it holds bf16 values already (`rounded`); AMX rounds it as it converts it to bf16.
    Returns 0, or -1 when the AMX product found no memory: the step fails (the caller undoes it) rather than
    summing another way, which would make a row's bits depend on the batch whose size ran out of memory. */
-static int product(const mw_weight *w, float *x, int64_t rows, float *y, int round_bf16, int rounded, int threads) {
-    if (w->tiles && round_bf16)
+static int product(const mw_weight *parts, int count, float *x, int64_t rows, float *y, int round_bf16, int rounded,
+                   int q8, int threads) {
+    const mw_weight *w = parts;
+    if (count == 1 && w->tiles && round_bf16)
         return amx_product(x, rows, w->in, w->tiles, w->bias, y, w->out, rounded, threads) ? -1 : 0;
     if (round_bf16 && !rounded)
         round_all(x, rows * w->in);
-    mw_linear(x, rows, w->in, w->w, w->kind, w->scale, w->bias, y, w->out, threads);
-    return 0;
+    int64_t ldy = 0;
+    for (int p = 0; p < count; p++)
+        ldy += parts[p].out;
+    uint8_t *quantized[2] = {NULL, NULL}; /* x in each layout the parts need, quantized once */
+    int failed = 0;
+    for (int p = 0, at = 0; p < count && !failed; at += (int)parts[p].out, p++) {
+        const mw_weight *part = parts + p;
+        if (q8 && is_block_kind(part->kind)) { /* the 8-bit products */
+            const block_type *t = block_type_of(part->kind);
+            const int layout = layout_of(t);
+            if (!quantized[layout] && !(quantized[layout] = quantize_rows(x, rows, part->in, layout)))
+                failed = 1;
+            else
+                q_product(t, quantized[layout], rows, part->in, part->w, part->bias, y + at, ldy, part->out, threads);
+        } else
+            mw_linear(x, rows, part->in, part->w, part->kind, part->scale, part->bias, y + at, ldy, part->out, threads);
+    }
+    free(quantized[0]);
+    free(quantized[1]);
+    return failed ? -1 : 0;
 }
 
 #define NORM_ROWS 8 /* rows whose sums of squares run side by side */
@@ -1349,9 +1278,17 @@ static void rms_norm(const float *h, const float *weight, int64_t rows, int64_t 
     }
 }
 
-static void rotate(float *x, const float *cos, const float *sin, int64_t dim, int round_bf16) {
+static void rotate(float *x, const float *cos, const float *sin, int64_t dim, int round_bf16, int pairs) {
     const int64_t half = dim / 2;
     int64_t i = 0;
+    if (pairs) { /* (x[2i], x[2i + 1]) by angle i, as `rotate_half` turns (x[i], x[i + half]): the same operations */
+        for (; i < half; i++) {
+            float a = x[2 * i], b = x[2 * i + 1];
+            x[2 * i] = R(R(a * cos[i]) + R(-b * sin[i]));
+            x[2 * i + 1] = R(R(b * cos[i + half]) + R(a * sin[i + half]));
+        }
+        return;
+    }
 #ifndef GENERIC
     for (; i + LANES <= half; i += LANES) { /* exact, as `add_into` */
 #define RV(v) (round_bf16 ? vround_bf16(v) : (v))
@@ -1379,12 +1316,14 @@ static void to_cache(void *to, int kind, const float *from, int64_t count) {
 }
 
 /* keys, values: [layers][rows] cache buffers; capacity, low, at: [rows]. Returns 0, or -1 when
-   attention or an AMX product found no memory (the caller undoes the step, as for mw_attend). */
+   attention or a product found no memory (the caller undoes the step, as for mw_attend). */
 int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width, int64_t heads, int64_t kv_heads,
               int64_t dim, float eps, float scale, int round_bf16, float *h, const float *cos, const float *sin,
               void *const *keys, void *const *values, const int64_t *capacity, const int64_t *low,
-              const int64_t *at, int cache_kind, int threads) {
-    const int64_t q_size = heads * dim, kv_size = kv_heads * dim, inter = layer[0].gate_up.out / 2;
+              const int64_t *at, int cache_kind, int rope_pairs, int q8, int threads) {
+    const int qkv_parts = layer[0].qkv[1].out ? 3 : 1, gate_up_parts = layer[0].gate_up[1].out ? 2 : 1;
+    const int64_t inter = (layer[0].gate_up[0].out + layer[0].gate_up[1].out) / 2;
+    const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
     const int64_t qkv_size = q_size + 2 * kv_size, size = cache_kind == KIND_F32 ? 4 : 2;
     const int64_t floats = rows * (width + qkv_size + 2 * q_size + width + 3 * inter);
     float *x = lined(sizeof(float) * floats);
@@ -1401,7 +1340,7 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
     for (int64_t l = 0; l < layers && !atomic_load(&failed); l++) {
         const mw_layer *p = layer + l;
         rms_norm(h, p->norm_in, rows, width, eps, x, round_bf16);
-        if (product(&p->qkv, x, rows, qkv, round_bf16, 1, threads)) {
+        if (product(p->qkv, qkv_parts, x, rows, qkv, round_bf16, 1, q8, threads)) {
             atomic_store(&failed, 1);
             break;
         }
@@ -1409,10 +1348,14 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
             float *row = qkv + r * qkv_size;
             if (round_bf16) /* (the product left it as summed) */
                 round_all(row, qkv_size);
+            if (p->q_norm) /* each head of q and of k normed on its own (Qwen3), before the rotary */
+                rms_norm(row, p->q_norm, heads, dim, eps, row, round_bf16);
+            if (p->k_norm)
+                rms_norm(row + q_size, p->k_norm, kv_heads, dim, eps, row + q_size, round_bf16);
             for (int64_t head = 0; head < heads; head++)
-                rotate(row + head * dim, cos + r * dim, sin + r * dim, dim, round_bf16);
+                rotate(row + head * dim, cos + r * dim, sin + r * dim, dim, round_bf16, rope_pairs);
             for (int64_t head = 0; head < kv_heads; head++)
-                rotate(row + q_size + head * dim, cos + r * dim, sin + r * dim, dim, round_bf16);
+                rotate(row + q_size + head * dim, cos + r * dim, sin + r * dim, dim, round_bf16, rope_pairs);
             memcpy(q + r * q_size, row, sizeof(float) * q_size);
             to_cache(new_keys + r * kv_size * size, cache_kind, row + q_size, kv_size);
             to_cache(new_values + r * kv_size * size, cache_kind, row + q_size + kv_size, kv_size);
@@ -1422,19 +1365,19 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
         attend_rows(&task, threads);
         if (atomic_load(&failed))
             break;
-        if (product(&p->o, att, rows, out, round_bf16, 0, threads)) {
+        if (product(&p->o, 1, att, rows, out, round_bf16, 0, q8, threads)) {
             atomic_store(&failed, 1);
             break;
         }
         add_into(h, out, rows * width, round_bf16);
         rms_norm(h, p->norm_post, rows, width, eps, x, round_bf16);
-        if (product(&p->gate_up, x, rows, gate_up, round_bf16, 1, threads)) {
+        if (product(p->gate_up, gate_up_parts, x, rows, gate_up, round_bf16, 1, q8, threads)) {
             atomic_store(&failed, 1);
             break;
         }
         for (int64_t r = 0; r < rows; r++)
             silu_row(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, act + r * inter, inter, round_bf16);
-        if (product(&p->down, act, rows, out, round_bf16, 1, threads)) {
+        if (product(&p->down, 1, act, rows, out, round_bf16, 1, q8, threads)) {
             atomic_store(&failed, 1);
             break;
         }

@@ -41,11 +41,13 @@ from typing import Any, Sequence
 import numpy
 import torch
 
+from .block_types import BlockTensor, kernel_types, supported_names
 from .source import default_cache_dir
 
 log = logging.getLogger("meshws.shard")
 
 SOURCE = Path(__file__).with_name("kernels.c")
+SOURCES = (SOURCE, SOURCE.with_name("quants.c"))  # kernels.c includes quants.c (GGUF's block types)
 FLAGS = ["-O3", "-march=native", "-std=c11", "-ffp-contract=off", "-shared", "-fPIC", "-pthread"]  # fmaf by hand
 
 
@@ -63,8 +65,9 @@ def threads() -> int:
     return _lent or torch.get_num_threads()
 
 
-KINDS = {torch.int8: 0, torch.bfloat16: 1, torch.float32: 2}  # weights `mw_linear` takes (caches: the last two)
-BLOCK_KINDS = {24: 3, 36: 4}  # and float32 weights as blocks of 32 (`blocks`), by a block's bytes: 4- or 8-bit codes
+# Weights `mw_linear` takes, by dtype, as the kernels number them (ggml's type ids; int8 with scales is meshws's own);
+# caches are float32 or bfloat16. A GGUF's block tensors go by their own type ids (`block_types`).
+KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30, torch.int8: 100}
 
 
 class Kernels:
@@ -75,11 +78,21 @@ class Kernels:
         self._linear = library.mw_linear
         self._linear.restype = None
         self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_int]
+        self._qlinear = library.mw_qlinear
+        self._qlinear.restype = ctypes.c_int
+        self._qlinear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        self._widen = library.mw_widen
+        self._widen.restype = ctypes.c_int
+        self._widen.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        self.block_types = kernel_types(library)  # {ggml id: name} of the quantized types it computes on
         self.decode = library.mw_decode  # called by `fused.FusedDecode`, which checks what it hands over
         self.decode.restype = ctypes.c_int
         self.decode.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_float] * 2 \
-            + [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int] * 2
+            + [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4
         self._amx_linear = library.mw_amx_linear
         self._amx_linear.restype = ctypes.c_int
         self._amx_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -143,30 +156,88 @@ class Kernels:
             raise MemoryError("no memory for an AMX product")
         return out
 
-    def linear(self, rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None,
-               threads: int) -> torch.Tensor:
+    def linear(self, rows: torch.Tensor, weight: torch.Tensor | BlockTensor, scales: torch.Tensor | None,
+               bias: torch.Tensor | None, threads: int) -> torch.Tensor:
         """`rows @ (weight * scales[:, None]).T + bias` in float32: rows float32 `[n, in]`, weight `[out, in]`,
-        contiguous, int8 with one float32 scale per output, or bfloat16 or float32 without; or float32 weights
-        as blocks of codes (`blocks`: uint8 `[out, in // 32, 24 or 36]`)."""
-        blocks = weight.dtype == torch.uint8 and weight.dim() == 3 and weight.shape[2] in BLOCK_KINDS
-        width = weight.shape[1] * 32 if blocks else weight.shape[1]
+        contiguous, int8 with one float32 scale per output, or float32, float16 or bfloat16 without; or a GGUF's
+        block tensor, its values widened exactly as gguf dequantizes them."""
+        blocks = isinstance(weight, BlockTensor)
+        width = weight.shape[1]
         if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != width:
             raise ValueError(f"the kernel takes float32 rows of width {width}, not {tuple(rows.shape)}")
-        if not blocks and (weight.dtype not in KINDS or (weight.dtype == torch.int8) != (scales is not None)) \
-                or blocks and scales is not None:
-            raise ValueError("the kernel takes int8 weights with scales, or bfloat16 or float32 weights without")
+        if blocks:
+            kind, data = self._block_kind(weight), weight.data
+            if scales is not None:
+                raise ValueError("block weights carry their own scales")
+        else:
+            kind, data = KINDS.get(weight.dtype), weight
+            if kind is None or (weight.dtype == torch.int8) != (scales is not None):
+                raise ValueError("the kernel takes int8 weights with scales, or float weights without")
         out_features = weight.shape[0]
-        if not weight.is_contiguous() or any(t is not None and (t.dtype != torch.float32 or t.shape != (out_features,)
-                                                                or not t.is_contiguous()) for t in (scales, bias)):
+        if not data.is_contiguous() or any(t is not None and (t.dtype != torch.float32 or t.shape != (out_features,)
+                                                              or not t.is_contiguous()) for t in (scales, bias)):
             raise ValueError("the kernel takes contiguous weights, and float32 scales and bias of one per output")
         rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], weight.shape[0])
+        out = torch.empty(rows.shape[0], out_features)
         if rows.shape[0]:
-            self._linear(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(),
-                         BLOCK_KINDS[weight.shape[2]] if blocks else KINDS[weight.dtype],
+            self._linear(rows.data_ptr(), rows.shape[0], rows.shape[1], data.data_ptr(), kind,
                          None if scales is None else scales.data_ptr(), None if bias is None else bias.data_ptr(),
-                         out.data_ptr(), weight.shape[0], threads)
+                         out.data_ptr(), out_features, out_features, threads)
         return out
+
+    def qlinear(self, rows: torch.Tensor, weight: BlockTensor, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
+        """`rows @ weight.T + bias` with each row quantized to 8 bits per 32 values and integer dot products with
+        the blocks (`quants.c`, as llama.cpp multiplies): float32 rows `[n, in]`, float32 out. (A float tensor
+        multiplies as it is: `linear`.)"""
+        if not weight.quantized:
+            return self.linear(rows, weight, None, bias, threads)
+        kind = self._block_kind(weight)
+        out_features, width = weight.shape
+        if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != width:
+            raise ValueError(f"the kernel takes float32 rows of width {width}, not {tuple(rows.shape)}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)
+                                 or not bias.is_contiguous()):
+            raise ValueError("the kernel takes a float32 bias of one per output")
+        rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], out_features)
+        if rows.shape[0]:
+            failed = self._qlinear(rows.data_ptr(), rows.shape[0], width, weight.data.data_ptr(), kind,
+                                   None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
+                                   out_features, threads)
+            if failed:
+                raise MemoryError("no memory for a product's quantized rows")
+        return out
+
+    def widen(self, weight: BlockTensor, ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+              threads: int = 1) -> torch.Tensor:
+        """Rows of a block tensor (`ids`, int64; all without) as float32 values exactly as gguf dequantizes them,
+        or those rounded to bfloat16 (to nearest even): `[rows, columns]`."""
+        kind = self._block_kind(weight)
+        if not weight.quantized:  # a float tensor: its rows as they are
+            values = weight.as_float()
+            return (values if ids is None else values[ids.to(torch.int64)]).to(dtype)
+        rows = weight.shape[0] if ids is None else ids.numel()
+        if ids is not None:
+            ids = ids.to(torch.int64).contiguous()
+            if rows and (int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]):
+                raise ValueError(f"row ids must lie in [0, {weight.shape[0]})")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("blocks widen to float32 or bfloat16")
+        out = torch.empty(rows, weight.shape[1], dtype=dtype)
+        if rows and self._widen(kind, weight.data.data_ptr(), weight.shape[1], None if ids is None else ids.data_ptr(),
+                                rows, out.data_ptr() if dtype == torch.float32 else None,
+                                out.data_ptr() if dtype == torch.bfloat16 else None, threads):
+            raise ValueError(f"{weight.name}: the kernels cannot widen {weight.type_name} rows of "
+                             f"{weight.shape[1]} values")
+        return out
+
+    def _block_kind(self, weight: BlockTensor) -> int:
+        if weight.quantized and weight.type_id not in self.block_types:
+            raise ValueError(f"{weight.name} is {weight.type_name}; the kernels compute on "
+                             f"{supported_names(self.block_types)}")
+        if not weight.data.is_contiguous() or weight.data.dtype != torch.uint8:
+            raise ValueError(f"{weight.name}: block data must be contiguous bytes")
+        return weight.type_id
 
 
 def _build(target: Path, compiler: list[str]) -> None:
@@ -193,7 +264,7 @@ def _key(compiler: list[str]) -> str:
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     native = subprocess.run([*compiler, "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True,
                             timeout=30).stdout  # the macros the CPU turns on: another CPU, another library
-    return hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()
+    return hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES) + version.encode() + " ".join(FLAGS).encode()
                           + native.encode()).hexdigest()[:16]
 
 

@@ -1,6 +1,10 @@
-"""The lean path's storage: linear weights packed as tensors (float, or int8), and KV buffers.
+"""The lean path's storage: linear weights (a GGUF's blocks, float tensors, or int8), and KV buffers.
 
-`pack_linear` turns a weight (and bias) into the `Linear` that `linear` runs: float32
+A GGUF's linear is its `BlockTensor`, as the file stores it (`block_linear`): a few rows (a decode step, a
+short chunk) multiply on meshws's kernels, with 8-bit activations (`products="q8"`) or exactly widened
+float32 weights (`"exact"`); a prompt's many rows widen the blocks a slice of outputs at a time into
+float32 or bfloat16 and multiply with torch's GEMM, the slice dropped after. `pack_linear` turns a
+float weight (and bias, of a Hugging Face folder's model) into the `Linear` that `linear` runs: float32
 weights multiplied by OpenBLAS are kept `[in, out]` with a numpy view (`blas`). With
 `quant="int8"` the weight is int8 with one scale per output channel: over the whole
 signed range for meshws's own kernel (`native`: activations stay float32), or, where it
@@ -14,12 +18,13 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import numpy
 import torch
 import torch.nn.functional as F
 
+from .block_types import BlockTensor
 from .native import Kernels, threads
 
 CACHE_BLOCK = 128  # positions a session's key/value buffers grow by (at least)
@@ -44,11 +49,14 @@ class Linear(NamedTuple):
     host: Any = None  # a numpy view `[in, out]` of the weight's storage when OpenBLAS multiplies it
     codes: torch.Tensor | None = None  # int8 `[out, in]` for meshws's own kernel (`native`), with...
     scales: torch.Tensor | None = None  # ...one float32 scale per output channel
-    kernels: Kernels | None = None  # the library that multiplies `codes`
-    blocks: torch.Tensor | None = None  # a float32 weight's Q4_1 or Q8_0 codes, which the fused decode reads
+    kernels: Kernels | None = None  # the library that multiplies `codes` or `blocks`
+    blocks: BlockTensor | None = None  # a GGUF's tensor as stored: the weight, read by `kernels`
+    products: str = ""  # blocks: "q8" (8-bit activations, integer dots) or "exact" (float32 widening)
+    wide: torch.dtype = torch.float32  # blocks: what a prompt's slices widen to for torch's GEMM
 
     def tensors(self) -> list[torch.Tensor]:
-        """The float tensors held (an int8 matrix and its scales are counted apart: see `int8_bytes`)."""
+        """The float tensors held (an int8 matrix and its scales are counted apart: see `int8_bytes`; a GGUF's
+        blocks are the file's mapped pages: `GgufModel.mapped_bytes`)."""
         return [t for t in (self.weight, self.bias) if t is not None]
 
     @property
@@ -96,8 +104,26 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
     return Linear(None, bias, packed, shape)
 
 
+KERNEL_ROWS = 16  # rows of a block product on the kernels; more (a prompt) widen slices for torch's GEMM
+SLICE_BYTES = 16 * 2**20  # widened weights a prompt's product holds at once
+
+
+def block_linear(blocks: BlockTensor, bias: torch.Tensor | None, native: Kernels, products: str,
+                 wide: torch.dtype) -> Linear:
+    """A GGUF's linear layer: its blocks as stored (`products` "q8" or "exact"; `wide` for prompts' GEMMs)."""
+    return Linear(None, None if bias is None else bias.float().contiguous(), None, blocks.shape, kernels=native,
+                  blocks=blocks, products=products, wide=wide)
+
+
+def parts_linear(x: torch.Tensor, parts: Sequence[Linear]) -> torch.Tensor:
+    """`linear` of several matrices read as one (q, k and v; gate and up), outputs side by side."""
+    return linear(x, parts[0]) if len(parts) == 1 else torch.cat([linear(x, part) for part in parts], dim=-1)
+
+
 def linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
     """`x @ weight.T + bias` in x's dtype."""
+    if packed.blocks is not None:
+        return _block_linear(x, packed)
     if packed.host is not None and not torch.compiler.is_compiling():
         return _openblas_linear(x, packed)
     if packed.codes is not None:
@@ -118,6 +144,27 @@ def _openblas_linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
     if packed.bias is not None:
         out += packed.bias
     return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+
+
+@torch.compiler.disable  # ctypes calls: opaque to inductor
+def _block_linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
+    assert packed.kernels is not None and packed.blocks is not None
+    rows = x.detach().reshape(-1, x.shape[-1]).float()
+    if rows.shape[0] <= KERNEL_ROWS:
+        out = packed.kernels.qlinear(rows, packed.blocks, packed.bias, threads()) if packed.products == "q8" else \
+            packed.kernels.linear(rows, packed.blocks, None, packed.bias, threads())
+        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+    out_features, width = packed.shape
+    out = torch.empty(rows.shape[0], out_features)
+    step = max(64, SLICE_BYTES // (width * packed.wide.itemsize) // 64 * 64)
+    lhs = rows.to(packed.wide)
+    for first in range(0, out_features, step):
+        ids = torch.arange(first, min(first + step, out_features))
+        weight = packed.kernels.widen(packed.blocks, ids, packed.wide, threads())
+        out[:, first : first + len(ids)] = F.linear(lhs, weight).float()
+    if packed.bias is not None:
+        out += packed.bias
+    return out.to(x.dtype).view(*x.shape[:-1], out_features)
 
 
 @torch.compiler.disable  # a ctypes call: opaque to inductor

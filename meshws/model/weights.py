@@ -1,8 +1,9 @@
 """Reading one layer range's weights: a model with only those layers, renumbered from 0.
 
 A shard's model is built empty (no memory) from the config with `end - start`
-layers, then only its tensors are read, memory-mapped, from safetensors files: those
-of a Hugging Face folder, or those the GGUF cache holds for the span (`span_cache`).
+layers, then only its tensors are read: memory-mapped from a Hugging Face folder's
+safetensors files, or, from a GGUF (the transformers path: an architecture the lean path
+does not run), dequantized in memory a part at a time (`gguf_convert`) and nothing written.
 Layer `start + i` of the checkpoint becomes layer `i`; the embeddings only on the head;
 the final norm and the LM head (or the tied embedding matrix) only on the tail.
 `layout` is anything with `start`, `end`, `is_head` and `is_tail`.
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .source import ResolvedModel, model_cache
+from .source import ResolvedModel
 
 
 def shard_config(config: Any, start: int, end: int) -> Any:
@@ -32,16 +33,15 @@ def shard_config(config: Any, start: int, end: int) -> Any:
 
 
 def load_shard_model(resolved: ResolvedModel, shard_config: Any, layout: Any, dtype: str) -> Any:
-    """A CausalLM holding only this shard's layers, its weights mapped from their files.
-
-    From a GGUF, the cache converts the parts of this span it lacks first (`span_cache`).
-    """
+    """A CausalLM holding only this shard's layers: their weights mapped from a folder's files, or a GGUF's
+    dequantized in memory (the "config" part of its cache, `model_files`, names its tensors)."""
+    from .gguf_convert import GgufTensors
     from .tensors import TORCH_DTYPES
 
     model = _empty_shard_model(shard_config, layout)
-    cache = model_cache(resolved)
-    folder_files = _folder_tensor_files(resolved.folder) if cache is None else {}
-    available = cache.tensor_names() if cache is not None else set(folder_files)
+    gguf = GgufTensors(resolved.gguf, resolved.folder) if resolved.gguf is not None else None
+    folder_files = _folder_tensor_files(resolved.folder) if gguf is None else {}
+    available = gguf.names() if gguf is not None else set(folder_files)
     sources: dict[str, str] = {}  # name in the shard model -> name in the checkpoint
     for name, _ in model.named_parameters():
         source = _checkpoint_name(name, layout.start)
@@ -52,8 +52,13 @@ def load_shard_model(resolved: ResolvedModel, shard_config: Any, layout: Any, dt
     if missing:
         raise RuntimeError(f"the checkpoint of {resolved.model_id} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     needed = set(sources.values())
-    files = cache.tensor_files(needed, dtype) if cache is not None else folder_files
-    tensors = _read_tensors({name: files[name] for name in needed})
+    if gguf is not None:
+        from .gguf_convert import part_of
+
+        tensors = {name: tensor for part in sorted({part_of(name) for name in needed})
+                   for name, tensor in gguf.convert(part, TORCH_DTYPES[dtype]).items() if name in needed}
+    else:
+        tensors = _read_tensors({name: folder_files[name] for name in needed})
     # Where the file's dtype is the compute dtype, `to` is a no-op and the tensor stays a view of the
     # file's memory map: co-located nodes share the page cache, and nothing is copied at start.
     state = {name: tensors[source].to(TORCH_DTYPES[dtype]) for name, source in sources.items()}
