@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> None:
     if command in ("--version", "-V"):
         print(f"meshws {__version__}")
     elif command == "node":
+        from .model import kernel_build
+
+        kernel_build.start()  # (compiles, on a machine's first start, while the node imports)
         from .node import main as node_main
 
         node_main(args, prog="meshws node")

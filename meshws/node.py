@@ -10,6 +10,11 @@ sessions, links and the HTTP runner close, in that order.
 
 from __future__ import annotations
 
+from .model import kernel_build  # (no torch: before the imports below)
+
+if __name__ == "__main__":  # a machine's first start: the kernels compile while torch and the rest import
+    kernel_build.start()
+
 import asyncio
 import functools
 import logging
@@ -119,7 +124,7 @@ class Node(NodeReports):
                                     whole_wave=self._one_wave)
         sessions = self.backend.sessions
         self.metrics = NodeMetrics(sessions=lambda: len(sessions), cache_bytes=lambda: sessions.total_bytes,
-                                   weight_bytes=self.backend.weight_bytes)
+                                   weight_bytes=self.backend.weight_bytes, weights=self.backend.weight_facts)
         self.metrics.watch_compute(lambda: self.worker.queued, lambda: self.worker.busy_seconds)
         guard = RequestGuard([self.settings.host, self._public_host(), host_of(self.advertise)],
                              self.settings.allowed_hosts, self.settings.cors_origins,

@@ -41,6 +41,7 @@ class NodeReports:
             "sessions": len(backend.sessions),
             "cache_bytes": backend.sessions.total_bytes,
             "weight_bytes": backend.weight_bytes,  # what this node's layers cost, and the process in all
+            "weights": backend.weight_facts(),  # mapped from the GGUF, resident now, per block type
             **process_memory(),  # resident_bytes, peak_resident_bytes
             "supports_kv_cache": backend.supports_kv_cache,
             "compute": {**backend.compute_facts, **(self.cores.describe() if self.cores else {}),

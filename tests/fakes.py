@@ -49,6 +49,9 @@ class FakeBackend:
     supports_batching = False
     weight_bytes = 0
     compute_facts = {"path": "fake"}
+
+    def weight_facts(self):
+        return {"source": "fake", "mapped_bytes": 0, "resident_bytes": 0}
     tokenizer = None
 
     def __init__(self) -> None:

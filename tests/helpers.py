@@ -39,19 +39,15 @@ async def complete_ids(url, ids, max_tokens, **extra):
 
 
 def cache_of_its_own(resolved, root):
-    """`resolved` (a GGUF model) in a new cache folder under `root` that holds only its config and tokenizer.
-
-    Copied from `resolved`'s cache with their mtimes, so every shard started from it
-    converts its own tensors and nothing else (the config and tokenizer conversions are
-    tested from an empty cache in test_span_cache).
-    """
+    """`resolved` (a GGUF model) in a new cache folder under `root` holding only its tokenizer (copied with its
+    mtimes), as a head that has started once leaves it."""
+    from meshws.model.model_files import MANIFEST
     from meshws.model.source import ResolvedModel
-    from meshws.model.span_cache import MANIFEST
 
     target = Path(root) / resolved.folder.name
     target.mkdir(parents=True)
     manifest = json.loads((resolved.folder / MANIFEST).read_text())
-    parts = {key: files for key, files in manifest["parts"].items() if key in ("config", "tokenizer")}
+    parts = {key: files for key, files in manifest["parts"].items() if key == "tokenizer"}
     for files in parts.values():
         for name in files:
             shutil.copy2(resolved.folder / name, target / name)

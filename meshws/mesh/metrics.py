@@ -1,17 +1,19 @@
 """Prometheus metrics of one node (its own registry, so several nodes can share a process).
 
 Besides the traffic, it says what the node costs: the bytes of weights its shard holds
-(`meshws_weight_bytes`) and the process's resident memory, now and at its peak
-(`process_resident_memory_bytes` from prometheus_client, `meshws_peak_resident_bytes`).
+(`meshws_weight_bytes`; a GGUF's tensors as mapped, resident and per block type:
+`meshws_weight_mapped_bytes`, `meshws_weight_resident_bytes`, `meshws_weight_type_bytes{type}`) and the
+process's resident memory, now and at its peak (`process_resident_memory_bytes` from
+prometheus_client, `meshws_peak_resident_bytes`).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
                                ProcessCollector, generate_latest)
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..model.memory import process_memory
@@ -25,7 +27,8 @@ STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.
 class NodeMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, sessions: Callable[[], int], cache_bytes: Callable[[], int], weight_bytes: int = 0) -> None:
+    def __init__(self, sessions: Callable[[], int], cache_bytes: Callable[[], int], weight_bytes: int = 0,
+                 weights: Callable[[], dict[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, cpu seconds, open fds
         PlatformCollector(registry=self.registry)  # python_info
@@ -33,6 +36,8 @@ class NodeMetrics:
         self.weight_bytes = Gauge("meshws_weight_bytes", "Bytes of the weights this node's shard holds",
                                   registry=self.registry)
         self.weight_bytes.set(weight_bytes)
+        if weights is not None:  # a GGUF's tensors, mapped: what this node maps, what is resident now, and by type
+            self.registry.register(_WeightCollector(weights))
         self.peak_resident_bytes = Gauge("meshws_peak_resident_bytes", "Peak resident memory of this process",
                                          registry=self.registry)
         self.peak_resident_bytes.set_function(lambda: float(process_memory()["peak_resident_bytes"]))
@@ -128,3 +133,22 @@ class NodeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _WeightCollector:
+    """The shard's weight facts, read when /metrics is scraped (the resident bytes change as pages are read)."""
+
+    def __init__(self, weights: Callable[[], dict[str, Any]]) -> None:
+        self.weights = weights
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        facts = self.weights()
+        yield GaugeMetricFamily("meshws_weight_mapped_bytes", "Bytes of the GGUF's tensors this node maps as its "
+                                "weights", value=float(facts.get("mapped_bytes", 0)))
+        yield GaugeMetricFamily("meshws_weight_resident_bytes", "Bytes of this node's weights resident in memory now",
+                                value=float(facts.get("resident_bytes", 0)))
+        types = GaugeMetricFamily("meshws_weight_type_bytes", "Bytes of this node's weights by block type",
+                                  labels=["type"])
+        for kind, size in facts.get("block_types", {}).items():
+            types.add_metric([kind], float(size))
+        yield types

@@ -115,6 +115,8 @@ class ShardBackend(Protocol):
     hidden_size: int  # width of the hidden states between shards
     weight_bytes: int  # bytes of the weights this shard holds (its layers, not the model)
     compute_facts: dict[str, Any]  # how the layers run: path, dtype and why, threads (for /health)
+
+    def weight_facts(self) -> dict[str, Any]: ...  # its weights: mapped and resident bytes, block types (/health)
     sessions: SessionCacheStore
     tokenizer: Any  # the head's tokenizer (chat template); None elsewhere
 

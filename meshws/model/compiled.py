@@ -29,12 +29,20 @@ from .tensors import positions
 
 log = logging.getLogger("meshws.shard")
 
+OPAQUE = ("_block_linear", "_native_linear", "_int8_linear")  # `packed`'s products that graphs call, not trace
+
 
 def compile_lean(shard: Any, cache_dir: Path | str | None) -> float:
     """Compile `shard`'s lean path now (a prefill, a decode step, a batch of two); the seconds it took."""
     lean = shard.lean
     if lean is None:
         raise ValueError("--compile needs the lean path")
+    from . import packed
+
+    for name in OPAQUE:  # ctypes calls and FBGEMM's op: opaque to inductor (the row scaling rounds as eagerly)
+        function = getattr(packed, name)
+        if not getattr(function, "_torchdynamo_disable", False):
+            setattr(packed, name, torch.compiler.disable(function))
     root = (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / "inductor"
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root))
     lean.fused = None  # decode steps too run through the compiled pieces

@@ -29,8 +29,10 @@ from .tensors import causal_mask, rotate_half
 
 # Rows a fused step takes (sessions, or a lap of drafts); the LM head a quarter. torch's AVX512-BF16 products beat
 # the kernel's beyond: 16 rows x the LM head 3.9 ms on torch, 6.8 on the kernel (fp32: 14.5 against 8.0). A GGUF's
-# blocks always run on the kernels (`packed.KERNEL_ROWS` rows at a time for the op-by-op path).
+# blocks run on the kernels for any number of rows (a prompt's chunk too: `ANY_ROWS`), so that a row's result is
+# the same in a prompt as in a decode step or a batch (a replayed answer is the one given).
 FUSED_ROWS = {torch.bfloat16: 8, torch.float32: 64}
+ANY_ROWS = 1 << 30
 
 RopeTable = Callable[[str, int], tuple[torch.Tensor, torch.Tensor]]  # (layer type, positions) -> cos, sin [n, dim]
 
@@ -97,7 +99,8 @@ class LeanLayers:
         # On AMX tiles a batch of bf16 rows costs the kernel little more than one row: every batch runs fused; a
         # GGUF's blocks always run on the kernels.
         blocks = any(lin.blocks is not None for layer in layers for lin in layer.linears())
-        self.fused_rows = 64 if quant or blocks or (self.fused and self.fused.amx) else FUSED_ROWS.get(spec.dtype, 0)
+        self.fused_rows = ANY_ROWS if blocks else 64 if quant or (self.fused and self.fused.amx) else \
+            FUSED_ROWS.get(spec.dtype, 0)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head (a tail only); on meshws's kernel where decode is, if it takes these rows."""

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from .block_types import BlockTensor
-from .cpu import cpu_flags
 from .gguf_model import Architecture, GgufModel
 from .lean import LayerWeights, LeanLayers, LeanSpec, RopeTable
 from .native import Kernels
@@ -40,7 +39,6 @@ def gguf_rope(arch: Architecture) -> RopeTable:
 def lean_from_gguf(model: GgufModel, arch: Architecture, start: int, end: int, tail: bool, q8: bool,
                    native: Kernels) -> LeanLayers:
     """Layers `[start, end)` of a GGUF (and, on a tail, the final norm and LM head) on its blocks."""
-    wide = torch.bfloat16 if q8 and cpu_flags() & {"avx512_bf16", "amx_bf16"} else torch.float32
     products = "q8" if q8 else "exact"
     types: Counter[str] = Counter()
 
@@ -48,7 +46,7 @@ def lean_from_gguf(model: GgufModel, arch: Architecture, start: int, end: int, t
         blocks = model.tensor(f"{name}.weight")
         types[blocks.type_name] += 1
         bias = model.vector(f"{name}.bias") if model.has(f"{name}.bias") else None
-        return block_linear(blocks, bias, native, products, wide)
+        return block_linear(blocks, bias, native, products)
 
     def vector(name: str) -> torch.Tensor | None:
         return model.vector(name) if model.has(name) else None

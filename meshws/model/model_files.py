@@ -53,6 +53,7 @@ class ModelCache:
         self.gguf = gguf
         self.folder = folder
         self.converted: list[str] = []  # the parts this object had converted, in order
+        self.tokenizer: Any = None  # the tokenizer this object built, if it built one (no need to load it again)
 
     def prepare(self, keys: list[str]) -> None:
         """Make the parts `keys` sound: the tokenizer built here, the config in a child process."""
@@ -76,9 +77,13 @@ class ModelCache:
                  time.monotonic() - started)
 
     def _builder(self, key: str) -> Callable[[Path], None]:
-        from .tokenizer_files import write_tokenizer
+        from .tokenizer_files import build_tokenizer
 
-        return lambda staging: write_tokenizer(self.gguf, staging)
+        def write(staging: Path) -> None:
+            self.tokenizer = build_tokenizer(self.gguf)
+            self.tokenizer.save_pretrained(str(staging))
+
+        return write
 
     # -- parts: check, convert, record --------------------------------------------
 

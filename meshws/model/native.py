@@ -8,6 +8,9 @@
   precision on the activations.
 * `mw_decode` (through `fused.FusedDecode`): a Llama-style shard's whole decode step,
   every layer and row, in one call.
+* `Kernels.qlinear`, `Kernels.widen` and `Kernels.linear` on a `BlockTensor`: a GGUF's
+  blocks as stored (`quants.c`): 8-bit activations times the codes, rows widened exactly
+  as gguf dequantizes them (embeddings on lookup), or float32 products on the exact values.
 * `Kernels.attend`: a decode step's attention for a batch of sessions, each row against
   its own cache of its own length, in one call per layer (torch's bf16 sdpa took 20 us per
   call at 32 positions and 450 us at 1024 here; this takes 25 and 100, for every row).
@@ -16,39 +19,31 @@ A row's result never depends on the rows batched with it or on the thread count.
 kernels keep their own helper threads; the caller says how many may compute (the node's
 share of the cores).
 
-The library is compiled once per source, compiler and CPU (`-O3 -march=native`) into
-the cache folder (`$MESHWS_CACHE_DIR/native`, else `~/.cache/meshws/models/native`) and
-loaded with ctypes; the compile takes a few seconds. A library found there that is not
-ours alone (another owner, or writable by others) is never loaded. With no C compiler,
-or if the build fails, `kernels()` is None: int8 weights run on FBGEMM and decode
-attention on torch's sdpa (`/health` says which). `MESHWS_NATIVE=0` forbids building it.
+The library is built once per source, compiler and CPU (`kernel_build`), started in the
+background as a node starts. With no C compiler, or if the build fails, `kernels()` is None:
+int8 weights run on FBGEMM, decode attention on torch's sdpa, a GGUF on the transformers path
+(`/health` says which). `MESHWS_NATIVE=0` forbids building it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shlex
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy
 import torch
 
+from . import kernel_build
 from .block_types import BlockTensor, kernel_types, supported_names
-from .source import default_cache_dir
 
 log = logging.getLogger("meshws.shard")
 
-SOURCE = Path(__file__).with_name("kernels.c")
-SOURCES = (SOURCE, SOURCE.with_name("quants.c"))  # kernels.c includes quants.c (GGUF's block types)
-FLAGS = ["-O3", "-march=native", "-std=c11", "-ffp-contract=off", "-shared", "-fPIC", "-pthread"]  # fmaf by hand
+SOURCE, FLAGS = kernel_build.SOURCE, kernel_build.FLAGS
 
 
 _lent: int | None = None  # threads the kernels may use now (`cores.CoreShare` lends them step by step)
@@ -240,54 +235,18 @@ class Kernels:
         return weight.type_id
 
 
-def _build(target: Path, compiler: list[str]) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)  # two nodes may build at once
-    os.close(handle)
-    try:
-        subprocess.run([*compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)
-        os.chmod(partial, 0o755)
-        os.replace(partial, target)
-    finally:
-        Path(partial).unlink(missing_ok=True)
-
-
-def _ours(path: Path) -> bool:
-    """Is `path` (a library about to be loaded, or its folder) ours alone: owned by us, writable by no one else?"""
-    facts = path.stat()
-    return facts.st_uid == os.getuid() and not facts.st_mode & 0o022
-
-
-def _key(compiler: list[str]) -> str:
-    """The library's name: its source, the compiler, and what `-march=native` means on this CPU."""
-    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    native = subprocess.run([*compiler, "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True,
-                            timeout=30).stdout  # the macros the CPU turns on: another CPU, another library
-    return hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES) + version.encode() + " ".join(FLAGS).encode()
-                          + native.encode()).hexdigest()[:16]
-
-
 @functools.cache
 def kernels() -> Kernels | None:
-    """The kernels for this machine, built if need be; None where they cannot be."""
+    """The kernels for this machine, built if need be (`kernel_build`); None where they cannot be."""
     if os.environ.get("MESHWS_NATIVE", "1") == "0":
         log.info("native kernels off (MESHWS_NATIVE=0)")
         return None
-    configured = shlex.split(os.environ.get("CC", ""))
-    found = shutil.which("cc") or shutil.which("gcc")
-    compiler = configured or ([found] if found else [])
-    if not compiler:
-        log.info("no C compiler: int8 weights run on FBGEMM, decode attention on torch's sdpa")
-        return None
     try:
-        target = default_cache_dir() / "native" / f"kernels-{_key(compiler)}.so"
-        if any(path.exists() and not _ours(path) for path in (target.parent, target)):
-            raise OSError(f"{target} or its folder is not ours alone (owner, or writable by others): not loaded")
         for attempt in (1, 2):  # a library that does not load (cut short, another libc) is built again, once
-            if attempt == 2 or not target.is_file():
-                _build(target, compiler)
-                log.info("built the native kernels: %s", target)
+            target = kernel_build.library(rebuild=attempt == 2)
+            if target is None:
+                log.info("no C compiler: int8 weights run on FBGEMM, decode attention on torch's sdpa")
+                return None
             try:
                 return Kernels(target)
             except OSError:

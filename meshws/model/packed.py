@@ -1,9 +1,8 @@
 """The lean path's storage: linear weights (a GGUF's blocks, float tensors, or int8), and KV buffers.
 
-A GGUF's linear is its `BlockTensor`, as the file stores it (`block_linear`): a few rows (a decode step, a
-short chunk) multiply on meshws's kernels, with 8-bit activations (`products="q8"`) or exactly widened
-float32 weights (`"exact"`); a prompt's many rows widen the blocks a slice of outputs at a time into
-float32 or bfloat16 and multiply with torch's GEMM, the slice dropped after. `pack_linear` turns a
+A GGUF's linear is its `BlockTensor`, as the file stores it (`block_linear`), multiplied on meshws's
+kernels for any number of rows, with 8-bit activations (`products="q8"`) or exactly widened float32
+weights (`"exact"`): a row's result is the same in a decode step as in a prompt. `pack_linear` turns a
 float weight (and bias, of a Hugging Face folder's model) into the `Linear` that `linear` runs: float32
 weights multiplied by OpenBLAS are kept `[in, out]` with a numpy view (`blas`). With
 `quant="int8"` the weight is int8 with one scale per output channel: over the whole
@@ -52,7 +51,6 @@ class Linear(NamedTuple):
     kernels: Kernels | None = None  # the library that multiplies `codes` or `blocks`
     blocks: BlockTensor | None = None  # a GGUF's tensor as stored: the weight, read by `kernels`
     products: str = ""  # blocks: "q8" (8-bit activations, integer dots) or "exact" (float32 widening)
-    wide: torch.dtype = torch.float32  # blocks: what a prompt's slices widen to for torch's GEMM
 
     def tensors(self) -> list[torch.Tensor]:
         """The float tensors held (an int8 matrix and its scales are counted apart: see `int8_bytes`; a GGUF's
@@ -104,15 +102,10 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
     return Linear(None, bias, packed, shape)
 
 
-KERNEL_ROWS = 16  # rows of a block product on the kernels; more (a prompt) widen slices for torch's GEMM
-SLICE_BYTES = 16 * 2**20  # widened weights a prompt's product holds at once
-
-
-def block_linear(blocks: BlockTensor, bias: torch.Tensor | None, native: Kernels, products: str,
-                 wide: torch.dtype) -> Linear:
-    """A GGUF's linear layer: its blocks as stored (`products` "q8" or "exact"; `wide` for prompts' GEMMs)."""
+def block_linear(blocks: BlockTensor, bias: torch.Tensor | None, native: Kernels, products: str) -> Linear:
+    """A GGUF's linear layer: its blocks as stored, multiplied with `products` "q8" or "exact"."""
     return Linear(None, None if bias is None else bias.float().contiguous(), None, blocks.shape, kernels=native,
-                  blocks=blocks, products=products, wide=wide)
+                  blocks=blocks, products=products)
 
 
 def parts_linear(x: torch.Tensor, parts: Sequence[Linear]) -> torch.Tensor:
@@ -121,7 +114,8 @@ def parts_linear(x: torch.Tensor, parts: Sequence[Linear]) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
-    """`x @ weight.T + bias` in x's dtype."""
+    """`x @ weight.T + bias` in x's dtype. (Under `--compile`, the kernels' and FBGEMM's products stay outside the
+    graphs: `compiled.compile_lean` marks them so, which imports torch's compiler only then, not at every start.)"""
     if packed.blocks is not None:
         return _block_linear(x, packed)
     if packed.host is not None and not torch.compiler.is_compiling():
@@ -146,28 +140,14 @@ def _openblas_linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
     return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
-@torch.compiler.disable  # ctypes calls: opaque to inductor
 def _block_linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
     assert packed.kernels is not None and packed.blocks is not None
     rows = x.detach().reshape(-1, x.shape[-1]).float()
-    if rows.shape[0] <= KERNEL_ROWS:
-        out = packed.kernels.qlinear(rows, packed.blocks, packed.bias, threads()) if packed.products == "q8" else \
-            packed.kernels.linear(rows, packed.blocks, None, packed.bias, threads())
-        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
-    out_features, width = packed.shape
-    out = torch.empty(rows.shape[0], out_features)
-    step = max(64, SLICE_BYTES // (width * packed.wide.itemsize) // 64 * 64)
-    lhs = rows.to(packed.wide)
-    for first in range(0, out_features, step):
-        ids = torch.arange(first, min(first + step, out_features))
-        weight = packed.kernels.widen(packed.blocks, ids, packed.wide, threads())
-        out[:, first : first + len(ids)] = F.linear(lhs, weight).float()
-    if packed.bias is not None:
-        out += packed.bias
-    return out.to(x.dtype).view(*x.shape[:-1], out_features)
+    out = packed.kernels.qlinear(rows, packed.blocks, packed.bias, threads()) if packed.products == "q8" else \
+        packed.kernels.linear(rows, packed.blocks, None, packed.bias, threads())
+    return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
-@torch.compiler.disable  # a ctypes call: opaque to inductor
 def _native_linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
     assert packed.kernels is not None and packed.scales is not None and packed.codes is not None
     rows = x.detach().reshape(-1, x.shape[-1]).float()
@@ -175,7 +155,6 @@ def _native_linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
     return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
-@torch.compiler.disable  # FBGEMM's op is opaque to inductor, and the row scaling must round as it does eagerly
 def _int8_linear(x: torch.Tensor, packed: Linear) -> torch.Tensor:
     # Two things make FBGEMM's int8 GEMM fit here. It quantizes the activations with one range for
     # the whole matrix, so a row's result would depend on the rows batched with it: each row is

@@ -307,15 +307,22 @@ int mw_widen(int type, const void *w, int64_t cols, const int64_t *ids, int64_t 
 /* -- 8-bit products ------------------------------------------------------------------------------------------
 
    An activation row of `in` values (`padded`: rounded up to QK, zeros past `in`) is quantized to signed bytes q,
-   in one of two layouts, as llama.cpp quantizes for the same types:
-     for 32-value block types (Q4_0 ... Q8_0): d = max |x| / 127 per 32 values, q = round(x / d), and
+   as llama.cpp quantizes for the same types, in one of two layouts:
+     ROW32, for 32-value block types (Q4_0 ... Q8_0): d = max |x| / 127 per 32 values, q = round(x / d), and
        q int8[padded] | d float[padded / 4], once per 4 values (a vpdpbusd lane) | d * (sum of q) per 16 values
-     for K-quants (256-value super-blocks): one d per 256 values, and
-       q int8[padded] | d float[padded / 256] | (sum of q) per 16 values, as a float
-   A block with a NaN or an infinity gets d = NaN: the row's products are NaN, as a float product's. */
+     ROW256, for K-quants: one d per 256 values, and
+       q int8[padded], spread (below) | d float[padded / 256] | (sum of q) per 16 values (in order), as a float
+   In ROW256 a unit's 256 values are spread over its four chunks of 64: chunk c holds, for each 32-value sub-block
+   s in SUB_ORDER, its values 8c .. 8c + 7. A vpdpbusd lane (4 values) then always lies in one sub-block, the
+   same one in every chunk, so a unit's integer dots add up in int32 before its scales, once per unit. A block
+   with a NaN or an infinity gets d = NaN: the row's products are NaN, as a float product's. */
 
 #define ROW32 0
 #define ROW256 1
+
+static const int SUB_ORDER[8] = {0, 2, 4, 6, 1, 3, 5, 7}; /* low nibbles of Q4_K's four 32-byte groups, then high */
+
+static inline int spread_at(int p) { return 32 * SUB_ORDER[(p % 64) / 8] + 8 * (p / 64) + p % 8; } /* value at p */
 
 static inline int layout_of(const block_type *t) { return t->elements == QK ? ROW256 : ROW32; }
 static inline int64_t q8_padded(int64_t in) { return (in + QK - 1) / QK * QK; }
@@ -336,7 +343,7 @@ static float largest(const float *x, int64_t n) {
     return top;
 }
 
-/* q[0..32 or 256) of x[0..n) (zeros past n) with scale d; the sums of each 16 q's into group_sums. */
+/* q[0..size) of x[0..n) (zeros past n) for the scale top / 127; the sums of each 16 q's into group_sums. */
 static void quantize_block(const float *x, int64_t n, int64_t size, float top, int8_t *q, int *group_sums) {
     const float inverse = isfinite(top) && top > 0.0f ? 127.0f / top : 0.0f;
     for (int64_t g = 0; g < size / GROUP; g++)
@@ -351,19 +358,22 @@ static void quantize_block(const float *x, int64_t n, int64_t size, float top, i
 
 static void quantize_row(const float *x, int64_t in, int layout, uint8_t *row) {
     const int64_t padded = q8_padded(in), size = layout == ROW32 ? 32 : QK;
-    int8_t *q = (int8_t *)row;
+    int8_t *q = (int8_t *)row, natural[QK];
     float *scales = (float *)(row + padded), *sums = scales + (layout == ROW32 ? padded / 4 : padded / QK);
     int group_sums[QK / GROUP];
     for (int64_t k = 0; k < padded; k += size) {
         const int64_t n = in - k < size ? (in - k > 0 ? in - k : 0) : size;
         const float top = largest(x + k, n), d = top / 127.0f;
-        quantize_block(x + k, n, size, top, q + k, group_sums);
         if (layout == ROW32) {
+            quantize_block(x + k, n, size, top, q + k, group_sums);
             for (int l = 0; l < 8; l++)
                 scales[k / 4 + l] = d;
             sums[k / GROUP] = d * (float)group_sums[0];
             sums[k / GROUP + 1] = d * (float)group_sums[1];
         } else {
+            quantize_block(x + k, n, size, top, natural, group_sums);
+            for (int p = 0; p < QK; p++)
+                q[k + p] = natural[spread_at(p)];
             scales[k / QK] = d;
             for (int g = 0; g < QK / GROUP; g++)
                 sums[k / GROUP + g] = (float)group_sums[g];
@@ -393,8 +403,8 @@ static inline q_row row_at(const uint8_t *row, int64_t padded, int layout) {
     return x;
 }
 
-/* A weight row unpacked for the 8-bit products: per unit of QK values, the unsigned codes, the scale a per
-   16 values, and b' = b - offset * a (what the sum of those 16 activations is multiplied by). */
+/* A weight row unpacked for the 8-bit products: per unit of QK values, the unsigned codes (ROW256: spread as its
+   activations are), the scale a per 16 values and b' (what the sum of those 16 activations is multiplied by). */
 typedef struct {
     uint8_t *codes; /* [padded] */
     float *a, *b;   /* [padded / 16] */
@@ -402,11 +412,12 @@ typedef struct {
 
 static void unpack_row(const block_type *t, const uint8_t *w, int64_t in, unpacked_row *u) {
     const int64_t padded = q8_padded(in);
+    int8_t natural[QK];
     for (int64_t k = 0; k < padded; k += QK) {
         int n = in - k < QK ? (int)(in - k) : QK;
         int8_t *c = (int8_t *)u->codes + k;
         float *a = u->a + k / GROUP, *b = u->b + k / GROUP;
-        t->unpack(w, n, c, a, b);
+        t->unpack(w, n, layout_of(t) == ROW256 ? natural : c, a, b);
         w += n / t->elements * t->bytes;
         for (int g = 0; g < QK / GROUP; g++) {
             if (g >= n / GROUP) { /* past the row's end: nothing */
@@ -414,50 +425,104 @@ static void unpack_row(const block_type *t, const uint8_t *w, int64_t in, unpack
                 b[g] = 0.0f;
                 continue;
             }
-            b[g] = (t->has_b ? b[g] : 0.0f) - (float)t->offset * a[g];
+            b[g] = t->has_b ? b[g] : -((float)t->offset * a[g]); /* (as the fused loops make it) */
         }
-        memset(c + n, 0, (size_t)(QK - n));
-        for (int i = 0; i < n; i++)
-            c[i] = (int8_t)(uint8_t)((int)c[i] + t->offset);
+        if (layout_of(t) == ROW256)
+            for (int p = 0; p < QK; p++)
+                c[p] = natural[spread_at(p)];
+        else
+            memset(c + n, 0, (size_t)(QK - n));
+        for (int i = 0; i < QK; i++)
+            c[i] = (int8_t)(uint8_t)((int)c[i] + (i < n || layout_of(t) == ROW256 ? t->offset : 0));
     }
 }
 
-#define Q_ROWS 4 /* activation rows that share one pass over a weight row */
+#define Q_ROWS 8 /* activation rows that share one pass over a weight row */
+#define PREFETCH 2048 /* bytes ahead of the block read that a fused loop asks for (a hint: past the end, nothing) */
+#define Q_TILE 64 /* outputs a unit of work takes: their weights stay in cache while each group of rows passes */
 
-/* sums[r] = rows[r] . the unpacked weight row, for any type: per 64 values an integer dot lane by lane (4 values a
-   lane), scaled; per 16 values the offset b' times the activations' sum. */
-static void q_dots(const unpacked_row *u, const uint8_t *const *rows, int nr, int64_t padded, int layout,
-                   float *sums) {
-    for (int r = 0; r < nr; r++) {
-        const q_row x = row_at(rows[r], padded, layout);
-        float lanes[16] = {0};
-        for (int64_t k = 0; k < padded; k += QK) {
-            float unit[16] = {0};
-            for (int64_t c = k; c < k + QK; c += 64)
-                for (int l = 0; l < 16; l++) {
-                    int dot = 0;
-                    for (int i = 0; i < 4; i++)
-                        dot += (int)u->codes[c + 4 * l + i] * (int)x.q[c + 4 * l + i];
-                    const float a = u->a[(c + 4 * l) / GROUP];
-                    unit[l] = fmaf((float)dot, layout == ROW32 ? a * x.scale[(c + 4 * l) / 4] : a, unit[l]);
-                }
-            for (int l = 0; l < 16; l++) {
-                unit[l] = fmaf(u->b[k / GROUP + l], x.sums[k / GROUP + l], unit[l]);
-                lanes[l] = layout == ROW32 ? lanes[l] + unit[l] : fmaf(unit[l], x.scale[k / QK], lanes[l]);
-            }
-        }
-        float half[8];
-        for (int l = 0; l < 8; l++)
-            half[l] = lanes[l] + lanes[l + 8];
-        sums[r] = ((half[0] + half[4]) + (half[2] + half[6])) + ((half[1] + half[5]) + (half[3] + half[7]));
-    }
-}
+/* Every product of a type, for any number of rows, runs the same loop below (a row's sums, and their order, are
+   the same alone or in any batch, and on every instruction set): the fused loops of the hot types where they are
+   built, else `q_dots` on the unpacked row. Per (row, unit of 256 values), lane by lane (16 lanes of 4 values):
+     ROW256: the integer dots of chunks 0 and 1 summed (i01), of 2 and 3 (i23), exactly; then
+             v = float(i01) * a01 + float(i23) * a23 (a lane's scale for its values of each pair of chunks),
+             v += b' * (sum of q) of 16-value group `lane` (in order), and acc[unit parity] += v * d;
+     ROW32:  per chunk c of 64 values (two blocks), e = float(dots) * (a * d), the chunks into two chains
+             (0, 2 and 1, 3) and the offsets' share (b' times d * the sums per 16) into the first, then
+             acc[unit parity] += even + odd;
+   then the two accumulators, then their lanes (`hsum`'s tree). */
+
+/* The lanes' scale indices (16-value groups) for chunks `pair` (0: chunks 0 and 1; 1: 2 and 3) of a ROW256 unit. */
+static inline int spread_group(int lane, int pair) { return 2 * SUB_ORDER[lane / 2] + pair; }
 
 #if LANES == 16 && defined(__AVX512VNNI__)
-/* The hot types' products unpack and multiply in registers, for up to Q_ROWS rows at once (a weight row's codes are
-   read once for them): what a one-row decode step of a Q4_K_M or Q8_0 file spends its time on. Each sums a
-   (row, output) pair in one order, whatever the batch; two chains a row (even and odd chunks of 64), so a step
-   does not wait on the one before. */
+static inline __m512 dots(__m512i codes, const int8_t *x) {
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(x)));
+}
+
+static inline __m512 groups_of(__m512 a, int first) { /* lanes 4i..4i+3 a[first + i] (4 values a lane) */
+    return _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(first),
+                                                  _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)), a);
+}
+
+static inline __m512 spread_lanes(__m512 a, int pair) { /* lane l: a[spread_group(l, pair)] */
+    return _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(pair),
+                                                  _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 2, 2, 6, 6, 10, 10, 14,
+                                                                    14)), a);
+}
+
+/* A ROW256 unit: its four chunks' codes, the lanes' scales a01, a23, and b' per 16 values; every row's share. */
+static inline __attribute__((always_inline)) void spread_rows(const __m512i *codes, __m512 a01, __m512 a23, __m512 b,
+                                                              const q_row *x, int nr, int64_t k, vec *acc) {
+    for (int r = 0; r < nr; r++) {
+        const int8_t *q = x[r].q + k;
+        const __m512i i01 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[0],
+                                                                    _mm512_loadu_si512(q)),
+                                                codes[1], _mm512_loadu_si512(q + 64));
+        const __m512i i23 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[2],
+                                                                    _mm512_loadu_si512(q + 128)),
+                                                codes[3], _mm512_loadu_si512(q + 192));
+        vec v = vtimes(_mm512_cvtepi32_ps(i01), a01);
+        v = vfma(_mm512_cvtepi32_ps(i23), a23, v);
+        v = vfma(b, vload(x[r].sums + k / GROUP), v);
+        acc[2 * r + (k / QK & 1)] = vfma(v, vset1(x[r].scale[k / QK]), acc[2 * r + (k / QK & 1)]);
+    }
+}
+
+/* A ROW32 unit (eight blocks of 32): its chunks' codes and each lane's scale a, and b' per 16 values. */
+static inline __attribute__((always_inline)) void block_rows(const __m512i *codes, const __m512 *lanes, __m512 b,
+                                                             const q_row *x, int nr, int64_t k, vec *acc) {
+    for (int r = 0; r < nr; r++) {
+        const int8_t *q = x[r].q + k;
+        const float *scale = x[r].scale + k / 4;
+        vec even = vtimes(dots(codes[0], q), vtimes(lanes[0], vload(scale)));
+        vec odd = vtimes(dots(codes[1], q + 64), vtimes(lanes[1], vload(scale + 16)));
+        even = vfma(dots(codes[2], q + 128), vtimes(lanes[2], vload(scale + 32)), even);
+        odd = vfma(dots(codes[3], q + 192), vtimes(lanes[3], vload(scale + 48)), odd);
+        even = vfma(b, vload(x[r].sums + k / GROUP), even);
+        acc[2 * r + (k / QK & 1)] = vplus(acc[2 * r + (k / QK & 1)], vplus(even, odd));
+    }
+}
+
+/* The unpacked row (`unpack_row`), any type: the same sums as a fused loop of that type would make. */
+static inline __attribute__((always_inline)) void unpacked_rows(const unpacked_row *u, int64_t padded, const q_row *x,
+                                                                int nr, int layout, vec *acc) {
+    for (int64_t k = 0; k < padded; k += QK) {
+        const vec a = vload(u->a + k / GROUP), b = vload(u->b + k / GROUP);
+        const __m512i codes[4] = {_mm512_load_si512(u->codes + k), _mm512_load_si512(u->codes + k + 64),
+                                  _mm512_load_si512(u->codes + k + 128), _mm512_load_si512(u->codes + k + 192)};
+        if (layout == ROW256)
+            spread_rows(codes, spread_lanes(a, 0), spread_lanes(a, 1), b, x, nr, k, acc);
+        else {
+            const __m512 lanes[4] = {groups_of(a, 0), groups_of(a, 4), groups_of(a, 8), groups_of(a, 12)};
+            block_rows(codes, lanes, b, x, nr, k, acc);
+        }
+    }
+}
+
+static inline __m512 negated(__m512 v) { /* -v, lane by lane, as the scalar minus (signed zeros too) */
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)));
+}
 
 static inline float half_fast(const uint8_t *p) { /* (F16C; a NaN's payload may differ from half_to_float's) */
     uint16_t h;
@@ -465,26 +530,26 @@ static inline float half_fast(const uint8_t *p) { /* (F16C; a NaN's payload may 
     return _cvtsh_ss(h);
 }
 
-static inline __m512 dots(__m512i codes, const int8_t *x) {
-    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(x)));
+/* Byte indices gathering a spread chunk of Q4_K's codes from its 128 bytes of nibbles: for each of the four
+   32-byte groups, bytes 8c .. 8c + 7, twice (low nibbles in the first half, high nibbles in the second). */
+static inline __m512i q4_K_gather(int c) {
+    const __m512i within = _mm512_set_epi64(0x0706050403020100LL, 0x0706050403020100LL, 0x0706050403020100LL,
+                                            0x0706050403020100LL, 0x0706050403020100LL, 0x0706050403020100LL,
+                                            0x0706050403020100LL, 0x0706050403020100LL);
+    const __m512i group = _mm512_set_epi64(0x6060606060606060LL, 0x4040404040404040LL, 0x2020202020202020LL, 0,
+                                           0x6060606060606060LL, 0x4040404040404040LL, 0x2020202020202020LL, 0);
+    return _mm512_add_epi8(_mm512_add_epi8(within, group), _mm512_set1_epi8((char)(8 * c)));
 }
 
-static inline __m512 lanes_of(__m512 a, int first) { /* lanes 0-7 a[first], 8-15 a[first + 1] */
-    return _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(first),
-                                                  _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)), a);
-}
-
-static inline __m512 groups_of(__m512 a, int first) { /* lanes 4i..4i+3 a[first + i] */
-    return _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(first),
-                                                  _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)), a);
-}
-
-/* K-quants: a super-block's chunks summed unscaled (acc), then times the row's d for those 256 values. */
-static inline __attribute__((always_inline)) void dots_q4_K(const uint8_t *w, int64_t in, const q_row *x, int nr,
-                                                            vec *acc) {
+/* Q4_K, unpacked in registers: a = d * scale, b' = -(dmin * min), as `unpack_q4_K` and `unpack_row` make them. */
+static inline __attribute__((always_inline)) void fused_q4_K(const uint8_t *w, int64_t in, const q_row *x, int nr,
+                                                             vec *acc) {
     const __m512i low = _mm512_set1_epi8(15);
-    const __m512i pick_min = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+    const __m512i pick = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i gather[4] = {q4_K_gather(0), q4_K_gather(1), q4_K_gather(2), q4_K_gather(3)};
     for (int64_t k = 0; k < in; k += QK, w += 144) {
+        for (int line = 0; line < 144; line += 64) /* (the hardware's prefetch alone left a fifth of the time idle) */
+            __builtin_prefetch(w + PREFETCH + line, 0, 0);
         uint32_t s[3];
         memcpy(s, w + 4, 12);
         const uint32_t scale_low = s[0] & 0x3f3f3f3fu, min_low = s[1] & 0x3f3f3f3fu;
@@ -492,142 +557,189 @@ static inline __attribute__((always_inline)) void dots_q4_K(const uint8_t *w, in
         const uint32_t min_high = ((s[2] >> 4) & 0x0f0f0f0fu) | ((s[1] >> 2) & 0x30303030u);
         const vec both = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
             _mm_set_epi32((int)min_high, (int)min_low, (int)scale_high, (int)scale_low))); /* 8 scales, 8 mins */
-        const vec a = vtimes(both, vset1(half_fast(w)));
-        const vec b = _mm512_permutexvar_ps(pick_min, vtimes(both, vset1(half_fast(w + 2)))); /* dmin * m, per 16 */
+        const vec a = _mm512_permutexvar_ps(pick, vtimes(both, vset1(half_fast(w)))); /* per 16 values */
+        const vec mins = vtimes(_mm512_shuffle_f32x4(both, both, 0xee), vset1(half_fast(w + 2)));
+        const vec b = negated(_mm512_permutexvar_ps(pick, mins));
+        const __m512i qa = _mm512_loadu_si512(w + 16), qb = _mm512_loadu_si512(w + 80);
         __m512i codes[4];
         for (int c = 0; c < 4; c++) {
-            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 16 + 32 * c)));
+            const __m512i q = _mm512_permutex2var_epi8(qa, gather[c], qb);
             codes[c] = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xffff0000u, q, 4), low);
         }
-        for (int r = 0; r < nr; r++) {
-            const int8_t *q = x[r].q + k;
-            vec even = vtimes(dots(codes[0], q), lanes_of(a, 0));
-            vec odd = vtimes(dots(codes[1], q + 64), lanes_of(a, 2));
-            even = vfma(dots(codes[2], q + 128), lanes_of(a, 4), even);
-            odd = vfma(dots(codes[3], q + 192), lanes_of(a, 6), odd);
-            even = _mm512_fnmadd_ps(b, vload(x[r].sums + k / GROUP), even);
-            acc[2 * r + (k / QK & 1)] = vfma(vplus(even, odd), vset1(x[r].scale[k / QK]), acc[2 * r + (k / QK & 1)]);
-        }
+        spread_rows(codes, spread_lanes(a, 0), spread_lanes(a, 1), b, x, nr, k, acc);
     }
 }
 
-static inline __attribute__((always_inline)) void dots_q6_K(const uint8_t *w, int64_t in, const q_row *x, int nr,
-                                                            vec *acc) {
+/* Q6_K: a = d * scale per 16 values, b' = -32 a (the codes' offset). Value 32s + 8c + t of a unit: low nibble at
+   byte 64 h + 32 (s % 2) + 8c + t of ql, shifted by 4 ((s % 4) / 2); high bits at byte 32 h + 8c + t of qh,
+   shifted by 2 (s % 4), with h = s / 4. */
+static inline __attribute__((always_inline)) void fused_q6_K(const uint8_t *w, int64_t in, const q_row *x, int nr,
+                                                             vec *acc) {
     const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3);
+    /* per 8-byte group k of a chunk (sub-block s = SUB_ORDER[k]): where its ql and qh bytes start, and shifts */
+    const long long b32 = 0x2020202020202020LL, b64 = 0x4040404040404040LL, b96 = 0x6060606060606060LL;
+    const __m512i ql_at = _mm512_set_epi64(b96, b96, b32, b32, b64, b64, 0, 0); /* (groups 7 .. 0) */
+    const __m512i qh_at = _mm512_set_epi64(b32, b32, 0, 0, b32, b32, 0, 0);
+    const __m512i ql_shift = _mm512_set_epi64(4, 0, 4, 0, 4, 0, 4, 0);
+    const __m512i qh_shift = _mm512_set_epi64(6, 2, 6, 2, 4, 0, 4, 0);
+    const __m512i within = _mm512_set1_epi64(0x0706050403020100LL);
     for (int64_t k = 0; k < in; k += QK, w += 210) {
+        for (int line = 0; line < 210; line += 64)
+            __builtin_prefetch(w + PREFETCH + line, 0, 0);
         const vec a = vtimes(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 192)))),
                              vset1(half_fast(w + 208)));
+        const __m512i la = _mm512_loadu_si512(w), lb = _mm512_loadu_si512(w + 64), h = _mm512_loadu_si512(w + 128);
         __m512i codes[4];
-        for (int h = 0; h < 2; h++) {
-            const __m512i l = _mm512_loadu_si512(w + 64 * h);
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
-            const __m512i high01 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-            const __m512i high23 = _mm512_srli_epi16(high01, 4);
-            codes[2 * h] = _mm512_or_si512(_mm512_and_si512(l, low),
-                                           _mm512_slli_epi16(_mm512_and_si512(high01, two), 4));
-            codes[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),
-                                               _mm512_slli_epi16(_mm512_and_si512(high23, two), 4));
+        for (int c = 0; c < 4; c++) {
+            const __m512i offset = _mm512_add_epi8(within, _mm512_set1_epi8((char)(8 * c)));
+            const __m512i l = _mm512_permutex2var_epi8(la, _mm512_add_epi8(offset, ql_at), lb);
+            const __m512i hi = _mm512_permutexvar_epi8(_mm512_add_epi8(offset, qh_at), h);
+            codes[c] = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi64(l, ql_shift), low),
+                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(hi, qh_shift), two), 4));
         }
-        const vec b = vtimes(a, vset1(32.0f)); /* the codes' offset of 32, per 16 values */
-        for (int r = 0; r < nr; r++) {
-            const int8_t *q = x[r].q + k;
-            vec even = vtimes(dots(codes[0], q), groups_of(a, 0));
-            vec odd = vtimes(dots(codes[1], q + 64), groups_of(a, 4));
-            even = vfma(dots(codes[2], q + 128), groups_of(a, 8), even);
-            odd = vfma(dots(codes[3], q + 192), groups_of(a, 12), odd);
-            even = _mm512_fnmadd_ps(b, vload(x[r].sums + k / GROUP), even);
-            acc[2 * r + (k / QK & 1)] = vfma(vplus(even, odd), vset1(x[r].scale[k / QK]), acc[2 * r + (k / QK & 1)]);
-        }
+        spread_rows(codes, spread_lanes(a, 0), spread_lanes(a, 1), negated(vtimes(vset1(32.0f), a)), x, nr, k, acc);
     }
 }
 
-/* Q8_0: signed codes meet the activations as |q| and x with q's sign (vpdpbusd takes one side unsigned). */
-static inline __attribute__((always_inline)) void dots_q8_0(const uint8_t *w, int64_t in, const q_row *x, int nr,
-                                                            vec *acc) {
-    for (int64_t k = 0; k < in; k += 64, w += 68) {
-        const int two = k + 64 <= in;
-        const __m256i q1 = two ? _mm256_loadu_si256((const __m256i *)(w + 36)) : _mm256_setzero_si256();
-        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2))),
-                                             q1, 1);
-        const __mmask64 negative = _mm512_movepi8_mask(q);
-        const __m512i magnitude = _mm512_abs_epi8(q);
-        const vec lanes = _mm512_insertf32x8(vset1(half_fast(w)), _mm256_set1_ps(two ? half_fast(w + 34) : 0.0f), 1);
-        for (int r = 0; r < nr; r++) {
-            const __m512i xr = two ? _mm512_loadu_si512(x[r].q + k) : _mm512_maskz_loadu_epi8(0xffffffffu, x[r].q + k);
-            const __m512i signed_x = _mm512_mask_sub_epi8(xr, negative, _mm512_setzero_si512(), xr);
-            const vec scale = two ? vload(x[r].scale + k / 4) : _mm512_maskz_loadu_ps(0x00ff, x[r].scale + k / 4);
-            acc[2 * r + (k / 64 & 1)] = vfma(
-                _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed_x)),
-                vtimes(lanes, scale), acc[2 * r + (k / 64 & 1)]);
+/* Q8_0, eight blocks a unit (fewer at a row's end): u = q + 128, b' = -128 d. */
+static inline __attribute__((always_inline)) void fused_q8_0(const uint8_t *w, int64_t in, const q_row *x, int nr,
+                                                             vec *acc) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t k = 0; k < q8_padded(in); k += QK) {
+        const int blocks = in - k >= QK ? 8 : (int)(in - k) / 32;
+        float d[16] = {0};
+        __m512i codes[4];
+        for (int c = 0; c < 4; c++) {
+            const __m256i first = c * 2 < blocks ? _mm256_loadu_si256((const __m256i *)(w + 68 * c + 2)) :
+                _mm256_setzero_si256();
+            const __m256i second = c * 2 + 1 < blocks ? _mm256_loadu_si256((const __m256i *)(w + 68 * c + 36)) :
+                _mm256_setzero_si256();
+            codes[c] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1), flip);
         }
+        for (int i = 0; i < blocks; i++)
+            d[2 * i] = d[2 * i + 1] = half_fast(w + 34 * i);
+        const vec a = vload(d);
+        const __m512 lanes[4] = {groups_of(a, 0), groups_of(a, 4), groups_of(a, 8), groups_of(a, 12)};
+        block_rows(codes, lanes, negated(vtimes(vset1(128.0f), a)), x, nr, k, acc);
+        w += 34 * blocks;
     }
 }
 
-/* Q4_1, two blocks of 32 a step: the codes d * q, and each block's m times its 32 activations' sum. */
-static inline __attribute__((always_inline)) void dots_q4_1(const uint8_t *w, int64_t in, const q_row *x, int nr,
-                                                            vec *acc) {
+/* Q4_1, eight blocks a unit: a = d, b' = m. */
+static inline __attribute__((always_inline)) void fused_q4_1(const uint8_t *w, int64_t in, const q_row *x, int nr,
+                                                             vec *acc) {
     const __m512i low = _mm512_set1_epi8(15);
-    float mins[Q_ROWS] = {0};
-    for (int64_t k = 0; k < in; k += 64, w += 40) {
-        const int two = k + 64 <= in;
-        const __m128i q0 = _mm_loadu_si128((const __m128i *)(w + 4));
-        const __m128i q1 = two ? _mm_loadu_si128((const __m128i *)(w + 24)) : _mm_setzero_si128();
-        const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
-        /* bytes [q0 low nibbles, q0 high, q1 low, q1 high] */
-        const __m512i spread = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
-        const __m512i codes = _mm512_and_si512(_mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7),
-                                                                        spread), low);
-        const float d1 = two ? half_fast(w + 20) : 0.0f, m0 = half_fast(w + 2), m1 = two ? half_fast(w + 22) : 0.0f;
-        const vec lanes = _mm512_insertf32x8(vset1(half_fast(w)), _mm256_set1_ps(d1), 1);
-        for (int r = 0; r < nr; r++) {
-            const __m512i xr = two ? _mm512_loadu_si512(x[r].q + k) : _mm512_maskz_loadu_epi8(0xffffffffu, x[r].q + k);
-            const vec scale = two ? vload(x[r].scale + k / 4) : _mm512_maskz_loadu_ps(0x00ff, x[r].scale + k / 4);
-            acc[2 * r + (k / 64 & 1)] = vfma(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xr)),
-                                             vtimes(lanes, scale), acc[2 * r + (k / 64 & 1)]);
-            const float *sums = x[r].sums + k / GROUP;
-            mins[r] = fmaf(m0, sums[0] + sums[1], mins[r]);
-            if (two)
-                mins[r] = fmaf(m1, sums[2] + sums[3], mins[r]);
+    for (int64_t k = 0; k < q8_padded(in); k += QK) {
+        const int blocks = in - k >= QK ? 8 : (int)(in - k) / 32;
+        float d[16] = {0}, m[16] = {0};
+        __m512i codes[4];
+        for (int c = 0; c < 4; c++) {
+            const __m128i q0 = c * 2 < blocks ? _mm_loadu_si128((const __m128i *)(w + 40 * c + 4)) : _mm_setzero_si128();
+            const __m128i q1 = c * 2 + 1 < blocks ? _mm_loadu_si128((const __m128i *)(w + 40 * c + 24)) :
+                _mm_setzero_si128();
+            const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
+            const __m512i spread = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
+            codes[c] = _mm512_and_si512(_mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), spread),
+                                        low);
         }
+        for (int i = 0; i < blocks; i++) {
+            d[2 * i] = d[2 * i + 1] = half_fast(w + 20 * i);
+            m[2 * i] = m[2 * i + 1] = half_fast(w + 20 * i + 2);
+        }
+        const vec a = vload(d);
+        const __m512 lanes[4] = {groups_of(a, 0), groups_of(a, 4), groups_of(a, 8), groups_of(a, 12)};
+        block_rows(codes, lanes, vload(m), x, nr, k, acc);
+        w += 20 * blocks;
     }
-    for (int r = 0; r < nr; r++) /* (lane 0 holds the blocks' m terms, added as the last step) */
-        acc[2 * r] = _mm512_mask_add_ps(acc[2 * r], 1, acc[2 * r], _mm512_set1_ps(mins[r]));
 }
 
 static int has_fused_dots(int type) { return type == 12 || type == 14 || type == 8 || type == 3; }
 
-/* sums[r] = row r . the weight row w, for a type with a fused loop. */
-static void fused_q_dots(int type, const uint8_t *w, int64_t in, const uint8_t *const *rows, int nr, int64_t padded,
-                         int layout, float *sums) {
+/* sums[r] = row r . the weight row w (raw blocks, or `u` unpacked for a type without a fused loop). */
+static void q_dots(int type, const uint8_t *w, const unpacked_row *u, int64_t in, const uint8_t *const *rows, int nr,
+                   int64_t padded, int layout, float *sums) {
     q_row x[Q_ROWS];
-    for (int r = 0; r < nr; r++)
-        x[r] = row_at(rows[r], padded, layout);
+    const int width = nr == 1 ? 1 : nr == 2 ? 2 : nr <= 4 ? 4 : 8; /* loops built for these counts only: a group */
+    for (int r = 0; r < width; r++) /* of 3 runs as 4, its first row again (those sums dropped) */
+        x[r] = row_at(rows[r < nr ? r : 0], padded, layout);
     vec acc[2 * Q_ROWS];
     for (int r = 0; r < 2 * Q_ROWS; r++)
         acc[r] = vzero();
-#define FUSED(fn)                                                                                                 \
-    switch (nr) {                                                                                                 \
-    case 1: fn(w, in, x, 1, acc); break;                                                                          \
-    case 2: fn(w, in, x, 2, acc); break;                                                                          \
-    case 3: fn(w, in, x, 3, acc); break;                                                                          \
-    default: fn(w, in, x, 4, acc); break;                                                                         \
+#define ROWS(call)                                                                                                \
+    switch (width) {                                                                                              \
+    case 1: call(1); break;                                                                                       \
+    case 2: call(2); break;                                                                                       \
+    case 4: call(4); break;                                                                                       \
+    default: call(8); break;                                                                                      \
     }
+#define Q4K(n) fused_q4_K(w, in, x, n, acc)
+#define Q6K(n) fused_q6_K(w, in, x, n, acc)
+#define Q80(n) fused_q8_0(w, in, x, n, acc)
+#define Q41(n) fused_q4_1(w, in, x, n, acc)
+#define ANY(n) unpacked_rows(u, padded, x, n, layout, acc)
     switch (type) {
-    case 12: FUSED(dots_q4_K); break;
-    case 14: FUSED(dots_q6_K); break;
-    case 8: FUSED(dots_q8_0); break;
-    default: FUSED(dots_q4_1); break;
+    case 12: ROWS(Q4K); break;
+    case 14: ROWS(Q6K); break;
+    case 8: ROWS(Q80); break;
+    case 3: ROWS(Q41); break;
+    default: ROWS(ANY); break;
     }
-#undef FUSED
+#undef ROWS
+#undef Q4K
+#undef Q6K
+#undef Q80
+#undef Q41
+#undef ANY
     for (int r = 0; r < nr; r++)
         sums[r] = hsum(vplus(acc[2 * r], acc[2 * r + 1]));
 }
 #else
 static int has_fused_dots(int type) { return (void)type, 0; }
 
-static void fused_q_dots(int type, const uint8_t *w, int64_t in, const uint8_t *const *rows, int nr, int64_t padded,
-                         int layout, float *sums) {
-    (void)type, (void)w, (void)in, (void)rows, (void)nr, (void)padded, (void)layout, (void)sums;
+/* sums[r] = row r . the unpacked weight row: the vector loops' arithmetic, lane by lane in scalar code (16 lanes of
+   4 values; `hsum`'s tree). */
+static void q_dots(int type, const uint8_t *w, const unpacked_row *u, int64_t in, const uint8_t *const *rows, int nr,
+                   int64_t padded, int layout, float *sums) {
+    (void)type, (void)w, (void)in;
+    for (int r = 0; r < nr; r++) {
+        const q_row x = row_at(rows[r], padded, layout);
+        float acc[2][16] = {{0}};
+        for (int64_t k = 0; k < padded; k += QK) {
+            int dots[4][16];
+            for (int c = 0; c < 4; c++)
+                for (int l = 0; l < 16; l++) {
+                    const int64_t at = k + 64 * c + 4 * l;
+                    dots[c][l] = 0;
+                    for (int i = 0; i < 4; i++)
+                        dots[c][l] += (int)u->codes[at + i] * (int)x.q[at + i];
+                }
+            for (int l = 0; l < 16; l++) {
+                const float *a = u->a + k / GROUP;
+                float *into = &acc[k / QK & 1][l];
+                if (layout == ROW256) {
+                    float v = (float)(dots[0][l] + dots[1][l]) * a[spread_group(l, 0)];
+                    v = fmaf((float)(dots[2][l] + dots[3][l]), a[spread_group(l, 1)], v);
+                    v = fmaf(u->b[k / GROUP + l], x.sums[k / GROUP + l], v);
+                    *into = fmaf(v, x.scale[k / QK], *into);
+                } else {
+                    float chain[4];
+                    for (int c = 0; c < 4; c++)
+                        chain[c] = a[4 * c + l / 4] * x.scale[(k + 64 * c + 4 * l) / 4];
+                    float even = (float)dots[0][l] * chain[0], odd = (float)dots[1][l] * chain[1];
+                    even = fmaf((float)dots[2][l], chain[2], even);
+                    odd = fmaf((float)dots[3][l], chain[3], odd);
+                    even = fmaf(u->b[k / GROUP + l], x.sums[k / GROUP + l], even);
+                    *into = *into + (even + odd);
+                }
+            }
+        }
+        float lanes[16], half[8];
+        for (int l = 0; l < 16; l++)
+            lanes[l] = acc[0][l] + acc[1][l];
+        for (int l = 0; l < 8; l++)
+            half[l] = lanes[l] + lanes[l + 8];
+        sums[r] = ((half[0] + half[4]) + (half[2] + half[6])) + ((half[1] + half[5]) + (half[3] + half[7]));
+    }
 }
 #endif
 
@@ -639,31 +751,30 @@ typedef struct {
     float *y;
 } qlinear_job;
 
-#define Q_OUTPUTS 8 /* outputs a unit of work takes */
-
+/* Units of Q_TILE outputs: for each group of Q_ROWS rows (in cache), every output of the unit. */
 static void qlinear_units(const void *task, int64_t begin, int64_t end) {
     const qlinear_job *j = task;
     const int64_t padded = q8_padded(j->in);
     const int fused = has_fused_dots(j->type->type), layout = layout_of(j->type);
     uint8_t *buffer = fused ? NULL : lined((size_t)padded + sizeof(float) * 2 * (size_t)(padded / GROUP));
     unpacked_row u = {buffer, (float *)(buffer + padded), (float *)(buffer + padded) + padded / GROUP};
-    const int64_t last = end * Q_OUTPUTS < j->out ? end * Q_OUTPUTS : j->out;
-    for (int64_t o = begin * Q_OUTPUTS; o < last; o++) {
-        const uint8_t *w = j->w + o * j->row_bytes;
-        if (!fused)
-            unpack_row(j->type, w, j->in, &u);
+    const int64_t first = begin * Q_TILE, last = end * Q_TILE < j->out ? end * Q_TILE : j->out;
+    for (int64_t tile = first; tile < last; tile += Q_TILE) {
+        const int64_t tile_end = tile + Q_TILE < last ? tile + Q_TILE : last;
         for (int64_t r0 = 0; r0 < j->rows; r0 += Q_ROWS) {
             const int nr = (int)(j->rows - r0 < Q_ROWS ? j->rows - r0 : Q_ROWS);
             const uint8_t *rows[Q_ROWS];
-            float sums[Q_ROWS];
             for (int r = 0; r < nr; r++)
                 rows[r] = j->x + (r0 + r) * j->x_bytes;
-            if (fused)
-                fused_q_dots(j->type->type, w, j->in, rows, nr, padded, layout, sums);
-            else
-                q_dots(&u, rows, nr, padded, layout, sums);
-            for (int r = 0; r < nr; r++)
-                j->y[(r0 + r) * j->ldy + o] = j->bias ? sums[r] + j->bias[o] : sums[r];
+            for (int64_t o = tile; o < tile_end; o++) {
+                const uint8_t *w = j->w + o * j->row_bytes;
+                float sums[Q_ROWS];
+                if (!fused)
+                    unpack_row(j->type, w, j->in, &u);
+                q_dots(j->type->type, w, &u, j->in, rows, nr, padded, layout, sums);
+                for (int r = 0; r < nr; r++)
+                    j->y[(r0 + r) * j->ldy + o] = j->bias ? sums[r] + j->bias[o] : sums[r];
+            }
         }
     }
     free(buffer);
@@ -675,7 +786,7 @@ static void q_product(const block_type *t, const uint8_t *x, int64_t rows, int64
                       float *y, int64_t ldy, int64_t out, int threads) {
     qlinear_job job = {t, w, x, rows, in, out, ldy, in / t->elements * t->bytes, q8_row_bytes(in, layout_of(t)),
                        bias, y};
-    const int64_t units = (out + Q_OUTPUTS - 1) / Q_OUTPUTS;
+    const int64_t units = (out + Q_TILE - 1) / Q_TILE;
     parallel(qlinear_units, &job, units, rows * in * out < THREAD_WORK ? 1 : threads);
 }
 

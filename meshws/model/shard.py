@@ -95,8 +95,8 @@ class ModelShard:
         if problem:
             if self.settings.compute == "lean" or self.settings.quant:
                 raise ValueError(f"{resolved.model_id}: the lean path cannot run it: {problem}")
-            log.warning("%s runs on the transformers path, its weights dequantized in memory: %s", resolved.model_id,
-                        problem)
+            (log.info if self.settings.compute == "transformers" else log.warning)(
+                "%s runs on the transformers path, its weights dequantized in memory: %s", resolved.model_id, problem)
             return transformers_parts(resolved, self.settings, start, end, fallback=problem)
         assert arch is not None and native is not None
         end = arch.layers if end is None else end
@@ -138,19 +138,27 @@ class ModelShard:
         return list(self._eos_ids)
 
     def memory(self) -> dict[str, Any]:
-        """The bytes of weights this shard holds (a GGUF's: mapped, and resident now), their block types, and the
-        process's resident and peak resident bytes."""
-        facts: dict[str, Any] = {"weight_bytes": self.weight_bytes, **process_memory()}
-        if self.parts.gguf is not None:
-            gguf = self.parts.gguf
-            types: dict[str, int] = {}
-            for name in gguf.handed_out:
-                entry = gguf.table.tensors[name]
-                kind = type_name(entry.ggml_type)
-                types[kind] = types.get(kind, 0) + entry.nbytes
-            facts.update(weights_mapped_bytes=gguf.mapped_bytes(), weights_resident_bytes=gguf.resident_bytes(),
-                         block_types=dict(sorted(types.items())))
-        return facts
+        """The bytes of weights this shard holds (and, from a GGUF, what `weight_facts` says), and the process's
+        resident and peak resident bytes."""
+        facts = self.weight_facts()
+        return {"weight_bytes": self.weight_bytes, **process_memory(),
+                **{f"weights_{key}": value for key, value in facts.items() if key.endswith("_bytes")},
+                **({"block_types": facts["block_types"]} if "block_types" in facts else {})}
+
+    def weight_facts(self) -> dict[str, Any]:
+        """Where the weights are and what they cost: a GGUF's tensors mapped from the file (bytes mapped, bytes
+        resident in this process now, bytes per block type), or a transformers model's tensors in memory."""
+        gguf = self.parts.gguf
+        if gguf is None:
+            return {"source": "dequantized from the GGUF" if self.parts.fallback else "model folder",
+                    "mapped_bytes": 0, "resident_bytes": self.weight_bytes}
+        types: dict[str, int] = {}
+        for name in gguf.handed_out:
+            entry = gguf.table.tensors[name]
+            kind = type_name(entry.ggml_type)
+            types[kind] = types.get(kind, 0) + entry.nbytes
+        return {"source": f"GGUF {gguf.path.name}, mapped", "mapped_bytes": gguf.mapped_bytes(),
+                "resident_bytes": gguf.resident_bytes(), "block_types": dict(sorted(types.items()))}
 
     def parameter_count(self) -> int:
         """Parameters this shard holds (a tied matrix counts once; int8 scales are not parameters)."""

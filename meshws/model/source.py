@@ -71,16 +71,35 @@ def resolve_model(spec: str | None, cache_dir: Path | str | None = None, *, toke
     return resolved
 
 
-def layer_count(resolved: ResolvedModel) -> int:
-    """How many decoder layers the model has (a GGUF's metadata, else its config.json)."""
+def model_shape(resolved: ResolvedModel) -> dict[str, int]:
+    """The model's size: layers, hidden, heads, kv_heads, head_dim, intermediate and vocab (a GGUF's metadata, else
+    its config.json), without loading it."""
     if resolved.gguf is not None:
         from .gguf_file import read_table
 
         table = read_table(resolved.gguf)
-        return int(table.metadata[f"{table.architecture}.block_count"])
+        meta, arch = table.metadata, table.architecture
+        hidden, heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
+        tokens = table.tensors.get("token_embd.weight")
+        return {"layers": int(meta[f"{arch}.block_count"]), "hidden": hidden, "heads": heads,
+                "kv_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+                "head_dim": int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+                "intermediate": int(meta.get(f"{arch}.feed_forward_length", 4 * hidden)),
+                "vocab": int(meta.get(f"{arch}.vocab_size") or (tokens.shape[0] if tokens else 0))}
     import json
 
-    return int(json.loads((resolved.folder / "config.json").read_text())["num_hidden_layers"])
+    config = json.loads((resolved.folder / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads = config["num_attention_heads"]
+    return {"layers": config["num_hidden_layers"], "hidden": config["hidden_size"], "heads": heads,
+            "kv_heads": config.get("num_key_value_heads") or heads,
+            "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+            "intermediate": config["intermediate_size"], "vocab": config["vocab_size"]}
+
+
+def layer_count(resolved: ResolvedModel) -> int:
+    """How many decoder layers the model has."""
+    return model_shape(resolved)["layers"]
 
 
 def load_tokenizer(resolved: ResolvedModel) -> Any:
@@ -90,6 +109,8 @@ def load_tokenizer(resolved: ResolvedModel) -> Any:
     cache = model_cache(resolved)
     if cache is not None:
         cache.prepare(["tokenizer"])
+        if cache.tokenizer is not None:  # built just now: the files hold it, and so does this object
+            return cache.tokenizer
     return AutoTokenizer.from_pretrained(str(resolved.folder))
 
 

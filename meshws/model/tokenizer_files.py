@@ -53,8 +53,3 @@ def build_tokenizer(gguf: Path) -> Any:
         config[name] = tokens[token_id] if isinstance(token_id, int) and 0 <= token_id < len(tokens) else None
     backend, extra = convert(table.architecture, tokenizer)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
-
-
-def write_tokenizer(gguf: Path, folder: Path) -> None:
-    """The tokenizer's files (`tokenizer.json`, its config, the chat template) into `folder`."""
-    build_tokenizer(gguf).save_pretrained(str(folder))

@@ -1,6 +1,9 @@
-"""`python -m meshws.bench`: how fast meshws is, as ratios to in-process `generate()` in the same run.
+"""`python -m meshws.bench`: how fast meshws is, as ratios to llama.cpp and to in-process `generate()` in the same run.
 
-For each dtype it measures, on the embedded model:
+`python -m meshws.bench --model FILE.gguf` measures a GGUF of any size beside llama.cpp on the same file
+(`bench_gguf`): a full node's decode, prompt, peak memory, start and bytes written; a head + tail's
+memory per node and decode. On the embedded model (the default) that section runs first, then for
+each dtype it measures:
   * in-process `model.generate()` on the whole model (the baseline);
   * a `full` node process (one machine, zero hops) through the OpenAI API, with float and
     with `--quant int8` weights;
@@ -38,7 +41,8 @@ from typing import Any
 
 from .bench_compute import (gguf_of, measure_bandwidth, measure_decode_step, measure_generate_sessions,
                             measure_llama_cpp)
-from .bench_plot import write_plot
+from .bench_gguf import measure_gguf, print_gguf
+from .bench_plot import write_gguf_plot, write_plot
 from .bench_laps import measure_laps
 from .bench_nodes import measure_processes
 from .bench_turns import measure_conversation
@@ -52,9 +56,9 @@ MODEL_ENV = {"HF_HUB_OFFLINE": "1"}
 # -- in-process measurements ---------------------------------------------------
 
 
-def measure_generate(folder: Path, dtype: str, prompt_ids: list[int], tokens: int) -> dict[str, float]:
+def measure_generate(resolved: Any, dtype: str, prompt_ids: list[int], tokens: int) -> dict[str, float]:
     """One sequence through in-process `generate()`: decode tok/s and time to first token (the baseline)."""
-    one = measure_generate_sessions(folder, dtype, prompt_ids, tokens, [1])["1"]
+    one = measure_generate_sessions(resolved, dtype, prompt_ids, tokens, [1])["1"]
     return {"decode_tok_s": round(1 / one["itl_p50_s"], 2), "ttft_s": one["ttft_p50_s"]}
 
 
@@ -90,7 +94,8 @@ def measure_cached_vs_stateless(resolved: Any, dtype: str, contexts: list[int], 
 def add_ratios(result: dict[str, Any]) -> None:
     base = result["generate"]["decode_tok_s"]
     for name in ("full_node", "full_node_int8"):
-        result[name]["ratio_to_generate"] = round(result[name]["per_session_tok_s"] / base, 3)
+        if name in result:
+            result[name]["ratio_to_generate"] = round(result[name]["per_session_tok_s"] / base, 3)
     for series in mesh_series(result):
         one = result[series].get("1", {}).get("aggregate_tok_s")
         for entry in result[series].values():
@@ -103,7 +108,8 @@ def add_ratios(result: dict[str, Any]) -> None:
         cpp = llama["decode_tok_s"]
         result["generate"]["ratio_to_llama_cpp"] = round(base / cpp, 3)
         for name in ("full_node", "full_node_int8"):
-            result[name]["ratio_to_llama_cpp"] = round(result[name]["per_session_tok_s"] / cpp, 3)
+            if name in result:
+                result[name]["ratio_to_llama_cpp"] = round(result[name]["per_session_tok_s"] / cpp, 3)
         for entry in (entry for series in mesh_series(result) for entry in result[series].values()):
             entry["per_session_ratio_to_llama_cpp"] = round(entry["per_session_tok_s"] / cpp, 3)
             entry["aggregate_ratio_to_llama_cpp"] = round(entry["aggregate_tok_s"] / cpp, 3)
@@ -126,7 +132,7 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
         "decode_frame_le_1400_bytes": result.get("wire", {}).get("decode_frame_bytes"),
         "cached_ge_15x_stateless_at_1024": result["stateless"].get("1024", {}).get("stateless_over_cached"),
         "full_node_ge_2x_generate": result["full_node"].get("ratio_to_generate"),
-        "full_node_int8_ge_3x_generate": result["full_node_int8"].get("ratio_to_generate"),
+        "full_node_int8_ge_3x_generate": result.get("full_node_int8", {}).get("ratio_to_generate"),
         "mesh_one_session_ge_1_5x_generate": mesh.get("1", {}).get("per_session_ratio_to_generate"),
         "full_node_ge_0_5x_llama_cpp": result["full_node"].get("ratio_to_llama_cpp"),
         "mesh_16_p95_itl_le_3x_one": _over(mesh.get("16", {}).get("itl_p95_s"), mesh.get("1", {}).get("itl_p95_s")),
@@ -166,6 +172,8 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"llama.cpp          : {llama['decode_tok_s']:7.2f} tok/s  ({llama['threads']} threads, "
                   f"ttft {llama['ttft_s'] * 1000:.0f} ms; generate() is {base['ratio_to_llama_cpp']:.2f}x of it)")
         for name, label in (("full_node", "full node         "), ("full_node_int8", "full node, int8   ")):
+            if name not in result:
+                continue
             full = result[name]
             cpp = f", {full['ratio_to_llama_cpp']:.2f}x llama.cpp" if "ratio_to_llama_cpp" in full else ""
             print(f"{label} : {full['per_session_tok_s']:7.2f} tok/s  ({full['ratio_to_generate']:.2f}x generate{cpp})")
@@ -218,8 +226,13 @@ def print_table(report: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") -> None:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="embedded")
-    parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"], choices=("bfloat16", "float32"))
+    parser.add_argument("--model", default="embedded", help="the embedded model, or a GGUF file (its own section "
+                        "only, unless --suite all)")
+    parser.add_argument("--suite", choices=("auto", "all", "gguf"), default="auto",
+                        help="gguf: the GGUF section only; all: every section; auto: all on the embedded model, the "
+                        "GGUF section on another file")
+    parser.add_argument("--dtype", nargs="+", default=["auto", "float32"], choices=("auto", "bfloat16", "float32"),
+                        help="auto: a GGUF's blocks with 8-bit activations (the nodes' default); float32: exact")
     parser.add_argument("--sessions", nargs="+", type=int, default=[1, 4, 16, 32])
     parser.add_argument("--mesh-quant", nargs="+", default=["none"], choices=("none", "int8"),
                         help="weights of the head + tail mesh runs: none (float), int8, or both (default none)")
@@ -242,25 +255,36 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     args.runs = max(1, args.runs or (1 if args.short else 3))
     os.environ.update(MODEL_ENV)
 
+    gguf = gguf_of(args.model)
+    suite = args.suite if args.suite != "auto" else ("all" if args.model in ("embedded", "") or gguf is None else "gguf")
+    gguf_section = None
+    if gguf is not None:
+        gguf_section = measure_gguf(gguf, 16 if args.short else 64)
+        print_gguf(gguf_section)
+        if suite == "gguf":
+            report = {"model": gguf.stem, "gguf": gguf_section}
+            plot = write_gguf_plot(gguf_section, out.with_suffix(".png"))
+            report["plot"] = str(plot) if plot else None
+            write_report(report, out)
+            return
+
     import torch
-    from transformers import AutoConfig, AutoTokenizer
 
     from ..model import blas
-    from ..model.source import model_cache, resolve_model
+    from ..model.source import load_tokenizer, model_shape, resolve_model
 
     resolved = resolve_model(args.model, os.environ.get("MESHWS_CACHE_DIR"), tokenizer=True)
-    cache = model_cache(resolved)
-    whole = cache.ensure_whole() if cache is not None else resolved.folder  # for plain generate()
-    config = AutoConfig.from_pretrained(str(resolved.folder))
-    args.layers, args.tail_start = config.num_hidden_layers, tail_start(config)
-    tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder))
+    args.gguf = resolved.gguf is not None
+    shape = model_shape(resolved)
+    args.layers, args.tail_start = shape["layers"], tail_start(shape)
+    tokenizer = load_tokenizer(resolved)
     if tokenizer.chat_template:
         prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                                    tokenize=True, return_dict=False)
     else:
         prompt_ids = tokenizer(PROMPT)["input_ids"]
     report: dict[str, Any] = {
-        "model": resolved.model_id,
+        "model": resolved.model_id, "gguf": gguf_section,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
         "settings": {"tokens": args.tokens, "sessions": args.sessions, "contexts": args.contexts,
                      "repeats": args.repeats, "prompt_tokens": len(prompt_ids)},
@@ -273,8 +297,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     for dtype in args.dtype:
         print(f"measuring {dtype} ...", flush=True)
         blas.take_threads("torch", "generate() multiplies with torch", threads)  # an earlier shard may hold them
-        result: dict[str, Any] = {"generate": measure_generate(whole, dtype, prompt_ids, args.tokens),
-                                  "generate_sessions": measure_generate_sessions(whole, dtype, prompt_ids,
+        result: dict[str, Any] = {"generate": measure_generate(resolved, dtype, prompt_ids, args.tokens),
+                                  "generate_sessions": measure_generate_sessions(resolved, dtype, prompt_ids,
                                                                                  args.tokens, args.sessions),
                                   "llama_cpp": llama,
                                   "decode_step": measure_decode_step(resolved, dtype, bandwidth)}

@@ -6,9 +6,8 @@
   head), per compute path (transformers; lean, fused where meshws's kernels run it; the same
   weights op by op; op by op on OpenBLAS for fp32; int8 weights): ms per step and
   the ratio to the floor, i.e. the time to read the weights a step reads once at that bandwidth (a
-  fused float32 step reads a Q4_1 GGUF's layers as their codes, `blocks`, not their float32 copies),
-  and for the lean paths one step of 16 sessions at once (`batch_ms`, and `batch_over_one`: its cost
-  in lone steps; 16 would mean a wave saves nothing);
+  GGUF's blocks as stored), and for the lean paths one step of 16 sessions at once (`batch_ms`, and
+  `batch_over_one`: its cost in lone steps; 16 would mean a wave saves nothing);
 * `measure_llama_cpp`: llama.cpp (llama-cpp-python, an optional extra) on the same GGUF,
   the same prompt token ids and the same thread count: decode tok/s and time to first
   token. None when it is not installed.
@@ -48,10 +47,11 @@ def measure_decode_step(resolved: Any, dtype: str, bandwidth: float, steps: int 
     results: dict[str, Any] = {}
     lean = ShardSettings(dtype=dtype, compute="lean")  # fused where meshws's kernels run it, else op by op
     paths = [("transformers", ShardSettings(dtype=dtype, compute="transformers")), ("lean", lean),
-             ("lean_ops", lean),  # the same weights, the decode step op by op through torch (`fused` off)
-             ("lean_int8", ShardSettings(dtype=dtype, compute="lean", quant="int8"))]
-    if dtype == "float32" and choose_matmul("openblas", dtype, False)[0] == "openblas":  # op by op on OpenBLAS
-        paths.insert(3, ("lean_openblas", ShardSettings(dtype=dtype, compute="lean", matmul="openblas")))
+             ("lean_ops", lean)]  # the same weights, the decode step op by op through torch (`fused` off)
+    if resolved.gguf is None:  # a folder's float weights: int8, and op by op on OpenBLAS (a GGUF's blocks are its own)
+        paths.append(("lean_int8", ShardSettings(dtype=dtype, compute="lean", quant="int8")))
+        if dtype == "float32" and choose_matmul("openblas", dtype, False)[0] == "openblas":
+            paths.insert(3, ("lean_openblas", ShardSettings(dtype=dtype, compute="lean", matmul="openblas")))
     for name, settings in paths:
         shard = ModelShard(resolved, 5, 20, settings)
         if name == "lean_ops" and shard.lean is not None:
@@ -69,11 +69,7 @@ def measure_decode_step(resolved: Any, dtype: str, bandwidth: float, steps: int 
         shard.release_session("bench")
         step = statistics.median(times[2:])
         batch = None if shard.lean is None else _batch_step(shard, context, steps)
-        coded = [] if shard.lean is None else [
-            packed for layer in shard.lean.layers for packed in layer.linears() if packed.blocks is not None]
-        read = shard.weight_bytes - sum(  # what a step reads: the codes where it runs fused, else the float32
-            packed.weight.nbytes if shard.lean.fused is not None else packed.blocks.nbytes for packed in coded)
-        floor = read / bandwidth
+        floor = shard.weight_bytes / bandwidth  # (a GGUF's blocks as mapped; the transformers path's floats)
         results[name] = {"step_ms": round(step * 1e3, 2), "floor_ms": round(floor * 1e3, 2),
                          "over_floor": round(step / floor, 2), "weight_mib": round(shard.weight_bytes / 2**20, 1),
                          "path": shard.compute_path}
@@ -137,13 +133,24 @@ def gguf_of(model: str) -> Path | None:
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
-def measure_generate_sessions(folder: Path, dtype: str, prompt_ids: list[int], tokens: int,
-                              counts: list[int]) -> dict[str, Any]:
-    """In-process `generate()` on a batch of `count` copies of the prompt: what one process does with N at once."""
+def reference_model(resolved: Any, dtype: str) -> Any:
+    """The whole model as transformers loads it (a GGUF dequantized), in `dtype` (auto: bfloat16)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype)).eval()
+    torch_dtype = getattr(torch, "bfloat16" if dtype == "auto" else dtype)
+    if resolved.gguf is not None:
+        return AutoModelForCausalLM.from_pretrained(str(resolved.gguf.parent), gguf_file=resolved.gguf.name,
+                                                    dtype=torch_dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(str(resolved.folder), dtype=torch_dtype).eval()
+
+
+def measure_generate_sessions(resolved: Any, dtype: str, prompt_ids: list[int], tokens: int,
+                              counts: list[int]) -> dict[str, Any]:
+    """In-process `generate()` on a batch of `count` copies of the prompt: what one process does with N at once."""
+    import torch
+
+    model = reference_model(resolved, dtype)
     results: dict[str, Any] = {}
     with torch.inference_mode():
         model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=2)  # warm-up

@@ -1,9 +1,9 @@
 """The benchmark's measurements through real node processes, started as a user starts them by hand.
 
-A `full` node (float and `--quant int8`) at one session and at each session count; a
-head + tail mesh on loopback at each session count (with each shard's busy fraction), a
-session joining the others, frame sizes; and with `--mesh-quant int8` the same mesh runs
-again with int8 weights on both nodes.
+A `full` node at one session and at each session count (for a folder's float weights also
+with `--quant int8`); a head + tail mesh on loopback at each session count (with each shard's
+busy fraction), a session joining the others, frame sizes; and with `--mesh-quant int8` (float
+weights) the same mesh runs again with int8 weights on both nodes.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def measure_processes(args: argparse.Namespace, dtype: str, prompt_ids: list[int
 
     common = ("--model", args.model, "--dtype", dtype)
     results: dict[str, Any] = {"full_node_sessions": {}}
-    for name, extra in (("full_node", ()), ("full_node_int8", ("--quant", "int8"))):
+    kinds = (("full_node", ()), ("full_node_int8", ("--quant", "int8")))[: 1 if args.gguf else 2]  # (float weights)
+    for name, extra in kinds:
         full = Mesh([("full", f"0-{args.layers - 1}")], common=(*common, *extra), split_threads=False)
         try:
             asyncio.run(stream_once(full.head.url, model_id, prompt_ids, 4))  # warm-up
@@ -63,7 +64,7 @@ def measure_processes(args: argparse.Namespace, dtype: str, prompt_ids: list[int
                     median_run(full.head.url, model_id, prompt_ids, args.tokens, count, args.runs))
         finally:
             full.stop()
-    quants = sorted(set(args.mesh_quant), key=lambda quant: quant != "none")
+    quants = sorted({"none"} if args.gguf else set(args.mesh_quant), key=lambda quant: quant != "none")
     for index, quant in enumerate(quants):  # float first: the joining run and frames come from it
         key = "mesh" if quant == "none" else f"mesh_{quant}"
         results.update(measure_mesh(args, (*common, "--quant", quant), prompt_ids, model_id, key, first=index == 0))

@@ -46,3 +46,38 @@ def write_plot(report: dict[str, Any], path: Path) -> Path | None:
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def write_gguf_plot(section: dict[str, Any], path: Path) -> Path | None:
+    """The GGUF section as bars: meshws's figures over llama.cpp's (1.0 = the same), one bar per figure."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    llama = section.get("llama_cpp")
+    if not llama:
+        return None
+    full, mesh = section["full"], section["mesh"]
+    bars = [("decode, full node", full["decode_tok_s"] / llama["decode_tok_s"], 1.0),
+            ("decode, head + tail", mesh["decode_tok_s"] / llama["decode_tok_s"], 0.9),
+            (f"{section['prompt_tokens']}-token prompt", llama["prompt_s"] / full["prompt_s"], 0.7),
+            ("peak memory, full node", full["peak_bytes"] / llama["peak_bytes"], 1.15),
+            ("peak memory, each half", max(mesh["peak_bytes"]) / llama["peak_bytes"], 0.65)]
+    figure, axes = plt.subplots(figsize=(8, 3.6))
+    names = [name for name, _, _ in bars]
+    axes.barh(names, [value for _, value, _ in bars], color=["#4c72b0", "#4c72b0", "#4c72b0", "#dd8452", "#dd8452"])
+    for row, (_, value, target) in enumerate(bars):
+        axes.plot([target, target], [row - 0.4, row + 0.4], color="black", linewidth=1.5)
+        axes.text(value, row, f" {value:.2f}x", va="center", fontsize=8)
+    axes.axvline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    axes.invert_yaxis()
+    axes.set_xlabel("meshws / llama.cpp (speed: higher is better; memory: lower; black ticks: the targets)")
+    axes.set_title(f"{section['file']} on {section['threads']} threads (python -m meshws.bench --model ...)", fontsize=9)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

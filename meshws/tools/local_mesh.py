@@ -12,33 +12,25 @@ import argparse
 import os
 import signal
 import time
-from typing import Any
 
 from .launch import Mesh
 
 
-def model_config(model: str, cache_dir: str | None) -> Any:
-    from transformers import AutoConfig
+def model_shape(model: str, cache_dir: str | None) -> dict[str, int]:
+    from ..model.source import locate_model, model_shape as shape
 
-    from ..model.source import resolve_model
-
-    print(f"preparing the model ({model}); the first run converts it once, later runs take a second", flush=True)
-    resolved = resolve_model(model, cache_dir)
-    return AutoConfig.from_pretrained(str(resolved.folder))
+    return shape(locate_model(model, cache_dir))
 
 
-def tail_start(config: Any) -> int:
+def tail_start(shape: dict[str, int]) -> int:
     """The tail's first layer in a head + tail split where both read about the same weight bytes a step: the tail
     also reads the LM head (vocabulary x hidden). For SmolLM2-135M that matrix weighs 8 of its 30 layers, so the
     head runs 0-18 and the tail 19-29. Halving the layers (0-14, 15-29) left the tail the bottleneck under load:
     16 sessions in bf16 kept it busy 0.93 of the time against the head's 0.73, at 4.5x one session's tok/s; the
     split by bytes gave 0.87 and 0.79, and 4.6-4.9x. At least one layer stays on each node."""
-    layers, hidden = config.num_hidden_layers, config.hidden_size
-    heads = config.num_attention_heads
-    dim = getattr(config, "head_dim", None) or hidden // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    layer = hidden * dim * (2 * heads + 2 * kv_heads) + 3 * hidden * config.intermediate_size
-    lm_head = config.vocab_size * hidden / layer  # in layers
+    layers, hidden, dim = shape["layers"], shape["hidden"], shape["head_dim"]
+    layer = hidden * dim * (2 * shape["heads"] + 2 * shape["kv_heads"]) + 3 * hidden * shape["intermediate"]
+    lm_head = shape["vocab"] * hidden / layer  # in layers
     return min(layers - 1, max(1, round((layers + lm_head) / 2)))
 
 
@@ -57,8 +49,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.tools.loca
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the nodes too, as Ctrl-C does
-    config = model_config(args.model, os.environ.get("MESHWS_CACHE_DIR"))
-    layers, split = config.num_hidden_layers, tail_start(config)
+    shape = model_shape(args.model, os.environ.get("MESHWS_CACHE_DIR"))
+    layers, split = shape["layers"], tail_start(shape)
     head_extra = ("--api-key", args.api_key) if args.api_key else ()
     mesh = Mesh(
         [("head", f"0-{split - 1}"), ("tail", f"{split}-{layers - 1}")],

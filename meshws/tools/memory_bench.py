@@ -1,8 +1,8 @@
 """`python -m meshws.tools.memory_bench`: a node's memory against its share of the layers.
 
 Each span is measured in a fresh Python process with a fresh, empty model cache, as a
-node's first start on a new machine: the process imports torch, transformers and
-meshws, starts a shard of those layers (converting them), then runs one prefill so the
+node's first start on a new machine: the process imports torch and meshws, starts a
+shard of those layers (a head builds its tokenizer), then runs one prefill so the
 weights it maps are resident. It reports the shard's weight bytes, the seconds to
 start, the peak resident memory (VmHWM, the whole life of the process) and the steady
 one (VmRSS after the prefill). A process that only imports gives the runtime baseline;
@@ -37,7 +37,6 @@ def spans_for(total: int) -> dict[str, tuple[int, int]]:
 def probe(model: str, span: tuple[int, int] | None, cache_dir: str, dtype: str) -> dict[str, Any]:
     """In this (fresh) process: the baseline, or start `span` and run one prefill through it."""
     import torch  # noqa: F401 - the runtime every node imports
-    import transformers  # noqa: F401
 
     from ..model.memory import process_memory
     from ..model.shard import ModelShard, ShardSettings
@@ -56,7 +55,9 @@ def probe(model: str, span: tuple[int, int] | None, cache_dir: str, dtype: str) 
         hidden = torch.randn(1, PROBE_TOKENS, shard.hidden_size, generator=torch.Generator().manual_seed(0))
         shard.forward_bytes(hidden.numpy().tobytes(), list(hidden.shape), dtype="float32")
     after = shard.memory()
+    written = sum(path.stat().st_size for path in Path(cache_dir).rglob("*") if path.is_file())
     return {"layers": list(span), "weight_bytes": after["weight_bytes"], "start_s": round(start_s, 2),
+            "weights_resident_bytes": after.get("weights_resident_bytes"), "cache_written_bytes": written,
             "resident_at_start_bytes": at_start["resident_bytes"],
             "peak_bytes": after["peak_resident_bytes"], "steady_bytes": after["resident_bytes"]}
 
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m meshws.tools.memory_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16"))
     parser.add_argument("--spans", nargs="+", choices=list(spans_for(3)), help="default: all")
     parser.add_argument("--out", default="bench-results/memory.json", help="where to write the JSON")
     parser.add_argument("--probe", help=argparse.SUPPRESS)  # internal: "baseline" or "START-END" (half-open)
@@ -134,11 +135,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(probe(args.model, span, args.cache, args.dtype)), flush=True)  # type: ignore[arg-type]
         return
     out = report_path(parser, args.out, "memory.json")  # (a probe writes no report)
-    from transformers import AutoConfig
+    from ..model.source import layer_count, locate_model
 
-    from ..model.source import resolve_model
-
-    total = AutoConfig.from_pretrained(str(resolve_model(args.model).folder)).num_hidden_layers
+    total = layer_count(locate_model(args.model))
     report = measure_memory(args.model, total, args.dtype, args.spans)
     print_memory(report)
     write_report(report, out)

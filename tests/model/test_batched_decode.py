@@ -27,7 +27,7 @@ def _ids(shard, text):
 
 
 def test_batched_rows_match_single_rows_logits_and_tokens(full):
-    """Teacher-forced: at every step both paths see the same tokens; logits must agree closely."""
+    """Teacher-forced: at every step both paths see the same tokens; logits must be the same."""
     prompts = [_ids(full, text) for text in PROMPTS]
     assert len({len(ids) for ids in prompts}) == len(prompts), "different past lengths on purpose"
     tokens = []
@@ -41,12 +41,12 @@ def test_batched_rows_match_single_rows_logits_and_tokens(full):
             alone_logits = []
             for index, token in enumerate(tokens):
                 entry = full.sessions.lookup(f"alone-{index}")
-                hidden = full.model.model.embed_tokens(torch.tensor([[token]]))
+                hidden = full.embed([token])
                 positions = torch.tensor([[entry.seq_len]])
                 out = full.layers.run(hidden, positions, f"alone-{index}", "decode", entry.seq_len)
                 alone_logits.append(full.last_logits(out))
             entries = [full.sessions.lookup(f"batch-{index}") for index in range(len(tokens))]
-            hidden = full.model.model.embed_tokens(torch.tensor([[t] for t in tokens]))
+            hidden = torch.cat([full.embed([t]) for t in tokens]).view(len(tokens), 1, -1)
             positions = torch.tensor([[e.seq_len] for e in entries])
             out = full.rows.run_rows(hidden, positions, [e.cache for e in entries])
             for entry in entries:
@@ -56,8 +56,8 @@ def test_batched_rows_match_single_rows_logits_and_tokens(full):
                 worst = max(worst, float((batched - single).abs().max()))
                 differing += int(torch.argmax(batched) != torch.argmax(single))
             tokens = [int(torch.argmax(logits)) for logits in alone_logits]
-    # Batched matrix kernels may round differently from single-row ones: a tiny drift, no flipped token.
-    assert worst < 1e-3, f"batched and single-row logits differ by {worst}"
+    # A GGUF's blocks run on meshws's kernels, whose row results do not depend on the batch: the same bits.
+    assert worst == 0.0, f"batched and single-row logits differ by {worst}"
     assert differing == 0
     for index in range(len(PROMPTS)):
         full.release_session(f"alone-{index}")

@@ -1,7 +1,6 @@
-"""Golden check on a second architecture: Gemma-3-270M (sliding-window and global layers).
+"""Golden check on a second architecture: Gemma-3-270M (sliding-window and global layers), on its GGUF's blocks.
 
-The shards start from a cache of their own holding only the config and tokenizer, so each
-converts only its span.
+The shards start from a cache of their own holding only the tokenizer, and map their own tensors.
 """
 
 import pytest
@@ -32,19 +31,19 @@ def gemma(gemma_gguf, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gemma_reference(gemma_gguf):
-    """The whole model from a full conversion in the default cache, loaded by transformers."""
+    """The whole model as transformers loads the GGUF, dequantized to float32."""
+    from pathlib import Path
+
     from transformers import AutoModelForCausalLM
 
-    from meshws.model.source import model_cache, resolve_model
-
-    folder = model_cache(resolve_model(gemma_gguf)).ensure_whole()
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    path = Path(gemma_gguf)
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 
 def test_gemma_three_shard_split_matches_generate(gemma, gemma_reference):
     # 18 layers; the cut at 5/6 and 11/12 puts sliding and global layers on both sides.
     shards = [ModelShard(gemma, 0, 6), ModelShard(gemma, 6, 11), ModelShard(gemma, 11, 18)]
-    assert shards[1].model.config.layer_types == gemma_reference.config.layer_types[6:11]
+    assert shards[1].lean.layer_types == gemma_reference.config.layer_types[6:11]
     for index, prompt in enumerate(PROMPTS):
         ids = shards[0].tokenize(prompt)
         with torch.inference_mode():

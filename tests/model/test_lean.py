@@ -1,8 +1,10 @@
-"""The lean path: packed weights and in-place KV buffers give the transformers path's tokens.
+"""The lean path on a Hugging Face folder's float weights: packed weights and in-place KV buffers give the
+transformers path's tokens.
 
-The golden tests (`test_shard_golden`, `test_gemma_golden`) run shards on the default
-path, which is lean for both architectures, against transformers' `generate()`; these
-tests compare the two paths directly, and check the buffers' bookkeeping.
+The golden tests (`test_shard_golden`, `test_gemma_golden`, `test_gguf_architectures`) run GGUF shards on
+the default path against transformers' `generate()`; these tests compare the two paths directly on the
+embedded model as a folder of float32 safetensors (`embedded_folder`), with its float-weight options
+(`--matmul openblas`, `--quant int8`), and check the buffers' bookkeeping.
 """
 
 from dataclasses import replace
@@ -31,29 +33,25 @@ def _chat(shard, text):
 
 
 @pytest.fixture(scope="module")
-def plain(embedded_model):
-    return ModelShard(embedded_model, 0, 30, PLAIN)
+def plain(embedded_folder):
+    return ModelShard(embedded_folder, 0, 30, PLAIN)
 
 
-def test_the_shard_says_which_path_it_runs(embedded_model, plain):
-    lean = ModelShard(embedded_model, 20, 30, replace(LEAN, matmul="torch"))
-    path = "lean llama, decode fused (meshws kernel), float32 weights as GGUF codes" if kernels() else "lean llama"
+def test_the_shard_says_which_path_it_runs(embedded_folder, plain):
+    lean = ModelShard(embedded_folder, 20, 30, replace(LEAN, matmul="torch"))
+    path = "lean llama, decode fused (meshws kernel)" if kernels() else "lean llama"
     assert lean.compute_path == path and plain.compute_path == "transformers"
     assert lean.compute_facts["path"] == path and lean.compute_facts["dtype"] == "float32"
     assert lean.compute_facts["attention"] == ("meshws kernel" if kernels() else "torch sdpa")
     assert plain.compute_facts["attention"] == "transformers"
     assert (lean.compute_facts["matmul"], plain.compute_facts["matmul"]) == ("torch", "torch")
     assert len(lean.model.model.layers) == 0, "transformers' copies of the layers are let go"
-    linears = [packed for layer in lean.lean.layers for packed in layer.linears()]  # Q4_1 in the GGUF, the LM head
-    blocks = sum(packed.blocks.nbytes for packed in [*linears, lean.lean.lm_head] if packed.blocks is not None)
-    assert blocks == ((sum(packed.weight.nbytes for packed in linears) * 24 + lean.lean.lm_head.weight.nbytes * 36)
-                      // 128 if kernels() else 0)  # (Q8_0) read by the fused decode as codes: 24 or 36 bytes a block
-    assert lean.weight_bytes == 4 * lean.parameter_count() + blocks
+    assert lean.weight_bytes == 4 * lean.parameter_count()
     if blas.choose_matmul("openblas", "float32", False)[0] != "openblas":
         return  # numpy here has no OpenBLAS to multiply with (test_blas says so too)
     before = blas.threads()
     try:
-        host = ModelShard(embedded_model, 20, 30, replace(LEAN, matmul="openblas", threads=2))
+        host = ModelShard(embedded_folder, 20, 30, replace(LEAN, matmul="openblas", threads=2))
         assert host.compute_path == "lean llama, OpenBLAS products" and host.compute_facts["matmul"] == "openblas"
         assert host.weight_bytes == 4 * host.parameter_count(), "the numpy views are the weights, not copies"
         assert (blas.threads(), torch.get_num_threads()) == (2, 1), "OpenBLAS gets the threads, torch keeps one"
@@ -64,9 +62,9 @@ def test_the_shard_says_which_path_it_runs(embedded_model, plain):
 
 @pytest.mark.parametrize("matmul", ["torch", pytest.param("openblas", marks=needs_openblas)])
 @pytest.mark.parametrize("cuts", [(), (15,), (7, 19)], ids=["whole", "two", "three"])
-def test_every_split_gives_the_transformers_tokens(embedded_model, plain, cuts, matmul):
+def test_every_split_gives_the_transformers_tokens(embedded_folder, plain, cuts, matmul):
     bounds = [0, *cuts, 30]
-    shards = [ModelShard(embedded_model, a, b, replace(LEAN, matmul=matmul)) for a, b in zip(bounds, bounds[1:])]
+    shards = [ModelShard(embedded_folder, a, b, replace(LEAN, matmul=matmul)) for a, b in zip(bounds, bounds[1:])]
     assert all(shard.compute_facts["matmul"] == matmul for shard in shards)
     ids = _chat(plain, "Explain in detail how a bicycle works.")
     want = run_chain([plain], ids, 24, "plain")
@@ -122,11 +120,12 @@ def test_a_cache_that_cannot_grow_is_left_as_it_was(monkeypatch):
 
 
 @pytest.mark.parametrize("quant", [None, "int8", "int8-fbgemm"])
-def test_batched_lean_rows_equal_each_row_alone(embedded_model, quant, monkeypatch):
+def test_batched_lean_rows_equal_each_row_alone(embedded_model, embedded_folder, quant, monkeypatch):
     if quant == "int8-fbgemm":  # the int8 path where meshws's kernel cannot be built
-        monkeypatch.setattr("meshws.model.shard.kernels", lambda: None)
+        monkeypatch.setattr("meshws.model.shard_parts.kernels", lambda: None)
         quant = "int8"
-    shard = ModelShard(embedded_model, 0, 30, ShardSettings(dtype="float32", compute="lean", quant=quant))
+    model = embedded_folder if quant else embedded_model  # (int8 is for float weights; a GGUF's blocks are its own)
+    shard = ModelShard(model, 0, 30, ShardSettings(dtype="float32", compute="lean", quant=quant))
     assert shard.compute_path.endswith("(FBGEMM)" if quant and not shard.lean.native else "")
     texts = ["Hi", "Write a short story about a robot who learns to paint.", "What is 2 + 2?"]
     prompts = [_chat(shard, text) for text in texts]

@@ -329,7 +329,7 @@ int main(void) { /* 16,000 floats across [-110, 110], the edges and NaN; a SiLU 
             memcpy(in, h + 11, sizeof(float) * dim);
             in[1] = NAN; in[dim / 2 + 2] = NAN; in[dim / 2 + 3] = -INFINITY; /* -b flips a NaN's sign too */
             memcpy(y, in, sizeof(float) * dim);
-            rotate(y, cos_, sin_, dim, round_bf16);
+            rotate(y, cos_, sin_, dim, round_bf16, 0);
             for (int i = 0; i < dim / 2; i++) {
                 const float a = in[i], b = in[i + dim / 2];
                 const float first = R(R(a * cos_[i]) + R(-b * sin_[i]));

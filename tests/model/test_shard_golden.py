@@ -1,8 +1,8 @@
 """Golden tests on real models: split shards produce exactly the tokens of the whole model.
 
-The shards start from a cache of their own holding only the config and tokenizer
-(`fresh_model`), so each converts only its span; the reference is the whole model
-loaded by transformers.
+The shards start from a cache of their own holding only the tokenizer (`fresh_model`) and map
+their own tensors from the GGUF; the reference is the whole model loaded by transformers from
+the same file, in float32.
 """
 
 import pytest
@@ -94,8 +94,9 @@ def test_cached_distributed_generation_matches_stateless_golden(two_shards):
 
 def test_full_shard_matches_generate_and_ties_embeddings(fresh_model, reference_model):
     full = ModelShard(fresh_model, 0, 30)
-    # One copy of the tied matrix: the lean path's packed LM head, which the embeddings read too.
-    assert full.lean.lm_head[0].data_ptr() == full.model.model.embed_tokens.weight.data_ptr()
+    # The tied matrix is the file's one tensor: the LM head reads the mapped embeddings, as the lookups do.
+    assert full.lean.lm_head.blocks.name == "token_embd.weight"
+    assert "output.weight" not in full.parts.gguf.handed_out
     ids = _chat_ids(full, CHAT_PROMPTS[0])
     tokens = [full.encode_prompt(ids, session_id="f").token_id]
     while len(tokens) < 16:
@@ -103,15 +104,16 @@ def test_full_shard_matches_generate_and_ties_embeddings(fresh_model, reference_
     assert tokens == _generate_ids(reference_model, ids, 16)
 
 
-def test_bfloat16_split_matches_bfloat16_generate(fresh_model, reference_model):
+def test_a_bfloat16_folder_split_matches_bfloat16_generate(embedded_folder):
+    """A Hugging Face folder's float weights in bfloat16: the fused decode rounds where torch's bf16 path does."""
     from transformers import AutoModelForCausalLM
 
     from meshws.model.shard import ShardSettings
 
     settings = ShardSettings(dtype="bfloat16")
-    shards = [ModelShard(fresh_model, 0, 15, settings), ModelShard(fresh_model, 15, 30, settings)]
-    assert {path.name for path in (fresh_model.folder / "bfloat16").iterdir()} >= {"model.layers.0.safetensors"}
-    reference = AutoModelForCausalLM.from_pretrained(reference_model.name_or_path, dtype=torch.bfloat16)
+    shards = [ModelShard(embedded_folder, 0, 15, settings), ModelShard(embedded_folder, 15, 30, settings)]
+    assert "GGUF" not in shards[0].compute_path
+    reference = AutoModelForCausalLM.from_pretrained(str(embedded_folder.folder), dtype=torch.bfloat16)
     ids = _chat_ids(shards[0], CHAT_PROMPTS[1])
     assert _run_chain(shards, ids, 12, session="bf16") == _generate_ids(reference, ids, 12)
 
@@ -121,72 +123,20 @@ def test_shards_hold_only_their_own_weights(fresh_model):
     middle = ModelShard(fresh_model, 15, 20)
     tail = ModelShard(fresh_model, 15, 30)
     full = ModelShard(fresh_model, 0, 30)
-    embedding = full.model.model.embed_tokens.weight.numel()
-    decoder_total = full.parameter_count() - embedding - full.model.model.norm.weight.numel()
-    per_layer = decoder_total / 30
-    # The tail: 15 layers + final norm + LM head (the tied embedding matrix), nothing else.
-    tail_decoder = tail.parameter_count() - embedding - tail.model.model.norm.weight.numel()
-    assert tail_decoder == pytest.approx(15 * per_layer)
-    assert tail.model.model.embed_tokens is None
-    assert middle.parameter_count() == pytest.approx(5 * per_layer)
-    assert middle.model.lm_head is None and middle.model.model.embed_tokens is None
-    assert head.parameter_count() == pytest.approx(embedding + 15 * per_layer)
+    table = full.parts.gguf.table.tensors
+    layer = {name.split(".", 2)[2] for name in table if name.startswith("blk.0.")}
+
+    def span(first, last):
+        return {f"blk.{index}.{rest}" for index in range(first, last) for rest in layer}
+
+    assert middle.parts.gguf.handed_out == span(15, 20)
+    assert tail.parts.gguf.handed_out == span(15, 30) | {"output_norm.weight", "token_embd.weight"}
+    assert head.parts.gguf.handed_out == span(0, 15) | {"token_embd.weight"}
+    assert full.parts.gguf.handed_out == set(table)
     assert head.tokenizer is not None and middle.tokenizer is None and tail.tokenizer is None
-    # The bytes a node reports: its own weights (a tied matrix once), in the compute dtype, and the copies its fused
-    # decode reads (a Q4_1 GGUF's layers and its Q8_0 LM head as their codes: `blocks`), nothing else.
-    for shard in (tail, full):
-        linears = [packed for layer in shard.lean.layers for packed in layer.linears()] + [shard.lean.lm_head]
-        codes = sum(packed.blocks.nbytes for packed in linears if packed.blocks is not None)
-        assert shard.weight_bytes == 4 * shard.parameter_count() + codes
-    assert 0.45 < tail.weight_bytes / full.weight_bytes < 0.65
-
-
-def test_bad_layer_range_and_bad_bytes_are_refused(two_shards, fresh_model):
-    with pytest.raises(ValueError, match="not within"):
-        ModelShard(fresh_model, 10, 31)
-    tail = two_shards[1]
-    with pytest.raises(ValueError, match="needs"):
-        tail.forward_bytes(b"\x00" * 10, [1, 1, 576])
-    with pytest.raises(ValueError, match="shape"):
-        tail.forward_bytes(b"\x00" * 1152, [1, 1, 288, 2])
-    with pytest.raises(ValueError, match="cache mode"):
-        tail.forward_bytes(b"\x00" * 1152, [1, 1, 576], session_id="s", cache_mode="sideways")
-
-
-def test_cache_miss_on_decode_without_prefill(two_shards):
-    from meshws.model.cache_store import KVCacheMiss
-
-    with pytest.raises(KVCacheMiss):
-        two_shards[1].forward_bytes(b"\x00" * 1152, [1, 1, 576],
-                                    session_id="never-opened", cache_mode="decode", past_len=5)
-    with pytest.raises(KVCacheMiss):
-        two_shards[0].encode_next_token(5, "never-opened")
-
-
-def test_release_session_drops_cache_bytes(two_shards):
-    head, tail = two_shards
-    ids = _chat_ids(head, "hello")
-    _run_chain(two_shards, ids, 3, session="release-me")
-    assert "release-me" in head.sessions and tail.sessions.total_bytes > 0
-    assert head.release_session("release-me") and tail.release_session("release-me")
-    assert "release-me" not in tail.sessions
-
-
-def test_chunked_prefill_extends_the_cache(two_shards, reference_model):
-    """A prefill sent in two chunks (prefill + decode-with-many-tokens) gives the same tokens."""
-    head, tail = two_shards
-    ids = _chat_ids(head, CHAT_PROMPTS[2])
-    golden = _generate_ids(reference_model, ids, 8)
-    half = len(ids) // 2
-    first = head.encode_prompt(ids[:half], session_id="chunk")
-    tail.forward_bytes(first.body, first.shape, session_id="chunk", cache_mode="prefill", dtype=first.dtype)
-    # The head extends its own cache by running the second chunk as a multi-token step.
-    second = head.run_tokens(ids[half:], "chunk", "decode", half)
-    result = tail.forward_bytes(second.body, second.shape, session_id="chunk",
-                                cache_mode="decode", past_len=half, dtype=second.dtype)
-    tokens = [result.token_id]
-    while len(tokens) < 8:
-        step = head.encode_next_token(tokens[-1], "chunk")
-        tokens.append(tail.forward_bytes(step.body, step.shape, session_id="chunk",
-                                         cache_mode="decode", past_len=step.past_len, dtype=step.dtype).token_id)
-    assert tokens == golden
+    # The bytes a node reports are its tensors' bytes in the file: mapped, never copied or widened.
+    for shard in (head, middle, tail, full):
+        assert shard.weight_bytes == sum(table[name].nbytes for name in shard.parts.gguf.handed_out)
+        assert shard.memory()["weights_mapped_bytes"] == shard.weight_bytes
+    per_layer = middle.parameter_count() / 5
+    assert tail.parameter_count() == pytest.approx(15 * per_layer + 49152 * 576 + 576)

@@ -1,4 +1,4 @@
-"""Model resolution: the embedded default, GGUF files, local folders, clear errors (the cache: test_span_cache)."""
+"""Model resolution: the embedded default, GGUF files, local folders, clear errors (the cache: test_model_files)."""
 
 import pytest
 

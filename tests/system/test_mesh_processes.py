@@ -11,7 +11,7 @@ import torch
 
 from helpers import CHAT_PROMPTS, EXACT, MODEL, chat_ids, complete_ids, golden
 from meshws.mesh.wire import Hello, encode_control
-from meshws.model import native
+from meshws.model.source import embedded_gguf_path as MODEL_PATH
 from meshws.tools.launch import Mesh, NodeProcess
 
 pytestmark = [pytest.mark.real_model, pytest.mark.processes]
@@ -47,10 +47,18 @@ async def test_health_and_metrics_describe_the_node(mesh):
     assert tail["role"] == "tail" and tail["layers"] == [15, 30] and tail["ready"]
     assert head["links"][0]["state"] == "up" and head["links"][0]["layers"] == [15, 30]
     assert [hop["layers"] for hop in head["chain"]] == [[0, 15], [15, 30]]
-    # 15 layers and the embedding matrix (the tail's LM head) each, in float32 (325 MB), and where meshws's kernel
-    # runs, the codes its fused decode reads instead (`blocks`: the layers' 40 MB, the tail's LM head's 32 MB)
-    for node, codes in ((head, 40e6), (tail, 72e6)) if native.kernels() else ((head, 0), (tail, 0)):
-        assert 315e6 + codes < node["weight_bytes"] < 335e6 + codes, node["weight_bytes"]
+    # Each maps its 15 layers' Q4_1 tensors and the Q8_0 embeddings (the tail's LM head) from the GGUF: 30 MB of
+    # layers and 30 MB of embeddings, no copy; resident: what the prompts read (a head's embeddings only at the
+    # prompts' rows).
+    table = __import__("meshws.model.gguf_file", fromlist=["read_table"]).read_table(MODEL_PATH())
+    for node, first, last in ((head, 0, 15), (tail, 15, 30)):
+        mine = {name for name in table.tensors if name.startswith("blk.") and first <= int(name.split(".")[1]) < last}
+        mine |= {"token_embd.weight"} | ({"output_norm.weight"} if last == 30 else set())
+        assert node["weight_bytes"] == sum(table.tensors[name].nbytes for name in mine)
+        weights = node["weights"]
+        assert weights["mapped_bytes"] == node["weight_bytes"] and weights["source"].startswith("GGUF")
+        assert set(weights["block_types"]) == {"F32", "Q4_1", "Q8_0"}
+        assert 0 < weights["resident_bytes"] <= weights["mapped_bytes"] + 2**22
         assert node["peak_resident_bytes"] >= node["resident_bytes"] > 0
         # the loaded model, tokenizer and libraries are frozen out of the collector (a full pass over them: 158 ms)
         assert node["heap"]["frozen_objects"] > 100_000, node["heap"]
@@ -60,7 +68,8 @@ async def test_health_and_metrics_describe_the_node(mesh):
             text = await response.text()
     for name in ("meshws_sessions ", "meshws_cache_bytes ", "meshws_steps_total{mode=\"decode\"}",
                  "meshws_step_seconds_bucket", 'meshws_frame_bytes_total{direction="in",type="fwd_decode"}',
-                 "meshws_weight_bytes ", "meshws_peak_resident_bytes ", "process_resident_memory_bytes "):
+                 "meshws_weight_bytes ", "meshws_peak_resident_bytes ", "process_resident_memory_bytes ",
+                 "meshws_weight_mapped_bytes ", "meshws_weight_resident_bytes ", 'meshws_weight_type_bytes{type="Q4_1"}'):
         assert name in text, name
 
 

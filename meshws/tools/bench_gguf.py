@@ -1,0 +1,205 @@
+"""The benchmark's GGUF section: meshws on a GGUF file beside llama.cpp on the same file, figure by figure.
+
+Every figure comes from fresh processes, as users start them, with the same threads (`--threads`,
+default all cores):
+  * llama.cpp (llama-cpp-python, an optional extra): seconds from its process's start to the model
+    loaded, peak resident memory, decode
+    tok/s of one stream (`create_completion`, greedy), and a 512-token prompt's time;
+  * a meshws `full` node (`python -m meshws.node --role full`, default flags) with an empty model
+    cache: seconds from its process's start to ready, bytes written to the cache, peak resident memory, decode tok/s of one
+    stream through the OpenAI API, the 512-token prompt's time to first token;
+  * a head + tail on loopback, half the layers each: each node's peak resident memory, and one
+    stream's decode tok/s.
+Ratios to llama.cpp sit beside each figure, and the targets of issue 42 (decode >= 1.0x, prompt >=
+0.7x, peak memory <= 1.15x for a full node and <= 0.65x of llama.cpp's whole-model memory for each
+half, first start within llama.cpp's load + 3 s, disk <= 2 % of the file, mesh decode >= 0.9x).
+The kernels' one-time build on a machine is not in the start time: it is reported apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .streams import stream_once
+
+PROMPT_TOKENS = 512
+MIB = 2**20
+
+
+def _llama_probe(gguf: str, threads: int, tokens: int) -> dict[str, Any]:
+    """In this (fresh) process: llama.cpp's figures on `gguf`."""
+    import resource
+
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=512, verbose=False)
+    loaded = time.time()  # (the parent started this process: its load is from then, as a node's start is)
+    prompt = [(1000 + 7 * index) % llm.n_vocab() for index in range(PROMPT_TOKENS)]
+    llm.create_completion(prompt=prompt[:8], max_tokens=2, temperature=0)  # warm-up
+    llm.reset()
+    started = time.perf_counter()
+    llm.create_completion(prompt=prompt, max_tokens=1, temperature=0)
+    prefill = time.perf_counter() - started
+    llm.reset()
+    stamps = []
+    for _ in llm.create_completion(prompt=prompt[:16], max_tokens=tokens + 1, temperature=0, stream=True,
+                                   logit_bias={llm.token_eos(): -1e9}):
+        stamps.append(time.perf_counter())
+    return {"loaded_at": loaded, "decode_tok_s": round((len(stamps) - 1) / (stamps[-1] - stamps[0]), 2),
+            "prompt_s": round(prefill, 3), "prompt_tok_s": round(PROMPT_TOKENS / prefill, 1),
+            "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "threads": threads}
+
+
+def measure_llama_cpp_gguf(gguf: Path, threads: int, tokens: int) -> dict[str, Any] | None:
+    """`_llama_probe` in a fresh process; None where llama-cpp-python is not installed."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None
+    started = time.time()
+    result = subprocess.run([sys.executable, "-m", "meshws.tools.bench_gguf", "--llama-probe", str(gguf),
+                             str(threads), str(tokens)], capture_output=True, text=True, timeout=1800)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"llama.cpp's probe failed:\n{result.stderr[-3000:]}")
+    figures = json.loads(lines[-1])
+    figures["load_s"] = round(figures.pop("loaded_at") - started, 2)  # from the process's start, as a node's
+    return figures
+
+
+def _fresh_cache(root: str) -> dict[str, str]:
+    """An empty model cache, but with this machine's built kernels (built once per machine, not per start)."""
+    from ..model.kernel_build import library
+
+    built = library()
+    if built is not None:
+        (Path(root) / "native").mkdir(mode=0o700)
+        shutil.copy2(built, Path(root) / "native" / built.name)
+    return {"MESHWS_CACHE_DIR": root}
+
+
+def _written(root: str) -> int:
+    return sum(path.stat().st_size for path in Path(root).rglob("*") if path.is_file() and path.parent.name != "native")
+
+
+def measure_meshws_gguf(gguf: Path, threads: int, tokens: int, layers: int, model_id: str) -> dict[str, Any]:
+    """A full node and a head + tail, as node processes with default flags, each from an empty model cache."""
+    from .launch import Mesh
+
+    prompt = [(1000 + 7 * index) % 49152 for index in range(PROMPT_TOKENS)]
+    results: dict[str, Any] = {}
+    flags = ("--model", str(gguf), "--threads", str(threads))
+    with tempfile.TemporaryDirectory(prefix="meshws-bench-") as root:
+        env = _fresh_cache(root)
+        old = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        try:
+            started = time.perf_counter()
+            full = Mesh([("full", f"0-{layers - 1}")], common=flags, split_threads=False, timeout=600)
+            start = time.perf_counter() - started
+            try:
+                asyncio.run(stream_once(full.head.url, model_id, prompt[:8], 3))  # warm-up
+                prompt_run = asyncio.run(stream_once(full.head.url, model_id, prompt, 2))
+                decode = max(asyncio.run(stream_once(full.head.url, model_id, prompt[:16], tokens + 1))["decode_tok_s"]
+                             for _ in range(2))
+                health = full.head.health()
+            finally:
+                full.stop()
+            results["full"] = {"start_s": round(start, 2), "written_bytes": _written(root),
+                               "decode_tok_s": round(decode, 2), "prompt_s": round(prompt_run["ttft_s"], 3),
+                               "prompt_tok_s": round(PROMPT_TOKENS / prompt_run["ttft_s"], 1),
+                               "peak_bytes": health["peak_resident_bytes"], "path": health["compute"]["path"],
+                               "weights": health["weights"]}
+            half = layers // 2
+            mesh = Mesh([("head", f"0-{half - 1}"), ("tail", f"{half}-{layers - 1}")], common=flags[:2],
+                        split_threads=False, timeout=600)  # (nodes lend each other their cores: `cores`)
+            try:
+                asyncio.run(stream_once(mesh.head.url, model_id, prompt[:8], 3))
+                decode = max(asyncio.run(stream_once(mesh.head.url, model_id, prompt[:16], tokens + 1))["decode_tok_s"]
+                             for _ in range(2))
+                peaks = [node.health()["peak_resident_bytes"] for node in mesh.nodes]
+            finally:
+                mesh.stop()
+            results["mesh"] = {"layers": [[0, half], [half, layers]], "decode_tok_s": round(decode, 2),
+                               "peak_bytes": peaks}
+        finally:
+            for key, value in old.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    return results
+
+
+def measure_gguf(gguf: Path, tokens: int = 64, threads: int | None = None) -> dict[str, Any]:
+    """The section: both sides' figures, the ratios, the targets."""
+    from ..model.gguf_file import read_table
+
+    table = read_table(gguf)
+    layers = int(table.metadata[f"{table.architecture}.block_count"])
+    threads = threads or os.cpu_count() or 1
+    report: dict[str, Any] = {"file": gguf.name, "size_bytes": gguf.stat().st_size, "threads": threads,
+                              "tokens": tokens, "prompt_tokens": PROMPT_TOKENS}
+    report["llama_cpp"] = measure_llama_cpp_gguf(gguf, threads, tokens)
+    report.update(measure_meshws_gguf(gguf, threads, tokens, layers, gguf.stem))
+    report["targets"] = gguf_targets(report)
+    return report
+
+
+def gguf_targets(report: dict[str, Any]) -> dict[str, Any]:
+    llama, full, mesh = report.get("llama_cpp"), report["full"], report["mesh"]
+
+    def ratio(value: float, base: float | None) -> float | None:
+        return round(value / base, 3) if base else None
+
+    checks = {  # name: (value, limit, at least)
+        "full_decode_ge_1x_llama_cpp": (ratio(full["decode_tok_s"], llama and llama["decode_tok_s"]), 1.0, True),
+        "full_prompt_ge_0_7x_llama_cpp": (ratio(full["prompt_tok_s"], llama and llama["prompt_tok_s"]), 0.7, True),
+        "full_peak_le_1_15x_llama_cpp": (ratio(full["peak_bytes"], llama and llama["peak_bytes"]), 1.15, False),
+        "full_start_le_llama_cpp_load_plus_3s": (
+            round(full["start_s"] - llama["load_s"], 2) if llama else None, 3.0, False),
+        "full_written_le_2_percent": (round(full["written_bytes"] / report["size_bytes"], 4), 0.02, False),
+        "mesh_decode_ge_0_9x_llama_cpp": (ratio(mesh["decode_tok_s"], llama and llama["decode_tok_s"]), 0.9, True),
+        "mesh_each_peak_le_0_65x_llama_cpp": (
+            ratio(max(mesh["peak_bytes"]), llama and llama["peak_bytes"]), 0.65, False),
+    }
+    return {name: {"value": value, "met": None if value is None else (value >= limit if at_least else value <= limit)}
+            for name, (value, limit, at_least) in checks.items()}
+
+
+def print_gguf(report: dict[str, Any]) -> None:
+    llama, full, mesh = report.get("llama_cpp"), report["full"], report["mesh"]
+    print(f"\n== {report['file']} ({report['size_bytes'] / MIB:.0f} MiB), {report['threads']} threads ==")
+    print("                   |  meshws full |  llama.cpp | meshws head + tail (half the layers each)")
+    cpp = llama or {}
+
+    def cell(value: Any, fmt: str) -> str:
+        return format(value, fmt) if value is not None else "-"
+
+    print(f"decode, tok/s      | {full['decode_tok_s']:12.1f} | {cell(cpp.get('decode_tok_s'), '10.1f')} | "
+          f"{mesh['decode_tok_s']:.1f}")
+    print(f"{PROMPT_TOKENS}-token prompt, s | {full['prompt_s']:12.2f} | {cell(cpp.get('prompt_s'), '10.2f')} |")
+    print(f"peak memory, MiB   | {full['peak_bytes'] / MIB:12.0f} | {cell(cpp.get('peak_bytes', 0) / MIB or None, '10.0f')}"
+          f" | {' / '.join(f'{peak / MIB:.0f}' for peak in mesh['peak_bytes'])}")
+    print(f"start, s           | {full['start_s']:12.2f} | {cell(cpp.get('load_s'), '10.2f')} |  (empty model cache)")
+    print(f"written to disk    | {full['written_bytes'] / MIB:10.1f} MiB | {'0':>10} |")
+    print(f"path: {full['path']}")
+    for name, check in report["targets"].items():
+        state = {True: "met", False: "NOT met", None: "not measured"}[check["met"]]
+        print(f"target {name}: {check['value']} -> {state}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--llama-probe":
+        print(json.dumps(_llama_probe(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))), flush=True)
+    else:
+        raise SystemExit("usage: python -m meshws.bench --model FILE.gguf (this module runs its probes)")

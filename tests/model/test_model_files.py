@@ -1,0 +1,121 @@
+"""A node writes only small files for a GGUF: the tokenizer (a head's), a transformers config (that path's only).
+
+The tests of this module share one empty cache (`empty_model`), in order: a tail starts first.
+"""
+
+import json
+import shutil
+import threading
+
+import pytest
+import torch
+
+from meshws.model.model_files import MANIFEST, ModelCache, stale_copies
+from meshws.model.settings import ShardSettings
+from meshws.model.shard import ModelShard
+from meshws.model.source import locate_model, model_cache
+from meshws.model.tokenizer_files import build_tokenizer
+
+pytestmark = pytest.mark.real_model
+
+TEXTS = ["Hello world, how are you?", "  leading spaces\n\ttabs and émojis 🎉 <|im_start|>user\nhi<|im_end|>",
+         "def f(x):\n    return x**2 # 1234567"]
+
+
+@pytest.fixture(scope="module")
+def empty_model(tmp_path_factory):
+    """The embedded model with an empty cache of its own."""
+    return locate_model(None, tmp_path_factory.mktemp("empty-cache"))
+
+
+def _written(folder):
+    return {path.relative_to(folder).as_posix(): path.stat().st_size for path in folder.rglob("*") if path.is_file()}
+
+
+def test_a_tail_writes_nothing_and_a_head_only_its_tokenizer(empty_model):
+    folder = empty_model.folder
+    tail = ModelShard(empty_model, 20, 30)
+    assert tail.compute_path.startswith("lean llama, GGUF blocks")
+    assert not folder.exists() or not any(path.is_file() for path in folder.rglob("*"))
+    ModelShard(empty_model, 0, 10)
+    files = _written(folder)
+    assert {"tokenizer.json", "tokenizer_config.json", MANIFEST} <= set(files)
+    assert not any(name.endswith((".safetensors", "config.json")) and name != "tokenizer_config.json"
+                   for name in files), "no weights and no transformers config"
+    assert sum(files.values()) < 0.05 * empty_model.gguf.stat().st_size  # (a 1B file: < 2 %, test_gguf_memory)
+
+
+def test_nodes_started_together_build_the_tokenizer_once(empty_model, tmp_path):
+    shared = locate_model(None, tmp_path)
+    caches = [model_cache(shared), model_cache(shared)]
+    errors = []
+
+    def start(cache):
+        try:
+            cache.prepare(["tokenizer"])
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(cache,)) for cache in caches]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not errors
+    assert caches[0].converted + caches[1].converted == ["tokenizer"], "built once, by one node or the other"
+
+
+def test_a_damaged_tokenizer_is_rebuilt_and_the_manifest_catches_changes(empty_model, caplog):
+    folder = empty_model.folder
+    cache = model_cache(empty_model)
+    assert cache.problem("tokenizer") is None
+    with (folder / "tokenizer.json").open("a") as handle:
+        handle.write(" ")
+    assert cache.problem("tokenizer") == "tokenizer.json changed since conversion"
+    with caplog.at_level("INFO", logger="meshws.model"):
+        cache.prepare(["tokenizer"])
+    assert "rebuilding" in caplog.text and cache.problem("tokenizer") is None
+    (folder / MANIFEST).write_text("{")
+    assert "no readable manifest" in cache.problem("tokenizer")
+    assert ModelCache(empty_model.gguf, folder).problem("config") is not None
+
+
+def test_the_tokenizer_equals_transformers_own_gguf_tokenizer(embedded_model):
+    from transformers import AutoTokenizer
+
+    gguf = embedded_model.gguf
+    ours = build_tokenizer(gguf)
+    theirs = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    for text in TEXTS:
+        assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (ours.bos_token, ours.eos_token, ours.pad_token) == (theirs.bos_token, theirs.eos_token, theirs.pad_token)
+
+
+def test_the_transformers_path_builds_transformers_own_config_and_dequantizes_in_memory(embedded_model, tmp_path,
+                                                                                       reference_model):
+    from transformers import AutoConfig
+
+    own = locate_model(None, tmp_path)
+    plain = ModelShard(own, 0, 30, ShardSettings(dtype="float32", compute="transformers"))
+    assert plain.compute_path.startswith("transformers (weights dequantized in memory")
+    saved = AutoConfig.from_pretrained(str(own.folder)).to_dict()
+    expected = reference_model.config.to_dict()
+    assert {key for key in expected.keys() | saved.keys() if expected.get(key) != saved.get(key)} <= {
+        "architectures", "dtype", "_name_or_path", "transformers_version", "quantization_config"}
+    assert not list(own.folder.rglob("*.safetensors"))
+    ours = dict(plain.model.named_parameters())
+    theirs = dict(reference_model.named_parameters())
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours), "the same float32 weights"
+
+
+def test_copies_an_earlier_meshws_converted_are_found(tmp_path):
+    old = tmp_path / "SmolLM2-135M-Instruct-0123456789ab" / "float32"
+    old.mkdir(parents=True)
+    (old / "model.layers.0.safetensors").write_bytes(b"x")
+    (tmp_path / "other" / "bfloat16").mkdir(parents=True)  # empty: not a copy
+    assert stale_copies(tmp_path) == [old]
+    shutil.rmtree(old)
+    assert stale_copies(tmp_path) == []
