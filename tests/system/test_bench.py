@@ -7,7 +7,6 @@ import sys
 import pytest
 
 from helpers import ROOT
-from meshws.model.blas import choose_matmul
 from meshws.model.native import kernels
 
 pytestmark = [pytest.mark.real_model, pytest.mark.processes]
@@ -16,26 +15,37 @@ pytestmark = [pytest.mark.real_model, pytest.mark.processes]
 def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, "-m", "meshws.bench", "--short", "--runs", "2", "--dtype", "float32",
-                             "--sessions", "1", "4", "--mesh-quant", "none", "int8", "--out", str(out)], cwd=ROOT,
+                             "--sessions", "1", "4", "--out", str(out)], cwd=ROOT,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
+    gguf = report["gguf"]  # the GGUF section, beside llama.cpp where llama-cpp-python is installed
+    assert gguf["file"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and gguf["threads"] >= 1
+    full, mesh = gguf["full"], gguf["mesh"]
+    assert full["decode_tok_s"] > 0 and full["prompt_s"] > 0 and full["start_s"] > 0
+    assert 0 < full["written_bytes"] < 0.05 * gguf["size_bytes"]  # the tokenizer's files only
+    assert full["peak_bytes"] > full["weights"]["mapped_bytes"] > 0 and "GGUF blocks" in full["path"]
+    assert mesh["decode_tok_s"] > 0 and len(mesh["peak_bytes"]) == 2
+    assert set(gguf["targets"]) == {"full_decode_ge_1x_llama_cpp", "full_prompt_ge_0_7x_llama_cpp",
+                                    "full_peak_le_1_15x_llama_cpp", "full_start_le_llama_cpp_load_plus_3s",
+                                    "full_written_le_2_percent", "mesh_decode_ge_0_9x_llama_cpp",
+                                    "mesh_each_peak_le_0_65x_llama_cpp"}
+    llama_gguf = gguf["llama_cpp"]  # an optional extra
+    assert llama_gguf is None or (llama_gguf["decode_tok_s"] > 0 and llama_gguf["load_s"] > 0
+                                  and gguf["targets"]["full_decode_ge_1x_llama_cpp"]["value"] > 0)
     assert set(report["results"]) == {"float32"}  # each dtype runs the same code; one keeps the test short
     for dtype, entry in report["results"].items():
         assert entry["generate"]["decode_tok_s"] > 0 and entry["generate"]["ttft_s"] > 0
-        for name in ("full_node", "full_node_int8"):
-            assert entry[name]["per_session_tok_s"] > 0 and "ratio_to_generate" in entry[name]
+        assert "full_node_int8" not in entry  # (int8 is for a folder's float weights)
+        assert entry["full_node"]["per_session_tok_s"] > 0 and "ratio_to_generate" in entry["full_node"]
         steps = entry["decode_step"]
-        # the lean step fused where meshws's kernels run, the same weights op by op, and op by op on OpenBLAS
-        openblas = ["lean_openblas"] * (choose_matmul("openblas", dtype, False)[0] == "openblas")
-        names = ["transformers", "lean", "lean_ops", *openblas, "lean_int8"]
+        # the lean step fused where meshws's kernels run, and the same weights op by op
+        names = ["transformers", "lean", "lean_ops"]
         fused = ", decode fused (meshws kernel)" if kernels() else ""
-        codes = ", float32 weights as GGUF codes" * bool(fused and dtype == "float32")  # (a Q4_1 GGUF's layers)
-        auto = "lean llama" + ", OpenBLAS products" * (not fused and choose_matmul("auto", dtype, False)[0] == "openblas")
         assert set(steps) == set(names)
-        assert [steps[name]["path"] for name in names] == [
-            "transformers", auto + fused + codes, auto, *["lean llama, OpenBLAS products"] * len(openblas),
-            "lean llama, int8 weights " + ("(meshws kernel)" if kernels() else "(FBGEMM)") + fused]
+        assert steps["transformers"]["path"].startswith("transformers (weights dequantized in memory")
+        assert steps["lean"]["path"] == "lean llama, GGUF blocks (Q4_1 x 105), widened exactly to float32" + fused
+        assert steps["lean_ops"]["path"] == steps["lean"]["path"]
         for step in steps.values():
             assert step["step_ms"] > 0 and step["floor_ms"] > 0 and step["over_floor"] > 0
         # lean paths also time a 16-session step (`run_rows`, a wave's path); transformers has none
@@ -44,13 +54,13 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
             assert steps[name]["batch_ms"] > 0
             assert steps[name]["batch_over_one"] == pytest.approx(steps[name]["batch_ms"] / steps[name]["step_ms"],
                                                                   rel=0.02)
-        # a byte per weight (0.25x of fp32's 15 layers), padded by FBGEMM (576 inputs take 1024): 0.40x
-        assert steps["lean_int8"]["weight_mib"] < 0.45 * steps["lean"]["weight_mib"] * (2 if dtype == "bfloat16" else 1)
+        # the lean shard maps its 15 layers' blocks (0.75 bytes a weight); transformers holds them as float32
+        assert steps["lean"]["weight_mib"] < 0.25 * steps["transformers"]["weight_mib"]
         llama = entry["llama_cpp"]  # an optional extra: measured only where llama-cpp-python is installed
         assert llama is None or (llama["decode_tok_s"] > 0 and "ratio_to_llama_cpp" in entry["full_node"])
-        assert set(entry["mesh"]) == set(entry["mesh_int8"]) == set(entry["full_node_sessions"]) \
-            == set(entry["generate_sessions"]) == {"1", "4"}
-        for sessions in [*entry["mesh"].values(), *entry["mesh_int8"].values()]:
+        assert "mesh_int8" not in entry
+        assert set(entry["mesh"]) == set(entry["full_node_sessions"]) == set(entry["generate_sessions"]) == {"1", "4"}
+        for sessions in entry["mesh"].values():
             for field in ("per_session_tok_s", "aggregate_tok_s", "ttft_p50_s", "ttft_p95_s", "itl_p50_s",
                           "itl_p95_s"):
                 assert sessions[field] > 0, (dtype, field)
