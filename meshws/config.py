@@ -85,10 +85,9 @@ _HELP = {
     "cache_ttl": "seconds an idle session's KV cache is kept",
     "max_cache_bytes": "byte budget for all KV caches on this node, e.g. 2G; least recently used dropped beyond "
                        "(default: half the memory free when the node starts)",
-    "dtype": "on a GGUF: auto (or bfloat16) multiplies the file's blocks by activations quantized to 8 bits, as "
-             "llama.cpp does, keys and values in bfloat16; float32 widens the blocks exactly and gives transformers' "
-             "tokens. On a folder's float weights: auto picks bfloat16 where the CPU multiplies it natively "
-             "(AVX-512-BF16, AMX), else float32",
+    "dtype": "on a GGUF, auto (or bfloat16) multiplies its blocks by 8-bit activations as llama.cpp does (keys and "
+             "values bfloat16), float32 widens them exactly (transformers' tokens); on a folder's float weights, auto "
+             "is bfloat16 where the CPU multiplies it natively (AVX-512-BF16, AMX), else float32",
     "compute": "what runs the decoder layers: lean (the GGUF's blocks, in-place KV buffers: Llama, Qwen2, Qwen3, "
                "Gemma-3), transformers (its modules, a GGUF's weights dequantized in memory), or auto (lean where it "
                "runs)",

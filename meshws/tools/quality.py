@@ -1,11 +1,12 @@
-"""`python -m meshws.tools.quality`: what int8 weights cost in quality, measured against the float model.
+"""`python -m meshws.tools.quality`: what the fast products cost in quality, measured against exact float32.
 
-Loads the whole model twice in this process (float and `--quant int8`, both on the lean
-path) and reports:
+Loads the whole model twice in this process, both on the lean path: exactly (`--dtype float32`)
+and the fast way, which for a GGUF is the default (8-bit activations times the blocks, as
+llama.cpp multiplies) and for a folder's float weights `--quant int8`. It reports:
 
   * greedy agreement: for each test prompt (the golden tests' chat prompts and a few
-    more), how many of the first `--tokens` greedy tokens the int8 model shares with
-    the float one before they part, and whether all of them agree;
+    more), how many of the first `--tokens` greedy tokens the fast model shares with
+    the exact one before they part, and whether all of them agree;
   * teacher-forced agreement on a fixed text: the share of positions where both
     models' top next-token choice is the same;
   * mean log-likelihood per token of that fixed text under each model.
@@ -60,9 +61,7 @@ def text_logits(shard: Any, ids: Sequence[int]) -> torch.Tensor:
 
     with torch.inference_mode():
         hidden = shard.layers.run(shard.embed(ids), positions(0, len(ids)))
-        if shard.lean is not None and shard.lean.lm_head is not None:
-            return shard.lean.logits(hidden[0]).float()
-        return shard.model.lm_head(hidden[0]).float()
+        return shard.last_logits(hidden, len(ids)).float()
 
 
 def measure(model: str | None, tokens: int, dtype: str) -> dict[str, Any]:
@@ -71,7 +70,9 @@ def measure(model: str | None, tokens: int, dtype: str) -> dict[str, Any]:
 
     resolved = locate_model(model)
     float_shard = ModelShard(resolved, 0, None, ShardSettings(dtype=dtype, compute="lean"))
-    int8_shard = ModelShard(resolved, 0, None, ShardSettings(dtype=dtype, compute="lean", quant="int8"))
+    fast = ShardSettings(dtype="auto", compute="lean") if resolved.gguf is not None else \
+        ShardSettings(dtype=dtype, compute="lean", quant="int8")
+    int8_shard = ModelShard(resolved, 0, None, fast)
     tokenizer = float_shard.tokenizer
     prompts = []
     for text in PROMPTS:
@@ -83,7 +84,7 @@ def measure(model: str | None, tokens: int, dtype: str) -> dict[str, Any]:
     ids = float_shard.tokenize(TEXT)
     targets = torch.tensor(ids[1:])
     result: dict[str, Any] = {"model": resolved.model_id, "dtype": dtype, "tokens": tokens, "prompts": prompts,
-                              "text_tokens": len(ids) - 1}
+                              "text_tokens": len(ids) - 1, "fast": int8_shard.compute_path}
     top = {}
     for name, shard in (("float", float_shard), ("int8", int8_shard)):
         logits = text_logits(shard, ids)[:-1]
@@ -103,16 +104,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="where to write the JSON")
     args = parser.parse_args(argv)
     result = measure(args.model, args.tokens, args.dtype)
-    print(f"{result['model']} ({result['dtype']} vs int8 weights), {result['tokens']} greedy tokens per prompt")
+    print(f"{result['model']} ({result['dtype']} vs {result['fast']}), {result['tokens']} greedy tokens per prompt")
     for row in result["prompts"]:
         print(f"  {row['shared_prefix']:>3}/{result['tokens']} {'same' if row['all_agree'] else 'parts'}  "
               f"{row['prompt']}")
     same = sum(row["all_agree"] for row in result["prompts"])
     print(f"prompts with identical output: {same}/{len(result['prompts'])}")
     print(f"fixed text ({result['text_tokens']} tokens): mean log-likelihood float {result['mean_loglik_float']:.4f}, "
-          f"int8 {result['mean_loglik_int8']:.4f}; top-1 agreement {result['teacher_forced_top1_agreement']:.3f}")
-    print(f"weights: float {result['weight_bytes']['float'] / 2**20:.0f} MiB, "
-          f"int8 {result['weight_bytes']['int8'] / 2**20:.0f} MiB")
+          f"fast {result['mean_loglik_int8']:.4f}; top-1 agreement {result['teacher_forced_top1_agreement']:.3f}")
+    print(f"weights: exact {result['weight_bytes']['float'] / 2**20:.0f} MiB, "
+          f"fast {result['weight_bytes']['int8'] / 2**20:.0f} MiB")
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(result, handle, indent=2)

@@ -1,4 +1,5 @@
-"""A node with `--quant int8` answers, and its greedy output mostly agrees with the float model.
+"""A node with `--quant int8` (a model folder's float weights) answers, and its greedy output mostly agrees with the
+float model.
 
 Agreement is measured per prompt as "the first AGREE_TOKENS greedy tokens are identical".
 `python -m meshws.tools.quality --tokens 8` on SmolLM2-135M (2-core AMD EPYC with AVX-512)
@@ -25,8 +26,8 @@ AGREE_TOKENS = 8
 AT_LEAST = 5 if kernels() else 3  # of the 8 prompts, on meshws's kernel or else FBGEMM's
 
 
-def test_an_int8_node_answers_and_mostly_agrees_with_float(embedded_model):
-    float_shard = ModelShard(embedded_model, 0, 30, ShardSettings(dtype="float32"))
+def test_an_int8_node_answers_and_mostly_agrees_with_float(embedded_folder):
+    float_shard = ModelShard(embedded_folder, 0, 30, ShardSettings(dtype="float32"))
     tokenizer = float_shard.tokenizer
     prompts = [float_shard.tokenize(tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                                   add_generation_prompt=True, tokenize=False))
@@ -40,13 +41,15 @@ def test_an_int8_node_answers_and_mostly_agrees_with_float(embedded_model):
         expected.append(tokens)
     del float_shard
 
-    mesh = Mesh([("full", "0-29")], common=("--quant", "int8", "--dtype", "float32"))
+    mesh = Mesh([("full", "0-29")], common=("--model", str(embedded_folder.folder), "--quant", "int8", "--dtype",
+                                            "float32"))
     try:
         async def ask() -> tuple[dict, list[list[int]]]:
             async with aiohttp.ClientSession() as client:
                 async with client.get(f"{mesh.head.url}/health") as response:
                     health = await response.json()
-            answers = [(await complete_ids(mesh.head.url, ids, AGREE_TOKENS, ignore_eos=True))[0]
+            answers = [(await complete_ids(mesh.head.url, ids, AGREE_TOKENS, ignore_eos=True,
+                                           model=embedded_folder.model_id))[0]
                        for ids in prompts]
             return health, answers
 
