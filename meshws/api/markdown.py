@@ -58,7 +58,7 @@ ATTRIBUTES = {"a": {"href", "title"}, "code": {"class"}, "span": {"class"}, "ol"
 SCHEMES = {"http", "https", "mailto"}
 
 _FORMATTER = HtmlFormatter(nowrap=True)
-_budget = threading.local()  # the current render's lexing deadline (renders run on their own thread)
+_budget = threading.local()  # the current render's lexing seconds left (renders run on their own thread)
 
 
 class _OverBudget(Exception):
@@ -82,12 +82,18 @@ def _highlighted(code: str, name: str) -> str:
         lexer = get_lexer_by_name(name, stripnl=False)
     except ClassNotFound:
         return ""
-    deadline = getattr(_budget, "deadline", None)
+    left = getattr(_budget, "left", None)  # (the lexer's first import is not lexing: the clock starts here)
+    start = time.perf_counter()
+    deadline = None if left is None else start + left
     tokens = []
-    for count, token in enumerate(lexer.get_tokens(code)):  # lexing token by token: a slow lexer is cut off
-        tokens.append(token)
-        if deadline is not None and count % 32 == 0 and time.perf_counter() > deadline:
-            raise _OverBudget()  # (not cached: an exception)
+    try:
+        for count, token in enumerate(lexer.get_tokens(code)):  # lexing token by token: a slow lexer is cut off
+            tokens.append(token)
+            if deadline is not None and count % 32 == 0 and time.perf_counter() > deadline:
+                raise _OverBudget()  # (not cached: an exception)
+    finally:
+        if left is not None:
+            _budget.left = left - (time.perf_counter() - start)
     out = io.StringIO()
     _FORMATTER.format(iter(tokens), out)
     return out.getvalue()
@@ -101,11 +107,11 @@ def _parser() -> MarkdownIt:
 
 def render_markdown(text: str) -> str:
     """`text` (model output, untrusted) as sanitized HTML; at most MAX_RENDER_CHARS are rendered."""
-    _budget.deadline = time.perf_counter() + HIGHLIGHT_BUDGET
+    _budget.left = HIGHLIGHT_BUDGET
     try:
         html = _parser().render(text[:MAX_RENDER_CHARS])
     finally:
-        _budget.deadline = None
+        _budget.left = None
     return nh3.clean(
         html, tags=TAGS, attributes=ATTRIBUTES, url_schemes=SCHEMES, url_relative="deny",
         link_rel="noopener noreferrer", set_tag_attribute_values={"a": {"target": "_blank"}},

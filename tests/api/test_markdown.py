@@ -65,6 +65,17 @@ def test_markdown_renders_code_tables_lists_and_safe_links():
     assert '<a href="https://example.com/a?b=1" target="_blank" rel="noopener noreferrer">docs</a>' in html
 
 
+def test_lexing_past_the_render_budget_leaves_the_rest_plain(monkeypatch):
+    from meshws.api import markdown
+
+    fences = "".join(f"```python\nx{i} = {i}\n" + "y = 1\n" * 400 + "```\n\n" for i in range(2))
+    assert render_markdown(fences).count('<span class="n">x') == 2  # within the budget: both highlighted
+    monkeypatch.setattr(markdown, "HIGHLIGHT_BUDGET", 0.0)
+    markdown._highlighted.cache_clear()
+    plain = render_markdown(fences)
+    assert '<span class="n">x' not in plain and "x0 = 0" in plain and "x1 = 1" in plain
+
+
 def test_a_fence_without_language_or_an_unknown_one_stays_code():
     plain = render_markdown("```\nimport os\nprint(os.name)\n```")
     assert plain == "<pre><code>import os\nprint(os.name)\n</code></pre>\n"
