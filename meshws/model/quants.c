@@ -606,14 +606,36 @@ static inline __attribute__((always_inline)) void fused_q6_K(const uint8_t *w, i
     }
 }
 
+/* A unit's first `bytes` bytes (at most 256) as four registers, zeros past them: never a read past the unit, which
+   may end the mapping. */
+static inline void unit_bytes(const uint8_t *w, int64_t bytes, __m512i *z) {
+    for (int i = 0; i < 4; i++) {
+        const int64_t left = bytes - 64 * i;
+        const __mmask64 keep = left >= 64 ? ~0ULL : left <= 0 ? 0 : (1ULL << left) - 1;
+        z[i] = _mm512_maskz_loadu_epi8(keep, w + 64 * i);
+    }
+}
+
+/* Halves at 16-bit positions at[0..15] (< 128) of the four registers, as floats (blocks' scales: one permute
+   per pair of registers instead of a conversion and a store per block). */
+static inline vec unit_halves(const __m512i *z, __m512i at) {
+    const __m512i low = _mm512_permutex2var_epi16(z[0], at, z[1]);
+    const __m512i high = _mm512_permutex2var_epi16(z[2], at, z[3]);
+    const __mmask32 from_high = _mm512_cmpge_epu16_mask(at, _mm512_set1_epi16(64));
+    return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_mask_blend_epi16(from_high, low, high)));
+}
+
 /* Q8_0, eight blocks a unit (fewer at a row's end): u = q + 128, b' = -128 d. */
 static inline __attribute__((always_inline)) void fused_q8_0(const uint8_t *w, int64_t in, const q_row *x, int nr,
                                                              vec *acc) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i scale_at = _mm512_setr_epi32(0, 17 << 16 | 17, 34 << 16 | 34, 51 << 16 | 51, 68 << 16 | 68,
+                                               85 << 16 | 85, 102 << 16 | 102, 119 << 16 | 119, 0, 0, 0, 0, 0, 0, 0,
+                                               0); /* block i's d (16-bit word 17 i), twice */
     for (int64_t k = 0; k < q8_padded(in); k += QK) {
         const int blocks = in - k >= QK ? 8 : (int)(in - k) / 32;
-        float d[16] = {0};
-        __m512i codes[4];
+        __m512i z[4], codes[4];
+        unit_bytes(w, 34 * blocks, z);
         for (int c = 0; c < 4; c++) {
             const __m256i first = c * 2 < blocks ? _mm256_loadu_si256((const __m256i *)(w + 68 * c + 2)) :
                 _mm256_setzero_si256();
@@ -621,39 +643,42 @@ static inline __attribute__((always_inline)) void fused_q8_0(const uint8_t *w, i
                 _mm256_setzero_si256();
             codes[c] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1), flip);
         }
-        for (int i = 0; i < blocks; i++)
-            d[2 * i] = d[2 * i + 1] = half_fast(w + 34 * i);
-        const vec a = vload(d);
+        const vec a = unit_halves(z, scale_at); /* d of each block, once per 16 values (0 past the row) */
         const __m512 lanes[4] = {groups_of(a, 0), groups_of(a, 4), groups_of(a, 8), groups_of(a, 12)};
         block_rows(codes, lanes, negated(vtimes(vset1(128.0f), a)), x, nr, k, acc);
         w += 34 * blocks;
     }
 }
 
-/* Q4_1, eight blocks a unit: a = d, b' = m. */
+/* Q4_1, eight blocks a unit: a = d, b' = m. A chunk's two blocks' 16 bytes of codes each, twice (the high nibbles
+   in the second copy), from the unit's registers. */
+static inline __m512i q4_1_gather(int c) {
+    uint8_t at[64];
+    for (int i = 0; i < 64; i++) { /* chunk c: blocks 2c, 2c + 1; registers 0-1 (c < 3) or 1-2 (c = 3) */
+        const int block = 2 * c + i / 32, byte = 20 * block + 4 + i % 16;
+        at[i] = (uint8_t)(byte - (c == 3 ? 64 : 0));
+    }
+    return _mm512_loadu_si512(at);
+}
+
 static inline __attribute__((always_inline)) void fused_q4_1(const uint8_t *w, int64_t in, const q_row *x, int nr,
                                                              vec *acc) {
     const __m512i low = _mm512_set1_epi8(15);
+    const __m512i gather[4] = {q4_1_gather(0), q4_1_gather(1), q4_1_gather(2), q4_1_gather(3)};
+    const __m512i scale_at = _mm512_setr_epi32(0, 10 << 16 | 10, 20 << 16 | 20, 30 << 16 | 30, 40 << 16 | 40,
+                                               50 << 16 | 50, 60 << 16 | 60, 70 << 16 | 70, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i min_at = _mm512_add_epi16(scale_at, _mm512_set1_epi16(1));
     for (int64_t k = 0; k < q8_padded(in); k += QK) {
         const int blocks = in - k >= QK ? 8 : (int)(in - k) / 32;
-        float d[16] = {0}, m[16] = {0};
-        __m512i codes[4];
+        __m512i z[4], codes[4];
+        unit_bytes(w, 20 * blocks, z);
         for (int c = 0; c < 4; c++) {
-            const __m128i q0 = c * 2 < blocks ? _mm_loadu_si128((const __m128i *)(w + 40 * c + 4)) : _mm_setzero_si128();
-            const __m128i q1 = c * 2 + 1 < blocks ? _mm_loadu_si128((const __m128i *)(w + 40 * c + 24)) :
-                _mm_setzero_si128();
-            const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
-            const __m512i spread = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
-            codes[c] = _mm512_and_si512(_mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), spread),
-                                        low);
+            const __m512i q = _mm512_permutex2var_epi8(z[c == 3], gather[c], z[1 + (c == 3)]);
+            codes[c] = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xff00ff00u, q, 4), low);
         }
-        for (int i = 0; i < blocks; i++) {
-            d[2 * i] = d[2 * i + 1] = half_fast(w + 20 * i);
-            m[2 * i] = m[2 * i + 1] = half_fast(w + 20 * i + 2);
-        }
-        const vec a = vload(d);
+        const vec a = unit_halves(z, scale_at), b = unit_halves(z, min_at); /* d, m once per 16 values (0 past) */
         const __m512 lanes[4] = {groups_of(a, 0), groups_of(a, 4), groups_of(a, 8), groups_of(a, 12)};
-        block_rows(codes, lanes, vload(m), x, nr, k, acc);
+        block_rows(codes, lanes, b, x, nr, k, acc);
         w += 20 * blocks;
     }
 }
