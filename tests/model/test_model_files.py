@@ -4,6 +4,7 @@ The tests of this module share one empty cache (`empty_model`), in order: a tail
 """
 
 import json
+import logging
 import shutil
 import threading
 
@@ -13,7 +14,7 @@ import torch
 from meshws.model.model_files import MANIFEST, ModelCache, stale_copies
 from meshws.model.settings import ShardSettings
 from meshws.model.shard import ModelShard
-from meshws.model.source import locate_model, model_cache
+from meshws.model.source import embedded_gguf_path, locate_model, model_cache, resolve_model
 from meshws.model.tokenizer_files import build_tokenizer
 
 pytestmark = pytest.mark.real_model
@@ -111,11 +112,14 @@ def test_the_transformers_path_builds_transformers_own_config_and_dequantizes_in
     assert all(torch.equal(ours[name], theirs[name]) for name in ours), "the same float32 weights"
 
 
-def test_copies_an_earlier_meshws_converted_are_found(tmp_path):
+def test_copies_an_earlier_meshws_converted_are_found_and_named(tmp_path, caplog):
     old = tmp_path / "SmolLM2-135M-Instruct-0123456789ab" / "float32"
     old.mkdir(parents=True)
     (old / "model.layers.0.safetensors").write_bytes(b"x")
     (tmp_path / "other" / "bfloat16").mkdir(parents=True)  # empty: not a copy
     assert stale_copies(tmp_path) == [old]
+    with caplog.at_level(logging.WARNING, logger="meshws.model"):
+        resolve_model(str(embedded_gguf_path()), tmp_path)  # a node says so as it starts
+    assert f"free them with: rm -r {old}" in caplog.text
     shutil.rmtree(old)
     assert stale_copies(tmp_path) == []
