@@ -1,10 +1,13 @@
-"""`--out` of the benchmarks: a file, or a folder that gets the report's own name; unwritable places fail first."""
+"""`--out` of the benchmarks: a file, or a folder that gets the report's own name; unwritable places fail first. The
+GGUF section's split and its picture of several runs."""
 
 import argparse
 import os
 
 import pytest
 
+from meshws.tools.bench_gguf import split_roles
+from meshws.tools.bench_plot import write_gguf_plot
 from meshws.tools.memory_bench import report_path
 
 
@@ -53,3 +56,26 @@ def test_a_folder_that_exists_but_holds_no_files_fails_even_for_root(capsys):
 
 def test_dot_names_the_folder_itself(tmp_path):
     assert report_path(_parser(), str(tmp_path / "new") + "/.", "bench.json") == tmp_path / "new" / "bench.json"
+
+
+@pytest.mark.parametrize("layers, parts, spans", [
+    (16, 2, [("head", "0-7"), ("tail", "8-15")]),
+    (32, 3, [("head", "0-9"), ("middle", "10-20"), ("tail", "21-31")]),
+    (30, 4, [("head", "0-6"), ("middle", "7-14"), ("middle", "15-21"), ("tail", "22-29")]),
+])
+def test_a_split_shares_every_layer_once_in_order(layers, parts, spans):
+    assert split_roles(layers, parts) == spans
+
+
+def test_several_runs_make_one_picture_and_a_run_without_llama_cpp_none(tmp_path):
+    pytest.importorskip("matplotlib")
+
+    def section(name, parts):
+        return {"file": name, "threads": 2, "llama_cpp": {"decode_tok_s": 40.0, "prompt_s": 5.0, "peak_bytes": 1000},
+                "full": {"decode_tok_s": 38.0, "prompt_s": 6.0, "peak_bytes": 800},
+                "mesh": {"decode_tok_s": 33.0, "peak_bytes": [400] * parts}}
+
+    picture = write_gguf_plot([section("1b.gguf", 2), section("8b.gguf", 3)], tmp_path / "gguf.png")
+    assert picture is not None and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert write_gguf_plot([{**section("x.gguf", 2), "llama_cpp": None}], tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()

@@ -244,6 +244,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     parser.add_argument("--short", action="store_true", help="a quick run (CI): few tokens and repeats, no memory")
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
                         help="measure memory per span in fresh processes (default: on unless --short)")
+    parser.add_argument("--parts", type=int, default=2, choices=range(2, 9), metavar="N",
+                        help="GGUF section: the split mesh's nodes (2: head + tail; 3: head + middle + tail ...)")
     parser.add_argument("--out", default="bench-results/bench.json", help="where to write the JSON")
     parser.add_argument("--tls", action="store_true", help="also measure a head + tail over wss:// (needs trustme)")
     parser.add_argument("--link-delay", nargs=2, type=float, default=[25.0, 25.0], metavar=("TO_TAIL_MS", "TO_HEAD_MS"),
@@ -259,11 +261,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     suite = args.suite if args.suite != "auto" else ("all" if args.model in ("embedded", "") or gguf is None else "gguf")
     gguf_section = None
     if gguf is not None:
-        gguf_section = measure_gguf(gguf, 16 if args.short else 64)
+        gguf_section = measure_gguf(gguf, 16 if args.short else 64, parts=args.parts)
         print_gguf(gguf_section)
         if suite == "gguf":
             report = {"model": gguf.stem, "gguf": gguf_section}
-            plot = write_gguf_plot(gguf_section, out.with_suffix(".png"))
+            plot = write_gguf_plot([gguf_section], out.with_suffix(".png"))
             report["plot"] = str(plot) if plot else None
             write_report(report, out)
             return

@@ -48,8 +48,9 @@ def write_plot(report: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
-def write_gguf_plot(section: dict[str, Any], path: Path) -> Path | None:
-    """The GGUF section as bars: meshws's figures over llama.cpp's (1.0 = the same), one bar per figure."""
+def write_gguf_plot(sections: list[dict[str, Any]], path: Path) -> Path | None:
+    """GGUF sections (one per file) as grouped bars: meshws's figures over llama.cpp's (1.0 = the same), one group
+    per figure, one bar per file; black ticks are the targets."""
     try:
         import matplotlib
 
@@ -57,27 +58,57 @@ def write_gguf_plot(section: dict[str, Any], path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    llama = section.get("llama_cpp")
-    if not llama:
+    sections = [section for section in sections if section.get("llama_cpp")]
+    if not sections:
         return None
-    full, mesh = section["full"], section["mesh"]
-    bars = [("decode, full node", full["decode_tok_s"] / llama["decode_tok_s"], 1.0),
-            ("decode, head + tail", mesh["decode_tok_s"] / llama["decode_tok_s"], 0.9),
-            (f"{section['prompt_tokens']}-token prompt", llama["prompt_s"] / full["prompt_s"], 0.7),
-            ("peak memory, full node", full["peak_bytes"] / llama["peak_bytes"], 1.15),
-            ("peak memory, each half", max(mesh["peak_bytes"]) / llama["peak_bytes"], 0.65)]
-    figure, axes = plt.subplots(figsize=(8, 3.6))
-    names = [name for name, _, _ in bars]
-    axes.barh(names, [value for _, value, _ in bars], color=["#4c72b0", "#4c72b0", "#4c72b0", "#dd8452", "#dd8452"])
-    for row, (_, value, target) in enumerate(bars):
-        axes.plot([target, target], [row - 0.4, row + 0.4], color="black", linewidth=1.5)
-        axes.text(value, row, f" {value:.2f}x", va="center", fontsize=8)
+    names = ["decode, full node", "decode, split", "prompt, full node", "peak memory, full node",
+             "peak memory, each split node"]
+    targets = [1.0, 0.9, 0.7, 1.15, None]
+    figure, axes = plt.subplots(figsize=(8.5, 1.2 + 0.55 * len(names) * max(1, len(sections)) ** 0.6))
+    height = 0.8 / len(sections)
+    for index, section in enumerate(sections):
+        llama, full, mesh = section["llama_cpp"], section["full"], section["mesh"]
+        values = [full["decode_tok_s"] / llama["decode_tok_s"], mesh["decode_tok_s"] / llama["decode_tok_s"],
+                  llama["prompt_s"] / full["prompt_s"], full["peak_bytes"] / llama["peak_bytes"],
+                  max(mesh["peak_bytes"]) / llama["peak_bytes"]]
+        rows = [row - 0.4 + height * (index + 0.5) for row in range(len(names))]
+        parts = len(mesh["peak_bytes"])
+        axes.barh(rows, values, height=height * 0.9, label=f"{section['file']} ({parts}-node split)")
+        for row, value in zip(rows, values):
+            axes.text(value, row, f" {value:.2f}x", va="center", fontsize=7)
+        share = {2: 0.65, 3: 0.4}.get(parts)  # each split node's target: its own tick
+        if share:
+            axes.plot([share, share], [rows[-1] - height / 2, rows[-1] + height / 2], color="black", linewidth=1.5)
+    for row, target in enumerate(targets):
+        if target is not None:
+            axes.plot([target, target], [row - 0.45, row + 0.45], color="black", linewidth=1.5)
+    axes.set_yticks(range(len(names)), names)
     axes.axvline(1.0, color="grey", linewidth=0.8, linestyle=":")
     axes.invert_yaxis()
-    axes.set_xlabel("meshws / llama.cpp (speed: higher is better; memory: lower; black ticks: the targets)")
-    axes.set_title(f"{section['file']} on {section['threads']} threads (python -m meshws.bench --model ...)", fontsize=9)
+    axes.legend(fontsize=7, loc="lower right")
+    axes.set_xlabel("meshws / llama.cpp, same file and threads (speed: higher is better; memory: lower)")
+    axes.set_title(f"{sections[0]['threads']} threads (python -m meshws.bench --model FILE.gguf)", fontsize=9)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m meshws.tools.bench_plot OUT.png RESULT.json ...`: one picture of several GGUF runs' sections."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m meshws.tools.bench_plot", description=main.__doc__)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("results", nargs="+", type=Path, help="JSON files `python -m meshws.bench --out` wrote")
+    args = parser.parse_args(argv)
+    sections = [json.loads(result.read_text())["gguf"] for result in args.results]
+    if write_gguf_plot(sections, args.out) is None:
+        raise SystemExit("no picture: matplotlib is missing, or no run had llama.cpp beside it")
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()
