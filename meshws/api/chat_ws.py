@@ -20,6 +20,8 @@ Server -> client:
   {"type": "reset", "id"?}                  the conversation's session is released
   {"type": "rendered", "id"?, "html"}       the answer to `render` (api/markdown.py: nothing in it runs)
   {"type": "error", "id"?, "message"}       a bad message, or the mesh failed
+An `id` is echoed in every answer to its message, so it is bounded: a string of at most 128 characters or an
+integer (else an error, and the message is not run).
 
 The socket is its conversation's channel: every turn goes on in one session, whose
 caches (on every shard of its route) keep the prompt and answer between turns, so a
@@ -48,7 +50,7 @@ from aiohttp import WSMsgType, web
 from ..head.conversation import Conversation
 from ..head.generation import FinishReason, GenerationStats, PipelineError
 from ..head.service import HeadService, Unavailable
-from .errors import ApiError, public_text
+from .errors import ApiError, public_text, shown
 from .logprobs import chat_logprobs
 from .markdown import MAX_RENDER_CHARS, Renderer, RenderBusy
 from .openai_routes import run_spec, usage
@@ -98,11 +100,15 @@ class ChatSocket:
                         running.cancel()
                     continue
                 if kind == "render":  # one at a time per socket: the next message waits for it
-                    await send(await rendered(self.renderer, data))
+                    await send(await rendered(self.renderer, data) if valid_id(data) else
+                               {"type": "error", "message": ID_RULE, "param": "id", "code": "invalid_value"})
                     continue
                 if kind not in ("chat", "reset"):
-                    await send({"type": "error", "message": f"unknown message type {kind!r}; use chat, stop, "
+                    await send({"type": "error", "message": f"unknown message type {shown(kind)}; use chat, stop, "
                                                             "reset or render"})
+                    continue
+                if not valid_id(data):  # (every answer echoes it: a long one would come back many times)
+                    await send({"type": "error", "message": ID_RULE, "param": "id", "code": "invalid_value"})
                     continue
                 if running is not None and not running.done():  # a new turn (or a reset) replaces the running one
                     running.cancel()
@@ -212,6 +218,20 @@ class ChatSocket:
             "hops": stats.times.view(str if detailed else public_name),
             **({"logprobs": chat_logprobs(stats.logprobs, self.head.decode)} if stats.logprobs is not None else {}),
         })
+
+
+MAX_ID_CHARS = 128
+ID_RULE = f"'id' must be a string of at most {MAX_ID_CHARS} characters or an integer"
+
+
+def valid_id(data: dict[str, Any]) -> bool:
+    """A message's `id` is absent, or one that may be echoed in every answer: short text or a 64-bit integer."""
+    turn_id = data.get("id")
+    if turn_id is None:
+        return True
+    if isinstance(turn_id, str):
+        return len(turn_id) <= MAX_ID_CHARS
+    return isinstance(turn_id, int) and not isinstance(turn_id, bool) and -2**63 <= turn_id < 2**64
 
 
 async def rendered(renderer: Renderer, data: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,16 @@ class ApiError(Exception):
         return json_response(self.body(), status=self.status, headers=self.headers)
 
 
+ECHO_CHARS = 64  # a client's string quoted back in an error: no longer than this
+
+
+def shown(value: Any, limit: int = ECHO_CHARS) -> str:
+    """A client's value as an error message quotes it: its repr, cut to `limit` characters (a client cannot make an
+    answer larger than what it sent by repeating its own text)."""
+    text = repr(value) if not isinstance(value, str) else repr(value[: limit + 1])
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
 _ADDRESSES = [
     (re.compile(r"\b(?:wss?|https?)://[^\s,;)'\"]+"), "<node>"),  # URLs of nodes
     (re.compile(r"\b(head|middle|tail|full)@[^\s,;:)'\"]+(?::\d+)?"), r"\1"),  # node names carry host:port

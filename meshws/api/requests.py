@@ -11,7 +11,7 @@ from typing import Any
 from ..head.service import HeadService
 from ..model.constraints import GrammarError, json_grammar
 from ..model.sampling import MAX_PROMPT_LOGPROBS, MAX_PROMPT_TOP_LOGPROBS, MAX_TOP_LOGPROBS, SamplingParams
-from .errors import ApiError
+from .errors import ApiError, shown
 from .fields import check_fields, check_message_fields
 from .tools import ToolSpec, check_schema_size, parse_tools, plain_messages
 
@@ -157,7 +157,7 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
             raise ApiError(400, f"'{where}' must be an object", param=where, code="invalid_type")
         role = message.get("role")
         if role not in ROLES:
-            raise ApiError(400, f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}",
+            raise ApiError(400, f"'{where}.role' must be one of {', '.join(ROLES)}, got {shown(role)}",
                            param=f"{where}.role", code="invalid_value")
         check_message_fields(message, where)
         plain.append({"role": "system" if role == "developer" else role, "content": _content(message, where),
@@ -240,7 +240,7 @@ def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> Reques
     if not isinstance(model, str):
         raise ApiError(400, "'model' must be a string", param="model", code="invalid_type")
     if model not in head.served_names:
-        raise ApiError(404, f"the model '{model}' does not exist; this mesh serves "
+        raise ApiError(404, f"the model {shown(model)} does not exist; this mesh serves "
                        f"{' or '.join(repr(name) for name in head.served_names)}", param="model", code="model_not_found")
     logprobs = parse_logprobs(body, chat)
     tools = parse_tools(body) if chat else None
