@@ -33,39 +33,29 @@ REDIRECTS = {">", ">>", "<", "2>", "&>"}
 DEV_COMMANDS = set(re.findall(r"^\s+([a-z]+)\)", (ROOT / "dev").read_text(), re.M))  # ./dev's `case` arms
 
 
-def _fenced(text: str) -> list[tuple[str, list[str]]]:
-    """(info string, lines) of each fenced block."""
-    blocks, inside, fence, info, lines = [], False, "", "", []
+def _split(text: str) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """The lines outside fenced blocks, and (info string, lines) of each fenced block."""
+    prose: list[str] = []
+    blocks: list[tuple[str, list[str]]] = []
+    fence = ""
     for line in text.splitlines():
         match = FENCE.match(line)
-        if not inside and match:
-            inside, fence, info, lines = True, match.group(1), match.group(2).lower(), []
-        elif inside and line.strip().startswith(fence) and not line.strip().strip(fence[0]):
-            blocks.append((info, lines))
-            inside = False
-        elif inside:
-            lines.append(line)
-    return blocks
-
-
-def _prose(text: str) -> list[str]:
-    """The lines outside fenced blocks."""
-    kept, inside, fence = [], False, ""
-    for line in text.splitlines():
-        match = FENCE.match(line)
-        if not inside and match:
-            inside, fence = True, match.group(1)
-        elif inside and line.strip().startswith(fence) and not line.strip().strip(fence[0]):
-            inside = False
-        elif not inside:
-            kept.append(line)
-    return kept
+        if not fence and match:
+            fence = match.group(1)
+            blocks.append((match.group(2).lower(), []))
+        elif fence and line.strip().startswith(fence) and not line.strip().strip(fence[0]):
+            fence = ""
+        elif fence:
+            blocks[-1][1].append(line)
+        else:
+            prose.append(line)
+    return prose, blocks
 
 
 def command_lines(text: str) -> list[str]:
     """Each logical line of the shell blocks, continuations joined and prompts taken off."""
     found = []
-    for info, lines in _fenced(text):
+    for info, lines in _split(text)[1]:
         if info not in SHELL_FENCES:
             continue
         pending = ""
@@ -217,7 +207,7 @@ def command_problems(text: str) -> list[str]:
 
 
 def headings(text: str) -> list[str]:
-    return [line.lstrip("#").strip() for line in _prose(text) if re.match(r"^#{1,6}\s", line)]
+    return [line.lstrip("#").strip() for line in _split(text)[0] if re.match(r"^#{1,6}\s", line)]
 
 
 def slug(heading: str) -> str:
@@ -227,7 +217,7 @@ def slug(heading: str) -> str:
 
 def link_problems(page: Path) -> list[str]:
     problems = []
-    for line in _prose(page.read_text()):
+    for line in _split(page.read_text())[0]:
         for target in re.findall(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", re.sub(r"`[^`]*`", "", line)):
             if re.match(r"^[a-z][a-z0-9+.-]*:", target):
                 continue  # http:, https:, mailto:
