@@ -92,11 +92,11 @@ _HELP = {
                "Gemma-3), transformers (its modules, a GGUF's weights dequantized in memory), or auto (lean where it "
                "runs)",
     "compile": "run the lean path through torch.compile (compiled at start, cached on disk for restarts); "
-               "off by default: on CPU it saves little (see the README)",
+               "off by default: on CPU it saves little (docs/performance.md)",
     "quant": "int8: a model folder's float linear weights as int8 with a scale per output channel, run by "
              "meshws's kernel (FBGEMM without a C compiler); a GGUF's blocks are its weights already",
     "matmul": "what multiplies float32 weights on the lean path: torch (MKL on x86), openblas (numpy's), or auto: "
-              "OpenBLAS on AMD CPUs (MKL reads weights there at about half the speed; see the README)",
+              "OpenBLAS on AMD CPUs (MKL reads weights there at about half the speed)",
     "wire_dtype": "dtype of hidden states sent between nodes",
     "threads": "compute threads: torch's, or OpenBLAS's while it multiplies (default: the host's cores split "
                "between the meshws nodes running on it, followed as nodes come and go)",
@@ -116,7 +116,8 @@ _HELP = {
     "allowed_hosts": "comma-separated host names the page and API answer to, besides IP addresses, localhost and "
                      "this node's own names (DNS-rebinding guard)",
     "max_generations": "on a head: generations run at once; more wait in the queue (--max-queue)",
-    "cache_dir": "folder for a GGUF's tokenizer files and meshws's built kernels (default ~/.cache/meshws/models)",
+    "cache_dir": "folder for a GGUF's tokenizer files (default ~/.cache/meshws/models); meshws's built kernels go "
+                 "under the variable MESHWS_CACHE_DIR, not this flag",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "max_queue": "on a head: requests that wait (first in, first out) for a free generation slot; more get 503",
     "queue_timeout": "on a head: seconds a request waits in the queue before it gets 503 with Retry-After",
@@ -268,7 +269,6 @@ def build_parser(prog: str = "python -m meshws.node") -> argparse.ArgumentParser
         prog=prog,
         description="Start one meshws node. Every flag can also be set as a MESHWS_* environment variable "
         "(e.g. MESHWS_ROLE=tail); a flag on the command line wins.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     defaults = NodeSettings()
     for name, kind in _TYPES.items():
