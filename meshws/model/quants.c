@@ -309,7 +309,7 @@ int mw_widen(int type, const void *w, int64_t cols, const int64_t *ids, int64_t 
    An activation row of `in` values (`padded`: rounded up to QK, zeros past `in`) is quantized to signed bytes q,
    as llama.cpp quantizes for the same types, in one of two layouts:
      ROW32, for 32-value block types (Q4_0 ... Q8_0): d = max |x| / 127 per 32 values, q = round(x / d), and
-       q int8[padded] | d float[padded / 4], once per 4 values (a vpdpbusd lane) | d * (sum of q) per 16 values
+       q int8[padded] | d float[padded / 32] | d * (sum of q) per 16 values
      ROW256, for K-quants: one d per 256 values, and
        q int8[padded], spread (below) | d float[padded / 256] | (sum of q) per 16 values (in order), as a float
    In ROW256 a unit's 256 values are spread over its four chunks of 64: chunk c holds, for each 32-value sub-block
@@ -328,7 +328,7 @@ static inline int layout_of(const block_type *t) { return t->elements == QK ? RO
 static inline int64_t q8_padded(int64_t in) { return (in + QK - 1) / QK * QK; }
 static inline int64_t q8_row_bytes(int64_t in, int layout) {
     const int64_t padded = q8_padded(in);
-    return padded + (layout == ROW32 ? padded : padded / 64) + padded / 4;
+    return padded + (layout == ROW32 ? padded / 8 : padded / 64) + padded / 4;
 }
 
 /* The largest |x| of x[0..n), or NaN if one is not finite. */
@@ -359,15 +359,14 @@ static void quantize_block(const float *x, int64_t n, int64_t size, float top, i
 static void quantize_row(const float *x, int64_t in, int layout, uint8_t *row) {
     const int64_t padded = q8_padded(in), size = layout == ROW32 ? 32 : QK;
     int8_t *q = (int8_t *)row, natural[QK];
-    float *scales = (float *)(row + padded), *sums = scales + (layout == ROW32 ? padded / 4 : padded / QK);
+    float *scales = (float *)(row + padded), *sums = scales + (layout == ROW32 ? padded / 32 : padded / QK);
     int group_sums[QK / GROUP];
     for (int64_t k = 0; k < padded; k += size) {
         const int64_t n = in - k < size ? (in - k > 0 ? in - k : 0) : size;
         const float top = largest(x + k, n), d = top / 127.0f;
         if (layout == ROW32) {
             quantize_block(x + k, n, size, top, q + k, group_sums);
-            for (int l = 0; l < 8; l++)
-                scales[k / 4 + l] = d;
+            scales[k / 32] = d;
             sums[k / GROUP] = d * (float)group_sums[0];
             sums[k / GROUP + 1] = d * (float)group_sums[1];
         } else {
@@ -393,13 +392,13 @@ static uint8_t *quantize_rows(const float *x, int64_t rows, int64_t in, int layo
 /* A quantized row's parts (either layout). */
 typedef struct {
     const int8_t *q;
-    const float *scale; /* ROW32: per 4 values; ROW256: per 256 */
+    const float *scale; /* ROW32: per 32 values; ROW256: per 256 */
     const float *sums;  /* per 16 values */
 } q_row;
 
 static inline q_row row_at(const uint8_t *row, int64_t padded, int layout) {
     q_row x = {(const int8_t *)row, (const float *)(row + padded), NULL};
-    x.sums = x.scale + (layout == ROW32 ? padded / 4 : padded / QK);
+    x.sums = x.scale + (layout == ROW32 ? padded / 32 : padded / QK);
     return x;
 }
 
@@ -460,9 +459,9 @@ static inline __m512 dots(__m512i codes, const int8_t *x) {
     return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(x)));
 }
 
-static inline __m512 groups_of(__m512 a, int first) { /* lanes 4i..4i+3 a[first + i] (4 values a lane) */
-    return _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(first),
-                                                  _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)), a);
+static inline __m256 per_block(__m512 a) { /* a ROW32 unit's 8 blocks' scales from its scales per 16 values */
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0,
+                                                                          0, 0, 0), a));
 }
 
 static inline __m512 spread_lanes(__m512 a, int pair) { /* lane l: a[spread_group(l, pair)] */
@@ -489,16 +488,21 @@ static inline __attribute__((always_inline)) void spread_rows(const __m512i *cod
     }
 }
 
-/* A ROW32 unit (eight blocks of 32): its chunks' codes and each lane's scale a, and b' per 16 values. */
-static inline __attribute__((always_inline)) void block_rows(const __m512i *codes, const __m512 *lanes, __m512 b,
+/* A ROW32 unit (eight blocks of 32): its chunks' codes, the blocks' scales a (one a block) and b' per 16 values.
+   A row's block scales times a, eight at once, then each chunk's lanes from them (its two blocks: one permute), as
+   the loads of a scale per lane took a sixth of a Q8_0 unit's time. */
+static inline __attribute__((always_inline)) void block_rows(const __m512i *codes, __m256 a, __m512 b,
                                                              const q_row *x, int nr, int64_t k, vec *acc) {
+    const __m512i two = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i chunk[4] = {two, _mm512_add_epi32(two, _mm512_set1_epi32(2)),
+                              _mm512_add_epi32(two, _mm512_set1_epi32(4)), _mm512_add_epi32(two, _mm512_set1_epi32(6))};
     for (int r = 0; r < nr; r++) {
         const int8_t *q = x[r].q + k;
-        const float *scale = x[r].scale + k / 4;
-        vec even = vtimes(dots(codes[0], q), vtimes(lanes[0], vload(scale)));
-        vec odd = vtimes(dots(codes[1], q + 64), vtimes(lanes[1], vload(scale + 16)));
-        even = vfma(dots(codes[2], q + 128), vtimes(lanes[2], vload(scale + 32)), even);
-        odd = vfma(dots(codes[3], q + 192), vtimes(lanes[3], vload(scale + 48)), odd);
+        const __m512 ad = _mm512_castps256_ps512(_mm256_mul_ps(a, _mm256_loadu_ps(x[r].scale + k / 32)));
+        vec even = vtimes(dots(codes[0], q), _mm512_permutexvar_ps(chunk[0], ad));
+        vec odd = vtimes(dots(codes[1], q + 64), _mm512_permutexvar_ps(chunk[1], ad));
+        even = vfma(dots(codes[2], q + 128), _mm512_permutexvar_ps(chunk[2], ad), even);
+        odd = vfma(dots(codes[3], q + 192), _mm512_permutexvar_ps(chunk[3], ad), odd);
         even = vfma(b, vload(x[r].sums + k / GROUP), even);
         acc[2 * r + (k / QK & 1)] = vplus(acc[2 * r + (k / QK & 1)], vplus(even, odd));
     }
@@ -513,10 +517,8 @@ static inline __attribute__((always_inline)) void unpacked_rows(const unpacked_r
                                   _mm512_load_si512(u->codes + k + 128), _mm512_load_si512(u->codes + k + 192)};
         if (layout == ROW256)
             spread_rows(codes, spread_lanes(a, 0), spread_lanes(a, 1), b, x, nr, k, acc);
-        else {
-            const __m512 lanes[4] = {groups_of(a, 0), groups_of(a, 4), groups_of(a, 8), groups_of(a, 12)};
-            block_rows(codes, lanes, b, x, nr, k, acc);
-        }
+        else
+            block_rows(codes, per_block(a), b, x, nr, k, acc);
     }
 }
 
@@ -644,8 +646,7 @@ static inline __attribute__((always_inline)) void fused_q8_0(const uint8_t *w, i
             codes[c] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1), flip);
         }
         const vec a = unit_halves(z, scale_at); /* d of each block, once per 16 values (0 past the row) */
-        const __m512 lanes[4] = {groups_of(a, 0), groups_of(a, 4), groups_of(a, 8), groups_of(a, 12)};
-        block_rows(codes, lanes, negated(vtimes(vset1(128.0f), a)), x, nr, k, acc);
+        block_rows(codes, per_block(a), negated(vtimes(vset1(128.0f), a)), x, nr, k, acc);
         w += 34 * blocks;
     }
 }
@@ -677,8 +678,7 @@ static inline __attribute__((always_inline)) void fused_q4_1(const uint8_t *w, i
             codes[c] = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xff00ff00u, q, 4), low);
         }
         const vec a = unit_halves(z, scale_at), b = unit_halves(z, min_at); /* d, m once per 16 values (0 past) */
-        const __m512 lanes[4] = {groups_of(a, 0), groups_of(a, 4), groups_of(a, 8), groups_of(a, 12)};
-        block_rows(codes, lanes, b, x, nr, k, acc);
+        block_rows(codes, per_block(a), b, x, nr, k, acc);
         w += 20 * blocks;
     }
 }
@@ -754,7 +754,7 @@ static void q_dots(int type, const uint8_t *w, const unpacked_row *u, int64_t in
                 } else {
                     float chain[4];
                     for (int c = 0; c < 4; c++)
-                        chain[c] = a[4 * c + l / 4] * x.scale[(k + 64 * c + 4 * l) / 4];
+                        chain[c] = a[4 * c + l / 4] * x.scale[(k + 64 * c + 4 * l) / 32];
                     float even = (float)dots[0][l] * chain[0], odd = (float)dots[1][l] * chain[1];
                     even = fmaf((float)dots[2][l], chain[2], even);
                     odd = fmaf((float)dots[3][l], chain[3], odd);
