@@ -46,9 +46,11 @@ from .mesh.addresses import host_of, is_loopback
 from .mesh.auth import CHALLENGE_PATH
 from .mesh.compute import ComputeWorker
 from .mesh.inbound import ShardLimits
-from .mesh.link import Link, LinkPool
+from .mesh.link import Link
+from .mesh.link_pool import LinkPool
 from .mesh.membership import Announcer, ask_assignment
 from .mesh.metrics import NodeMetrics
+from .mesh.reverse import ReverseDialer, ReverseEndpoint, cannot_dial
 from .mesh.shard_service import ShardService
 from .mesh.wire import ChainHop, Hello
 from .model import blas
@@ -141,6 +143,9 @@ class Node(NodeReports):
             self._mount_shard_service(app)
         if self.role in ("head", "full"):
             self._mount_head(app)
+        if self.role in ("head", "middle"):  # a node after this one may not be dialable: it dials in
+            ReverseEndpoint(self.links, lambda request: self.access.authorize(request, b""),
+                            self.settings.max_frame_bytes, self.registry and self.registry.urls).add_routes(app)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=10.0)
         await self._runner.setup()
         await web.SockSite(self._runner, sock, ssl_context=self.server_ssl).start()
@@ -218,8 +223,11 @@ class Node(NodeReports):
             app.cleanup_ctx.append(self._announcer_ctx)
 
     async def _announcer_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        assert self.shard_service is not None
+        reverse = ReverseDialer(lambda: self.advertise, self.shard_service.serve_link, self.settings.secret,
+                                self.client_ssl, self.settings.max_frame_bytes)
         self.announcer = Announcer(self.settings.join or "", self._announcement, self.settings.secret,
-                                   self.client_ssl)
+                                   self.client_ssl, reverse)
         self.announcer.start()
         yield
         await self.announcer.stop()
@@ -245,7 +253,7 @@ class Node(NodeReports):
         endpoints = self.registry_endpoints = RegistryEndpoints(
             self.registry, self.span, on_join=lambda record: self.links.get(record.url), on_leave=self.links.discard,
             authorize=self.access.authorize, insecure=self.settings.insecure and not self.settings.secret,
-            precheck=self.access.precheck)
+            precheck=self.access.precheck, unreachable=functools.partial(cannot_dial, self.links))
         endpoints.add_routes(app)
         app.cleanup_ctx.append(endpoints.expiry_ctx)
 

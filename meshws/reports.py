@@ -74,6 +74,8 @@ class NodeReports:
         if self.announcer is not None:
             info["joined"] = self.announcer.joined  # every head named by --join took the last heartbeat
             info["joined_heads"] = sorted(self.announcer.joined_heads)
+            if self.announcer.reverse is not None:  # hops that could not dial this node: it dials them
+                info["dialing_in"] = self.announcer.reverse.describe()
         return info
 
     async def _health(self, request: web.Request) -> web.Response:

@@ -25,6 +25,25 @@ def fresh_model(embedded_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tokenizer(embedded_model):
+    """The embedded model's tokenizer, as transformers loads it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(embedded_model.folder))
+
+
+@pytest.fixture(scope="module")
+def secret_file(tmp_path_factory):
+    """A mesh secret file, as `--secret-file` takes it (owner-only)."""
+    from helpers import SECRET
+
+    path = tmp_path_factory.mktemp("secret") / "mesh.secret"
+    path.write_text(SECRET + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def reference_model(embedded_model):
     """The whole model, loaded the plain transformers way from the GGUF (dequantized to float32), for golden
     comparisons."""

@@ -33,13 +33,15 @@ class RegistryEndpoints:
     def __init__(self, registry: Registry, head_span: tuple[int, int],
                  on_join: Callable[[NodeRecord], None], on_leave: Callable[[str], None],
                  authorize: Authorize, insecure: bool = False,
-                 precheck: Callable[[web.Request], "str | None"] = lambda request: None) -> None:
+                 precheck: Callable[[web.Request], "str | None"] = lambda request: None,
+                 unreachable: Callable[[str], bool] = lambda url: False) -> None:
         self.registry = registry
         self.head_span = head_span
         self.on_join = on_join
         self.on_leave = on_leave
         self.authorize = authorize
         self.precheck = precheck  # what can be refused before the body is read
+        self.unreachable = unreachable  # has this head failed to dial the node at that URL (while it announces)?
         self.log_limit = LogLimiter(log)
         self.insecure = insecure  # no secret, beyond loopback: every join is said out loud
         registry.on_expire = self._expired  # whoever notices a silent node first, it leaves the same way
@@ -93,7 +95,12 @@ class RegistryEndpoints:
         if not known:
             log.info("node %s joined: %s layers %d-%d", record.node, record.url, record.layers[0], record.layers[1] - 1)
             self.on_join(record)
-        return web.json_response({"ok": True, "ttl": self.registry.ttl})
+        answer: dict[str, Any] = {"ok": True, "ttl": self.registry.ttl}
+        if self.unreachable(record.url):  # alive (it just announced) yet not dialable: it dials in (mesh.reverse)
+            answer["unreachable"] = True
+            answer["dial_in"] = [node.url for node in self.registry.nodes()
+                                 if node.layers[1] == record.layers[0] and node.url != record.url][:16]
+        return web.json_response(answer)
 
     async def leave(self, request: web.Request) -> web.Response:
         data, refusal = await self._checked_body(request)

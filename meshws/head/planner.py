@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..mesh.link import Link, LinkPool
+from ..mesh.link import Link
+from ..mesh.link_pool import LinkPool
 from ..mesh.wire import RouteHop
 from .registry import Registry
 from .routes import NodeRecord, NoRoute, Route, chain_gaps, plan_hops

@@ -5,6 +5,10 @@ layer range and the chain behind the peer), keeps itself alive with websocket
 heartbeats and re-dials with backoff when it drops. Replies arrive as control
 frames and are handed to whoever subscribed to their `sid`; when the link
 drops, every subscriber is told so with an `error` frame marked `lost`.
+
+A peer nobody can dial (behind NAT) dials us instead (`mesh.reverse`): the websocket it
+opens is `offer`ed to its link, which from then on waits for such offers rather than
+dialing. Hellos, frames, MACs and losses are the same either way; only who dialed differs.
 """
 
 from __future__ import annotations
@@ -24,7 +28,17 @@ from .wire import CacheMiss, ControlMessage, Error, FrameError, Hello, SessionRe
 
 log = logging.getLogger("meshws.link")
 
+DIAL_TIMEOUT = 5.0  # seconds a dial may take to connect
+
 Subscriber = Callable[[SessionReply], None]
+
+
+def no_way_to(exc: BaseException) -> bool:
+    """Did a dial find no way to the peer (timed out, no route), as dials to a node behind NAT do? A refused
+    connection is not that: the peer's host answered, and nothing listens (the node is down or restarting)."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return not isinstance(exc.os_error, ConnectionRefusedError)
+    return isinstance(exc, (aiohttp.ConnectionTimeoutError, asyncio.TimeoutError))
 
 
 class LinkDown(Exception):
@@ -61,6 +75,9 @@ class Link:
         self._task: asyncio.Task | None = None
         self._up = asyncio.Event()
         self._send_lock = asyncio.Lock()
+        self.dial_failures = 0  # dials in a row that found no way to the peer (not one refused: that peer is down)
+        self.reversed = False  # the peer dials us (`offer`): it cannot be dialed
+        self._offers: asyncio.Queue[tuple[Any, asyncio.Future]] = asyncio.Queue()
         self._log_limit = LogLimiter(log)
 
     # -- lifecycle ----------------------------------------------------------
@@ -68,6 +85,23 @@ class Link:
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._dial_forever(), name=f"link {self.url}")
+
+    def offer(self, ws: Any) -> asyncio.Future:
+        """A websocket the peer dialed to this node (it cannot be dialed): the link runs over it. The future is done
+        when the link no longer uses it (the caller, which holds the socket open, may then close it)."""
+        done = asyncio.get_running_loop().create_future()
+        if self.state == "closed":
+            done.set_result(None)
+            return done
+        self._offers.put_nowait((ws, done))
+        if not self.reversed:  # from now on the peer dials: stop dialing it
+            self.reversed = True
+            if self._task is not None:
+                self._task.cancel()
+            self._task = asyncio.create_task(self._take_offers(), name=f"reverse link {self.url}")
+        elif self._ws is not None and not self._ws.closed:  # a newer socket replaces the one in use
+            asyncio.ensure_future(self._ws.close())
+        return done
 
     async def wait_up(self, timeout: float) -> bool:
         try:
@@ -82,6 +116,10 @@ class Link:
 
     async def close(self) -> None:
         self.state = "closed"
+        while not self._offers.empty():
+            ws, done = self._offers.get_nowait()
+            if not done.done():
+                done.set_result(None)
         if self._task:
             self._task.cancel()
             try:
@@ -107,6 +145,7 @@ class Link:
             "layers": list(peer.layers) if peer else None,
             "sessions": len(self._subscribers),
             "connects": self.connects,
+            "formed": "reversed: the peer dials this node (it could not be dialed)" if self.reversed else "dialed",
             "error": self.last_error,
         }
 
@@ -147,12 +186,17 @@ class Link:
 
     async def _dial_forever(self) -> None:
         backoff = 0.1
-        self._client = aiohttp.ClientSession()
+        # (a peer that drops SYNs, behind NAT, is given up on after DIAL_TIMEOUT rather than TCP's two minutes)
+        self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300, sock_connect=DIAL_TIMEOUT))
         while self.state != "closed":
             self.state = "connecting"
             try:
-                await self._connect_once()
-                backoff = 0.1
+                try:
+                    await self._connect_once()
+                except Exception as exc:
+                    self.dial_failures = self.dial_failures + 1 if no_way_to(exc) else 0
+                    raise
+                backoff, self.dial_failures = 0.1, 0
                 await self._read_until_closed()
             except asyncio.CancelledError:
                 raise
@@ -176,6 +220,30 @@ class Link:
             await asyncio.sleep(5.0 if self.state == "refused" else delay)
             backoff = min(backoff * 2, 3.0)
 
+    async def _take_offers(self) -> None:
+        """The reversed link: each socket the peer dials in, in turn (the peer re-dials when one drops)."""
+        while self.state != "closed":
+            self.state = "down" if self.connects else "connecting"
+            ws, done = await self._offers.get()
+            try:
+                await self._greet(ws)
+                await self._read_until_closed()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            finally:
+                was_up = self._up.is_set()
+                self._up.clear()
+                self._ws = None
+                if not done.done():
+                    done.set_result(None)
+                if was_up and self.state != "closed":
+                    log.warning("reversed link to %s dropped (%s); waiting for it to dial again", self.url,
+                                self.last_error or "closed")
+                    self._fail_subscribers(f"link to {self.url} lost ({self.last_error or 'closed'})")
+                    self._changed()
+
     async def _connect_once(self) -> None:
         assert self._client is not None
         headers = await signed_headers(self._client, self.url, self._secret, "GET", "/ws/shard", ssl=self._ssl)
@@ -187,6 +255,10 @@ class Link:
             headers=headers,
             ssl=self._ssl,
         )
+        await self._greet(ws)
+
+    async def _greet(self, ws: Any) -> None:
+        """Hellos traded on a new socket (ours first); the link is up on it, or the socket closed and why raised."""
         try:
             await ws.send_str(encode_control(self._local_hello()))
             message = await ws.receive(timeout=15.0)
@@ -258,46 +330,3 @@ class Link:
     def _changed(self) -> None:
         if self._on_change is not None:
             self._on_change(self)
-
-
-class LinkPool:
-    """The links of one node, one per next-hop URL, dialed on first use and then reused."""
-
-    def __init__(self, factory: Callable[[str], Link]) -> None:
-        self._factory = factory
-        self._links: dict[str, Link] = {}
-
-    def get(self, url: str) -> Link:
-        url = url.rstrip("/")
-        link = self._links.get(url)
-        if link is None:
-            link = self._factory(url)
-            self._links[url] = link
-            link.start()
-        return link
-
-    def all(self) -> list[Link]:
-        return list(self._links.values())
-
-    def __contains__(self, url: str) -> bool:
-        return url.rstrip("/") in self._links
-
-    def close_idle(self, idle_seconds: float, keep: set[str]) -> list[str]:
-        """Close links no session has used for `idle_seconds` (except those in `keep`); their URLs."""
-        now = time.monotonic()
-        idle = [url for url, link in self._links.items()
-                if url not in keep and link.sessions == 0 and now - link.last_used > idle_seconds]
-        for url in idle:
-            self.discard(url)
-        return idle
-
-    def discard(self, url: str) -> None:
-        """Forget a next hop (it left the mesh): close its link in the background."""
-        link = self._links.pop(url.rstrip("/"), None)
-        if link is not None:
-            asyncio.ensure_future(link.close())
-
-    async def close(self) -> None:
-        for link in self._links.values():
-            await link.close()
-        self._links.clear()

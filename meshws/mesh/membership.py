@@ -6,8 +6,8 @@ heartbeat) and `/mesh/leave` when it stops. `--join` may name several heads,
 comma-separated: the node announces itself to each (so heads behind one load balancer
 share a pool of shards), and one head that is down does not hold up the others.
 `--layers auto` asks the first head, `GET /mesh/assign`, which span to load before
-loading anything. The head's side
-is `meshws.head.membership`.
+loading anything. A head that cannot dial the node says so in its answer, with the
+hops to dial instead (`mesh.reverse`). The head's side is `meshws.head.membership`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ import aiohttp
 import orjson
 
 from .auth import signed_headers
+from .reverse import ReverseDialer
 
 log = logging.getLogger("meshws.membership")
 
 HEARTBEAT = 2.0  # seconds between a joined node's announcements
+MAX_DIAL_IN = 16  # hops one head may ask this node to dial
 
 
 async def post_signed(client: aiohttp.ClientSession, head: str, path: str, data: dict[str, Any],
@@ -48,8 +50,10 @@ class Announcer:
     """A joined node's side: announce to every head, repeat as a heartbeat, leave them all on stop."""
 
     def __init__(self, heads: str, record: Callable[[], dict[str, Any]], secret: str | None = None,
-                 ssl: Any = True) -> None:
+                 ssl: Any = True, reverse: ReverseDialer | None = None) -> None:
         self.heads = head_urls(heads)
+        self.reverse = reverse  # dials the hops a head says cannot dial this node
+        self._dial_in: dict[str, list[str]] = {}  # per head: the hops it said should be dialed from here
         self.record = record
         self.secret = secret
         self.ssl = ssl  # verifies an https:// head (the system's CAs, or --tls-ca)
@@ -74,6 +78,8 @@ class Announcer:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as client:
             await asyncio.gather(*(self._leave(client, head) for head in self.heads))
         self.joined_heads.clear()
+        if self.reverse is not None:
+            await self.reverse.stop()
 
     async def announce_now(self) -> None:
         """Announce to every head at once, between heartbeats (a change heads should hear of now)."""
@@ -97,7 +103,8 @@ class Announcer:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as client:
             while True:
                 try:
-                    await post_signed(client, head, "/mesh/join", self.record(), self.secret, self.ssl)
+                    self._heard(head, await post_signed(client, head, "/mesh/join", self.record(), self.secret,
+                                                        self.ssl))
                     if head not in self.joined_heads:
                         log.info("joined the mesh at %s", head)
                     self.joined_heads.add(head)
@@ -108,6 +115,22 @@ class Announcer:
                         log.warning("cannot announce to %s (%s); retrying", head, exc)
                     self.joined_heads.discard(head)
                 await asyncio.sleep(HEARTBEAT)
+
+
+    def _heard(self, head: str, answer: Any) -> None:
+        """A head's answer to a heartbeat: if it cannot dial this node, the hops to dial instead (it, and the
+        middles before this node), checked as any input from the network."""
+        if self.reverse is None or not isinstance(answer, dict):
+            return
+        hops: list[str] = []
+        if answer.get("unreachable") is True:
+            listed = answer.get("dial_in")
+            listed = listed if isinstance(listed, list) else []
+            hops = [head] + [url for url in listed[:MAX_DIAL_IN]
+                             if isinstance(url, str) and len(url) <= 512 and url.startswith(("ws://", "wss://"))]
+        if hops != self._dial_in.get(head, []):
+            self._dial_in[head] = hops
+            self.reverse.want(hop for wanted in self._dial_in.values() for hop in wanted)
 
 
 async def ask_assignment(head: str, secret: str | None, ssl: Any = True) -> tuple[int, int, int]:

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from .addresses import is_loopback_url
 from .auth import route_is_signed, sign_route
-from .link import LinkPool
+from .link_pool import LinkPool
 from .wire import Open, RouteHop
 
 log = logging.getLogger("meshws.next_hops")

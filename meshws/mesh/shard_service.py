@@ -30,7 +30,8 @@ from .aio import run_uncancelled
 from .compute import ComputeWorker
 from .inbound import InboundLink, InboundSession, ShardLimits
 from .lanes import SessionLanes
-from .link import Link, LinkDown, LinkPool
+from .link import Link, LinkDown
+from .link_pool import LinkPool
 from .log_limit import LogLimiter
 from .metrics import NodeMetrics
 from .next_hops import NextHops
@@ -100,9 +101,15 @@ class ShardService:
         # Frames up to twice the limit are read and refused with an error frame; larger ones end the link.
         ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=2 * self.max_frame_bytes + 65536)
         await ws.prepare(request)
-        peer = await self._handshake(ws, request)
+        await self.serve_link(ws, str(request.remote))
+        return ws
+
+    async def serve_link(self, ws: Any, remote: str) -> None:
+        """An inbound link on `ws` until it closes: one the hop before dialed (`handle`), or one this node dialed
+        to a hop that cannot dial it (`mesh.reverse`); the same either way."""
+        peer = await self._handshake(ws, remote)
         if peer is None:
-            return ws
+            return
         self.inbound.add(ws)
         link = InboundLink(ws, peer, self.limits)
         try:
@@ -124,7 +131,6 @@ class ShardService:
             if ws.close_code not in (None, 1000):
                 log.info("inbound link from %s closed (code %s)", peer, ws.close_code)
             await run_uncancelled(self._close_all(link))
-        return ws
 
     async def _close_all(self, link: InboundLink) -> None:
         sids = set(link.owned)
@@ -134,7 +140,7 @@ class ShardService:
                 self._end(session, reason="inbound link dropped")
         await self.lanes.drain(sids)
 
-    async def _handshake(self, ws: web.WebSocketResponse, request: web.Request) -> str | None:
+    async def _handshake(self, ws: Any, remote: str) -> str | None:
         """The dialer's hello first; ours in answer. None (and the link closed) when it does not fit."""
         try:
             message = await ws.receive(timeout=HELLO_WAIT)
@@ -148,7 +154,7 @@ class ShardService:
                 raise FrameError(f"this node serves model {mine.model!r}, not {hello.model!r}")
         except (FrameError, asyncio.TimeoutError) as exc:
             reason = str(exc) or f"no hello within {HELLO_WAIT:.0f} s"
-            self.log_limit.log("refused link", logging.WARNING, "refused link from %s: %s", request.remote, reason)
+            self.log_limit.log("refused link", logging.WARNING, "refused link from %s: %s", remote, reason)
             await self._send_ws(ws, Error(f"link refused: {reason}"))
             await ws.close(code=1008, message=reason[:120].encode())
             return None

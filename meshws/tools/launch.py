@@ -19,8 +19,9 @@ READY = re.compile(r"meshws (\w+) ready: .* on https?://[^ ]+:(\d+)")
 
 class NodeProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None, name: str = "node", port: int = 0,
-                 echo: bool = False, ca: str | None = None) -> None:
-        self.args = ["--host", "127.0.0.1", "--port", str(port), *args]
+                 echo: bool = False, ca: str | None = None, host: str = "127.0.0.1", netns: str | None = None) -> None:
+        self.host = host  # where it listens (and where url, ws_url and health reach it)
+        self.args = ["--host", host, "--port", str(port), *args]
         self.name = name
         self.tls = "--tls-cert" in args  # the node serves https:// and wss://
         self.ssl_context = ssl.create_default_context(cafile=ca) if ca else None  # to verify it
@@ -29,8 +30,9 @@ class NodeProcess:
         self.port: int | None = None
         self._ready = threading.Event()
         full_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
+        inside = ["ip", "netns", "exec", netns] if netns else []  # another host: a network namespace
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshws.node", *self.args],
+            [*inside, sys.executable, "-m", "meshws.node", *self.args],
             env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -56,11 +58,11 @@ class NodeProcess:
 
     @property
     def url(self) -> str:
-        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     @property
     def ws_url(self) -> str:
-        return f"{'wss' if self.tls else 'ws'}://127.0.0.1:{self.port}"
+        return f"{'wss' if self.tls else 'ws'}://{self.host}:{self.port}"
 
     def health(self) -> dict:
         """The node's /health, whether it answers 200 (ready) or 503 (not yet, or draining)."""

@@ -9,37 +9,19 @@ import asyncio
 import ssl
 import subprocess
 import sys
-import uuid
 
 import aiohttp
 import openai
 import orjson
 import pytest
 
-from helpers import EXACT, MODEL, chat_ids, golden
+import helpers
+from helpers import EXACT, MODEL, SECRET, chat_ids, golden
 from meshws.mesh.auth import HEADER, sign, signed_headers
 from meshws.mesh.wire import Hello, encode_control
 from meshws.tools.launch import Mesh, NodeProcess, free_port
 
 pytestmark = [pytest.mark.real_model, pytest.mark.processes]
-
-SECRET = "mesh-secret-for-the-tests-0123"
-
-
-@pytest.fixture(scope="module")
-def secret_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("secret") / "mesh.secret"
-    path.write_text(SECRET + "\n")
-    path.chmod(0o600)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(embedded_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(embedded_model.folder))
-
 
 def _node_cli(*args):
     return subprocess.run([sys.executable, "-m", "meshws.node", *args], capture_output=True, text=True, timeout=60)
@@ -151,25 +133,8 @@ async def test_a_mesh_over_tls_gives_the_golden_answer_and_refuses_an_unverified
 @pytest.fixture(scope="module")
 def other_host():
     """Another host on this machine: a network namespace joined to this one by a veth pair."""
-    name = f"mws{uuid.uuid4().hex[:6]}"
-    host_ip, peer_ip = "10.231.7.1", "10.231.7.2"
-    commands = [
-        ["ip", "netns", "add", name],
-        ["ip", "link", "add", f"{name}h", "type", "veth", "peer", "name", f"{name}p"],
-        ["ip", "link", "set", f"{name}p", "netns", name],
-        ["ip", "addr", "add", f"{host_ip}/30", "dev", f"{name}h"],
-        ["ip", "link", "set", f"{name}h", "up"],
-        ["ip", "netns", "exec", name, "ip", "addr", "add", f"{peer_ip}/30", "dev", f"{name}p"],
-        ["ip", "netns", "exec", name, "ip", "link", "set", f"{name}p", "up"],
-        ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
-    ]
-    try:
-        for command in commands:
-            subprocess.run(command, check=True, capture_output=True)
-        yield {"namespace": name, "host_ip": host_ip}
-    finally:
-        subprocess.run(["ip", "link", "del", f"{name}h"], capture_output=True)
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    with helpers.other_host("10.231.7.1", "10.231.7.2") as name:
+        yield {"namespace": name, "host_ip": "10.231.7.1"}
 
 
 def _fetch_from(host, url, headers=None):

@@ -1,0 +1,104 @@
+"""Nodes nobody can dial (behind NAT): a tail in a network namespace that drops every inbound SYN joins a head and
+serves through a middle, its links dialed the other way (mesh/reverse.py); it comes back after a SIGKILL."""
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import EXACT, chat_ids, complete_ids, golden, other_host
+from meshws.tools.launch import NodeProcess, free_port
+
+pytestmark = [pytest.mark.real_model, pytest.mark.processes,
+              pytest.mark.skipif(not shutil.which("iptables") or not shutil.which("ip"),
+                                 reason="needs ip and iptables (Debian: iptables), and root")]
+
+HOST_IP, NAT_IP = "10.231.9.1", "10.231.9.2"
+
+
+@pytest.fixture(scope="module")
+def behind_nat():
+    """A host behind NAT: a network namespace joined to this one by a veth pair, which may dial out but drops
+    every connection dialed to it (inbound SYNs)."""
+    drop = ["iptables", "-A", "INPUT", "-i", "{device}", "-p", "tcp", "--syn", "-j", "DROP"]
+    try:
+        with other_host(HOST_IP, NAT_IP, drop) as name:
+            yield name
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot make a namespace behind NAT here: {' '.join(exc.cmd)}: {exc.stderr}")
+
+
+def health_inside(namespace, url):
+    """A node's /health, asked on loopback inside its namespace (nothing outside can reach it)."""
+    script = ("import sys, urllib.request, urllib.error\n"
+              "try:\n    print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())\n"
+              "except urllib.error.HTTPError as e:\n    print(e.read().decode())\n")
+    done = subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-c", script, url + "/health"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def links_to(node, url):
+    return [link for link in node.health()["links"] if link["url"] == url]
+
+
+def test_a_tail_nobody_can_dial_dials_in_serves_the_golden_answer_and_comes_back_after_a_kill(
+        secret_file, behind_nat, reference_model, tokenizer):
+    secret = ("--secret-file", secret_file)
+    # The head and the middle listen everywhere: the test reads their detailed /health on loopback, the tail
+    # reaches them on the veth's address.
+    head_port, middle_port = free_port(), free_port()
+    head = NodeProcess("--role", "head", "--layers", "0-9", "--host", "0.0.0.0", *secret, *EXACT, name="head",
+                       port=head_port)
+    head.wait_started()
+    join = ("--join", f"http://{HOST_IP}:{head_port}")
+    middle = NodeProcess("--role", "middle", "--layers", "10-19", "--host", "0.0.0.0", "--advertise",
+                         f"ws://{HOST_IP}:{middle_port}", *secret, *join, *EXACT, name="middle", port=middle_port)
+    tail_port = free_port()
+    tail = None
+
+    def start_tail():
+        return NodeProcess("--role", "tail", "--layers", "20-29", "--host", "0.0.0.0", "--advertise",
+                           f"ws://{NAT_IP}:{tail_port}", *secret, *join, *EXACT, name="nat tail", host=NAT_IP,
+                           port=tail_port, netns=behind_nat).wait_started()
+
+    try:
+        middle.wait_started()
+        tail = start_tail()
+        with pytest.raises(OSError):  # nobody outside can reach it: that is the point
+            tail.health()
+        head.wait_ready(timeout=60)
+        [head_link] = links_to(head, tail.ws_url)
+        assert head_link["state"] == "up" and head_link["formed"].startswith("reversed")
+        dialing = {entry["to"]: entry for entry in health_inside(behind_nat, f"http://127.0.0.1:{tail_port}")["dialing_in"]}
+        head_url, middle_url = f"http://{HOST_IP}:{head_port}", f"http://{HOST_IP}:{middle_port}"
+        assert set(dialing) == {head_url, middle_url} and dialing[head_url]["state"] == "up"
+
+        ids = chat_ids(tokenizer, "What is the capital of France?")
+        expected = golden(reference_model, ids, 24)
+        tokens, _ = asyncio.run(complete_ids(head.url, ids, 24))
+        assert tokens == expected
+        [middle_link] = links_to(middle, tail.ws_url)  # the route went head -> middle -> tail, dialed by the tail
+        assert middle_link["formed"].startswith("reversed") and middle_link["connects"] >= 1
+
+        tail.kill()
+        started = time.monotonic()
+        tail = start_tail()
+        while True:  # the head may first hear the old socket go, then the new one dial in
+            try:
+                tokens, _ = asyncio.run(complete_ids(head.url, ids, 24))
+                break
+            except AssertionError:
+                assert time.monotonic() - started < 30, head.health()
+                time.sleep(0.5)
+        assert tokens == expected and time.monotonic() - started < 30
+        assert links_to(head, tail.ws_url)[0]["connects"] >= 2
+    finally:
+        for node in (tail, middle, head):
+            if node is not None:
+                node.stop()
