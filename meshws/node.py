@@ -145,7 +145,8 @@ class Node(NodeReports):
             self._mount_head(app)
         if self.role in ("head", "middle"):  # a node after this one may not be dialable: it dials in
             ReverseEndpoint(self.links, lambda request: self.access.authorize(request, b""),
-                            self.settings.max_frame_bytes, self.registry and self.registry.urls).add_routes(app)
+                            self.settings.max_frame_bytes, self.registry and self.registry.urls,
+                            self.metrics.frame_bytes.labels("relayed", "relay").inc).add_routes(app)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=10.0)
         await self._runner.setup()
         await web.SockSite(self._runner, sock, ssl_context=self.server_ssl).start()
@@ -225,7 +226,7 @@ class Node(NodeReports):
     async def _announcer_ctx(self, app: web.Application) -> AsyncIterator[None]:
         assert self.shard_service is not None
         reverse = ReverseDialer(lambda: self.advertise, self.shard_service.serve_link, self.settings.secret,
-                                self.client_ssl, self.settings.max_frame_bytes)
+                                self.client_ssl, self.settings.max_frame_bytes, self.links)
         self.announcer = Announcer(self.settings.join or "", self._announcement, self.settings.secret,
                                    self.client_ssl, reverse)
         self.announcer.start()

@@ -97,9 +97,12 @@ class RegistryEndpoints:
             self.on_join(record)
         answer: dict[str, Any] = {"ok": True, "ttl": self.registry.ttl}
         if self.unreachable(record.url):  # alive (it just announced) yet not dialable: it dials in (mesh.reverse)
-            answer["unreachable"] = True
-            answer["dial_in"] = [node.url for node in self.registry.nodes()
-                                 if node.layers[1] == record.layers[0] and node.url != record.url][:16]
+            nodes = [node for node in self.registry.nodes() if node.url != record.url]
+            before = [node.url for node in nodes if node.layers[1] == record.layers[0]][:16]
+            after = [node.url for node in nodes if node.layers[0] == record.layers[1]][:16]
+            answer.update(unreachable=True, dial_in=[url for url in before if not self.unreachable(url)],
+                          relay_for=[url for url in before if self.unreachable(url)],  # neither can dial: relayed
+                          relay=[url for url in after if self.unreachable(url)])
         return web.json_response(answer)
 
     async def leave(self, request: web.Request) -> web.Response:

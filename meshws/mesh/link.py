@@ -77,6 +77,7 @@ class Link:
         self._send_lock = asyncio.Lock()
         self.dial_failures = 0  # dials in a row that found no way to the peer (not one refused: that peer is down)
         self.reversed = False  # the peer dials us (`offer`): it cannot be dialed
+        self.relay_via: tuple[str, str] | None = None  # (head, path): neither side can dial, a head relays
         self._offers: asyncio.Queue[tuple[Any, asyncio.Future]] = asyncio.Queue()
         self._log_limit = LogLimiter(log)
 
@@ -145,7 +146,8 @@ class Link:
             "layers": list(peer.layers) if peer else None,
             "sessions": len(self._subscribers),
             "connects": self.connects,
-            "formed": "reversed: the peer dials this node (it could not be dialed)" if self.reversed else "dialed",
+            "formed": "reversed: the peer dials this node (it could not be dialed)" if self.reversed else
+            f"relayed by {self.relay_via[0]} (neither side can dial the other)" if self.relay_via else "dialed",
             "error": self.last_error,
         }
 
@@ -246,9 +248,10 @@ class Link:
 
     async def _connect_once(self) -> None:
         assert self._client is not None
-        headers = await signed_headers(self._client, self.url, self._secret, "GET", "/ws/shard", ssl=self._ssl)
+        base, path = self.relay_via or (self.url, "/ws/shard")
+        headers = await signed_headers(self._client, base, self._secret, "GET", path, ssl=self._ssl)
         ws = await self._client.ws_connect(
-            f"{self.url}/ws/shard",
+            f"{base}{path}",
             heartbeat=self._heartbeat,
             max_msg_size=self._max_frame_bytes + 65536,
             timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=5.0),

@@ -53,7 +53,7 @@ class Announcer:
                  ssl: Any = True, reverse: ReverseDialer | None = None) -> None:
         self.heads = head_urls(heads)
         self.reverse = reverse  # dials the hops a head says cannot dial this node
-        self._dial_in: dict[str, list[str]] = {}  # per head: the hops it said should be dialed from here
+        self._dial_in: dict[str, list[tuple[str, str | None]]] = {}  # per head: the sockets it asked for
         self.record = record
         self.secret = secret
         self.ssl = ssl  # verifies an https:// head (the system's CAs, or --tls-ca)
@@ -118,19 +118,29 @@ class Announcer:
 
 
     def _heard(self, head: str, answer: Any) -> None:
-        """A head's answer to a heartbeat: if it cannot dial this node, the hops to dial instead (it, and the
-        middles before this node), checked as any input from the network."""
+        """A head's answer to a heartbeat: if it cannot dial this node, the sockets to dial instead (to it, to
+        the middles before this node, and relay-back ones for middles nobody can dial) and the next hops to reach
+        through its relay; checked as any input from the network."""
         if self.reverse is None or not isinstance(answer, dict):
             return
-        hops: list[str] = []
+        wanted: list[tuple[str, str | None]] = []
+        relay: list[str] = []
         if answer.get("unreachable") is True:
-            listed = answer.get("dial_in")
-            listed = listed if isinstance(listed, list) else []
-            hops = [head] + [url for url in listed[:MAX_DIAL_IN]
-                             if isinstance(url, str) and len(url) <= 512 and url.startswith(("ws://", "wss://"))]
-        if hops != self._dial_in.get(head, []):
-            self._dial_in[head] = hops
-            self.reverse.want(hop for wanted in self._dial_in.values() for hop in wanted)
+            wanted = [(head, None)] + [(url, None) for url in _urls(answer.get("dial_in"))] + \
+                [(head, url) for url in _urls(answer.get("relay_for"))]
+            relay = _urls(answer.get("relay"))
+        if relay:
+            self.reverse.relay_through(head, relay)
+        if wanted != self._dial_in.get(head, []):
+            self._dial_in[head] = wanted
+            self.reverse.want(target for targets in self._dial_in.values() for target in targets)
+
+
+def _urls(listed: Any) -> list[str]:
+    """Node addresses a head listed: ws:// or wss:// strings, a few."""
+    listed = listed if isinstance(listed, list) else []
+    return [url for url in listed[:MAX_DIAL_IN]
+            if isinstance(url, str) and len(url) <= 512 and url.startswith(("ws://", "wss://"))]
 
 
 async def ask_assignment(head: str, secret: str | None, ssl: Any = True) -> tuple[int, int, int]:

@@ -7,6 +7,7 @@ each one's `/mesh/reverse/<its own URL, hex>` (signed with the mesh secret like 
 signed path) and serves that socket exactly as it serves an inbound `/ws/shard`; the dialed side hands the socket
 to its link for that URL (`Link.offer`), which from then on waits for the node's dials instead of dialing. Hellos,
 sessions, MACs, losses and failover are those of a dialed link; only who opened the TCP connection differs.
+Where neither side of a hop can dial the other, the head relays it (`mesh.relay`).
 """
 
 from __future__ import annotations
@@ -23,17 +24,29 @@ from .auth import signed_headers
 from .link import DIAL_TIMEOUT
 from .link_pool import LinkPool
 from .next_hops import MAX_ROUTE_LINKS
+from .relay import Relay
 
 log = logging.getLogger("meshws.reverse")
 
 REVERSE_PATH = "/mesh/reverse"
+RELAY_PATH = "/mesh/relay"
 MAX_URL_CHARS = 512  # as a join's url
 REDIAL_SECONDS = (0.2, 3.0)  # first and longest wait before dialing a hop again
 
 
-def reverse_path(own_url: str) -> str:
-    """The path a node dials back on: its advertised URL in hex (no escaping for proxies or yarl to redo)."""
-    return f"{REVERSE_PATH}/{own_url.rstrip('/').encode().hex()}"
+def reverse_path(own_url: str, relay_for: str | None = None) -> str:
+    """The path a node dials back on: its advertised URL in hex (no escaping for proxies or yarl to redo); and
+    for a relay-back socket, the middle's it is for."""
+    return f"{REVERSE_PATH}/{hexed(own_url)}" + (f"/{hexed(relay_for)}" if relay_for else "")
+
+
+def relay_path(tail: str, middle: str) -> str:
+    """The path a middle's link to `tail` dials on the head that relays it."""
+    return f"{RELAY_PATH}/{hexed(tail)}/{hexed(middle)}"
+
+
+def hexed(url: str) -> str:
+    return url.rstrip("/").encode().hex()
 
 
 def url_of(hexed: str) -> str | None:
@@ -51,12 +64,19 @@ class ReverseEndpoint:
     """The dialed side (a head, a middle): `/mesh/reverse/...` sockets handed to the links they stand for."""
 
     def __init__(self, links: LinkPool, authorize: Callable[[web.Request], str | None], max_frame_bytes: int,
-                 joined: Callable[[], Iterable[str]] | None = None) -> None:
+                 joined: Callable[[], Iterable[str]] | None = None, relayed: Callable[[int], None] = len) -> None:
         self.links = links
         self.authorize = authorize
         self.max_frame_bytes = max_frame_bytes
         self.joined = joined  # a head: the URLs of its joined nodes, the only ones it links to this way
         self.accepted = 0
+        self.relay = Relay(self.may_relay, relayed, max_frame_bytes) if joined is not None else None
+
+    def may_relay(self, tail: str, middle: str) -> bool:
+        """Both joined, and this head could dial neither (so neither can dial the other, as far as it knows)."""
+        joined = set(self.joined()) if self.joined is not None else set()
+        return {tail, middle} <= joined and all(url in self.links and cannot_dial(self.links, url)
+                                                for url in (tail, middle))
 
     def may_link(self, url: str) -> bool:
         """A head links this way only to its joined nodes, a middle to any hop (the secret says it is one of the
@@ -68,14 +88,31 @@ class ReverseEndpoint:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get(REVERSE_PATH + "/{url}", self.handle)
+        if self.relay is not None:
+            app.router.add_get(REVERSE_PATH + "/{url}/{other}", self.handle_relay)
+            app.router.add_get(RELAY_PATH + "/{url}/{other}", self.handle_relay)
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    def _urls(self, request: web.Request, *names: str) -> list[str]:
+        """The path's URLs, after the request's signature is checked; 401 or 400 if either fails."""
         refusal = self.authorize(request)
         if refusal:
             raise web.HTTPUnauthorized(text=refusal)
-        url = url_of(request.match_info["url"])
-        if url is None:
-            raise web.HTTPBadRequest(text="the path must name the dialing node's ws:// or wss:// address, in hex")
+        urls = [url_of(request.match_info[name]) for name in names]
+        if None in urls:
+            raise web.HTTPBadRequest(text="the path must name nodes' ws:// or wss:// addresses, in hex")
+        return urls  # type: ignore[return-value]
+
+    async def handle_relay(self, request: web.Request) -> web.StreamResponse:
+        """A tail's relay-back socket (`/mesh/reverse/<tail>/<middle>`), or a middle's link to the tail
+        (`/mesh/relay/<tail>/<middle>`): `mesh.relay` pairs them."""
+        assert self.relay is not None
+        tail, middle = self._urls(request, "url", "other")
+        if request.path.startswith(REVERSE_PATH):
+            return await self.relay.wait_back(request, tail, middle)
+        return await self.relay.join(request, tail, middle)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        [url] = self._urls(request, "url")
         if not self.may_link(url):
             raise web.HTTPForbidden(text="this node keeps no link to that address (not a joined node, or too many)")
         ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=self.max_frame_bytes + 65536)
@@ -94,25 +131,40 @@ class ReverseDialer:
     """The node nobody can dial: one socket to each hop that should have dialed it, re-dialed while asked for."""
 
     def __init__(self, own_url: Callable[[], str], serve: Callable[[Any, str], Awaitable[None]],
-                 secret: str | None, ssl: Any, max_frame_bytes: int) -> None:
+                 secret: str | None, ssl: Any, max_frame_bytes: int, links: LinkPool | None = None) -> None:
         self.own_url = own_url
+        self.links = links  # this node's links to next hops (a middle's: some may go through a head's relay)
         self.serve = serve  # runs one socket as an inbound link until it closes
         self.secret = secret
         self.ssl = ssl
         self.max_frame_bytes = max_frame_bytes
-        self._tasks: dict[str, asyncio.Task] = {}
-        self._state: dict[str, dict[str, Any]] = {}
+        self._tasks: dict[tuple[str, str | None], asyncio.Task] = {}
+        self._state: dict[tuple[str, str | None], dict[str, Any]] = {}
 
-    def want(self, hops: Iterable[str]) -> None:
-        """The hops to dial (a head's latest answer, http(s) or ws(s) addresses): new ones start, others stop."""
-        wanted = {http_url(hop) for hop in hops}
-        for hop in set(self._tasks) - wanted:
-            self._tasks.pop(hop).cancel()
-            self._state.pop(hop, None)
-        for hop in wanted - set(self._tasks):
-            log.info("%s cannot dial this node: dialing it instead", hop)
-            self._state[hop] = {"to": hop, "state": "dialing", "connects": 0, "error": None, "since": time.time()}
-            self._tasks[hop] = asyncio.create_task(self._keep(hop), name=f"reverse {hop}")
+    def want(self, targets: Iterable[tuple[str, str | None]]) -> None:
+        """The sockets to keep (a head's latest answers): (hop, None) for a hop that cannot dial this node, and
+        (head, middle) for a relay-back socket to a head that relays a middle's link here. New ones start, others
+        stop."""
+        wanted = {(http_url(hop), relay_for) for hop, relay_for in targets}
+        for key in set(self._tasks) - wanted:
+            self._tasks.pop(key).cancel()
+            self._state.pop(key, None)
+        for key in wanted - set(self._tasks):
+            hop, relay_for = key
+            log.info("%s", f"{hop} relays {relay_for}'s link to this node" if relay_for else
+                     f"{hop} cannot dial this node: dialing it instead")
+            self._state[key] = {"to": hop, "relay_for": relay_for, "state": "dialing", "connects": 0, "error": None,
+                                "since": time.time()}
+            self._tasks[key] = asyncio.create_task(self._keep(hop, relay_for), name=f"reverse {hop}")
+
+    def relay_through(self, head: str, next_hops: Iterable[str]) -> None:
+        """Links to these next hops (which cannot be dialed, nor dial this node) go through `head`'s relay."""
+        for url in next_hops:
+            if self.links is not None:
+                link = self.links.get(url)
+                if link.relay_via is None:
+                    log.info("the link to %s goes through %s's relay (neither side can dial the other)", url, head)
+                link.relay_via = (http_url(head), relay_path(url, self.own_url()))
 
     def describe(self) -> list[dict[str, Any]]:
         return [dict(state) for state in self._state.values()]
@@ -124,16 +176,18 @@ class ReverseDialer:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _keep(self, hop: str) -> None:
+    async def _keep(self, hop: str, relay_for: str | None) -> None:
         wait = REDIAL_SECONDS[0]
-        state = self._state[hop]
+        state = self._state[(hop, relay_for)]
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=DIAL_TIMEOUT)
         async with aiohttp.ClientSession(timeout=timeout) as client:
             while True:
-                path = reverse_path(self.own_url())
+                path = reverse_path(self.own_url(), relay_for)
                 try:
                     headers = await signed_headers(client, hop, self.secret, "GET", path, ssl=self.ssl)
-                    async with client.ws_connect(hop + path, heartbeat=5.0, headers=headers, ssl=self.ssl,
+                    # (a relay-back socket waits unread until a middle's link takes it: no heartbeat on it)
+                    async with client.ws_connect(hop + path, heartbeat=None if relay_for else 5.0, headers=headers,
+                                                 ssl=self.ssl,
                                                  max_msg_size=2 * self.max_frame_bytes + 65536) as ws:
                         state.update(state="up", error=None, since=time.time(), connects=state["connects"] + 1)
                         wait = REDIAL_SECONDS[0]

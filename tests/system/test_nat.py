@@ -1,5 +1,6 @@
 """Nodes nobody can dial (behind NAT): a tail in a network namespace that drops every inbound SYN joins a head and
-serves through a middle, its links dialed the other way (mesh/reverse.py); it comes back after a SIGKILL."""
+serves through a middle, its links dialed the other way (mesh/reverse.py), and comes back after a SIGKILL; a middle
+and a tail both behind NAT are relayed by the head (mesh/relay.py), within its caps."""
 
 import asyncio
 import json
@@ -7,10 +8,11 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
-from helpers import EXACT, chat_ids, complete_ids, golden, other_host
+from helpers import EXACT, SECRET, chat_ids, complete_ids, golden, other_host
 from meshws.tools.launch import NodeProcess, free_port
 
 pytestmark = [pytest.mark.real_model, pytest.mark.processes,
@@ -102,3 +104,101 @@ def test_a_tail_nobody_can_dial_dials_in_serves_the_golden_answer_and_comes_back
         for node in (tail, middle, head):
             if node is not None:
                 node.stop()
+
+
+MIDDLE_HOST_IP, MIDDLE_NAT_IP = "10.231.10.1", "10.231.10.2"
+
+
+@pytest.fixture(scope="module")
+def middle_behind_nat():
+    """A second host behind NAT, with no way to the first but through this one's head."""
+    drop = ["iptables", "-A", "INPUT", "-i", "{device}", "-p", "tcp", "--syn", "-j", "DROP"]
+    with other_host(MIDDLE_HOST_IP, MIDDLE_NAT_IP, drop) as name:
+        yield name
+
+
+async def _refused(url, path):
+    """The status a signed GET of `path` on the node at `url` gets (a relay that is not allowed: 403)."""
+    import aiohttp
+
+    from meshws.mesh.auth import signed_headers
+
+    async with aiohttp.ClientSession() as client:
+        headers = await signed_headers(client, url, SECRET, "GET", path)
+        async with client.get(url + path, headers=headers) as response:
+            return response.status
+
+
+def test_a_middle_and_a_tail_both_behind_nat_are_relayed_by_the_head_within_its_caps(
+        secret_file, behind_nat, middle_behind_nat, reference_model, tokenizer):
+    from meshws.mesh.relay import WAITING
+    from meshws.mesh.reverse import relay_path, reverse_path
+
+    secret = ("--secret-file", secret_file)
+    head_port, middle_port, tail_port = free_port(), free_port(), free_port()
+    head = NodeProcess("--role", "head", "--layers", "0-9", "--host", "0.0.0.0", *secret, *EXACT, name="head",
+                       port=head_port)
+    middle = tail = None
+    try:
+        head.wait_started()
+        middle = NodeProcess("--role", "middle", "--layers", "10-19", "--host", "0.0.0.0", "--advertise",
+                             f"ws://{MIDDLE_NAT_IP}:{middle_port}", *secret, "--join",
+                             f"http://{MIDDLE_HOST_IP}:{head_port}", *EXACT, name="nat middle", host=MIDDLE_NAT_IP,
+                             port=middle_port, netns=middle_behind_nat).wait_started()
+        tail = NodeProcess("--role", "tail", "--layers", "20-29", "--host", "0.0.0.0", "--advertise",
+                           f"ws://{NAT_IP}:{tail_port}", *secret, "--join", f"http://{HOST_IP}:{head_port}", *EXACT,
+                           name="nat tail", host=NAT_IP, port=tail_port, netns=behind_nat).wait_started()
+        head.wait_ready(timeout=60)
+        ids = chat_ids(tokenizer, "What is the capital of France?")
+        deadline = time.monotonic() + 30
+        while True:  # the route is planned once the head has both nodes' sockets; the relay pairs on first use
+            try:
+                tokens, _ = asyncio.run(complete_ids(head.url, ids, 24))
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline, head.health()
+                time.sleep(0.5)
+        assert tokens == golden(reference_model, ids, 24)
+        middle_health = health_inside(middle_behind_nat, f"http://127.0.0.1:{middle_port}")
+        [to_tail] = [link for link in middle_health["links"] if link["url"] == tail.ws_url]
+        assert to_tail["formed"].startswith("relayed by") and to_tail["state"] == "up"
+        with urllib.request.urlopen(head.url + "/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        relayed = [line for line in metrics.splitlines() if line.startswith('meshws_frame_bytes_total{direction="relayed"')]
+        assert relayed and float(relayed[0].split()[-1]) > 1000
+
+        # A joined node's view: no relay to an address that is not a joined node, none for a pair the head can
+        # dial, no more waiting sockets than the cap.
+        stranger = "ws://203.0.113.9:8701"
+        assert asyncio.run(_refused(head.url, relay_path(stranger, middle.ws_url))) == 403
+        assert asyncio.run(_refused(head.url, relay_path(tail.ws_url, stranger))) == 403
+        assert asyncio.run(_refused(head.url, reverse_path(stranger))) == 403
+        assert asyncio.run(_refused(head.url, reverse_path(tail.ws_url, stranger))) == 403
+        statuses = asyncio.run(_flood_relay_backs(head.url, reverse_path(tail.ws_url, middle.ws_url), WAITING + 2))
+        assert statuses.count(101) <= WAITING and statuses.count(403) >= 2
+        assert asyncio.run(complete_ids(head.url, ids, 24))[0] == tokens  # and the mesh still answers
+    finally:
+        for node in (tail, middle, head):
+            if node is not None:
+                node.stop()
+
+
+async def _flood_relay_backs(url, path, count):
+    """`count` relay-back sockets for one pair opened at once, as a joined node could: each one's status (101: the
+    head keeps it waiting)."""
+    import aiohttp
+
+    from meshws.mesh.auth import signed_headers
+
+    statuses, sockets = [], []
+    async with aiohttp.ClientSession() as client:
+        for _ in range(count):
+            headers = await signed_headers(client, url, SECRET, "GET", path)
+            try:
+                sockets.append(await client.ws_connect(url + path, headers=headers))
+                statuses.append(101)
+            except aiohttp.WSServerHandshakeError as exc:
+                statuses.append(exc.status)
+        for ws in sockets:
+            await ws.close()
+    return statuses
