@@ -9,7 +9,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 MODEL = "SmolLM2-135M-Instruct"
-EXACT = ("--dtype", "float32", "--wire-dtype", "float32")
+EXACT = ("--dtype", "float32")  # float32 links by default (`--wire-dtype auto`)
 CHAT_PROMPTS = [
     "Write a short story about a robot who learns to paint.",
     "Explain in detail how a bicycle works.",

@@ -138,9 +138,10 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_whole_model_does(client, to
     with torch.inference_mode():
         want = torch.log_softmax(reference_model(torch.tensor([ids])).logits[0].float(), dim=-1)
     got = torch.tensor(logprobs.token_logprobs[1:len(ids)])
-    assert torch.allclose(got, want[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], atol=1e-3)
+    # float32 links by default on a float32 mesh: the split scores as the whole model does (bf16 links: 3e-2)
+    assert torch.allclose(got, want[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], atol=1e-4)
     assert "".join(logprobs.tokens) == text and logprobs.text_offset[len(ids)] == len(prompt)
-    assert abs(logprobs.token_logprobs[-1] - float(want[-1].max())) < 1e-3  # the greedy answer's token
+    assert abs(logprobs.token_logprobs[-1] - float(want[-1].max())) < 1e-4  # the greedy answer's token
     # Streamed: the prompt (with its log-probabilities) is the first chunk.
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True,
                                             stream=True))
