@@ -226,6 +226,37 @@ def test_a_required_tool_call_parses_and_its_result_gets_an_answer(client):
     assert not any(c.choices[0].delta.content for c in chunks if c.choices)
 
 
+LAX_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}]  # no additionalProperties, no maxLength: as LangChain and pydantic send
+LAX_PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "number"},
+                                               "height_m": {"type": "number"}}, "required": ["name", "age", "height_m"]}
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 1},
+                                      {"temperature": 1.0, "seed": 2}], ids=["greedy", "seed1", "seed2"])
+def test_a_forced_tool_call_and_a_json_schema_answer_finish_within_60_tokens(client, sampling):
+    """Schemas as clients write them (objects without additionalProperties, unbounded numbers): the grammar
+    refuses undeclared properties and bounds numbers and whitespace, so the embedded model ends its answer
+    (without that it wrote extra properties or a long number until 200 tokens ran out)."""
+    import json
+
+    import jsonschema
+
+    call = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather like in Paris?"}], tools=LAX_TOOLS,
+        tool_choice="required", max_tokens=60, **sampling)
+    assert call.choices[0].finish_reason == "tool_calls", call.choices[0]
+    arguments = json.loads(call.choices[0].message.tool_calls[0].function.arguments)
+    jsonschema.validate(arguments, dict(LAX_TOOLS[0]["function"]["parameters"], additionalProperties=False))
+    person = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Invent a person. Answer in JSON."}], max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": LAX_PERSON}}, **sampling)
+    assert person.choices[0].finish_reason == "stop", person.choices[0]
+    jsonschema.validate(json.loads(person.choices[0].message.content), dict(LAX_PERSON, additionalProperties=False))
+
+
 def _tail_prefills(mesh):
     import urllib.request
 
