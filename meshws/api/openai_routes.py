@@ -28,6 +28,7 @@ from .completion_batch import serve_batch
 from .errors import ApiError, json_response, read_json
 from .logprobs import chat_logprobs, completion_logprobs, joined, prompt_logprobs
 from .requests import CompletionSpec, check_request, complete_spec
+from .response_routes import ResponsesApi
 from .sse import EventStream, SlowClient
 from .choices import Choice, run_choices
 from .tools import CallSplitter, calls_in
@@ -47,6 +48,7 @@ class OpenAIApi:
         app.router.add_get("/v1/models/{name:.+}", self.model)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/responses", ResponsesApi(self.head, self.write_timeout, self.sse_ping).create)
         tokens = TokenRoutes(self.head)
         for path in ("/tokenize", "/v1/tokenize"):
             app.router.add_post(path, tokens.tokenize)

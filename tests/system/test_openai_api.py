@@ -552,3 +552,55 @@ async def test_api_key_guards_the_api_but_not_health():
         assert answer.choices[0].message.content == " a"
         with pytest.raises(openai.AuthenticationError):
             await openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bad", max_retries=0).models.list()
+
+
+def test_the_responses_api_answers_as_chat_calls_tools_and_streams_typed_events(client):
+    """POST /v1/responses with the official client: the same greedy text as chat for the same messages, a
+    forced function call as a function_call item whose result fed back gets an answer, a json_schema answer, the
+    typed stream events in order (numbered) carrying the same text, and stored-response fields refused."""
+    import json
+
+    import jsonschema
+
+    ask = "What is the weather like in Paris?"
+    answer = client.responses.create(model=MODEL, instructions="Answer briefly.", input=ask, max_output_tokens=12,
+                                     temperature=0)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": ask}])
+    assert answer.output_text == chat.choices[0].message.content and answer.output[0].type == "message"
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+    assert answer.usage.output_tokens == chat.usage.completion_tokens
+    assert answer.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    # A function tool in the flat shape, forced; its call and result fed back as items.
+    tools = [{"type": "function", "name": "get_weather", "description": "The weather in a city", "strict": True,
+              "parameters": LAX_TOOLS[0]["function"]["parameters"]}]
+    called = client.responses.create(model=MODEL, input=ask, tools=tools, tool_choice="required",
+                                     max_output_tokens=60, temperature=0)
+    call = called.output[-1]
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), dict(tools[0]["parameters"], additionalProperties=False))
+    final = client.responses.create(model=MODEL, tools=tools, max_output_tokens=30, temperature=0, input=[
+        {"role": "user", "content": ask}, call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "sunny", "celsius": 21}'}])
+    assert final.output_text and final.output[0].type == "message"
+    person = client.responses.create(model=MODEL, input="Invent a person. Answer in JSON.", max_output_tokens=60,
+                                     temperature=0, text={"format": {"type": "json_schema", "name": "person",
+                                                                     "schema": LAX_PERSON, "strict": True}})
+    jsonschema.validate(json.loads(person.output_text), LAX_PERSON)
+    # Streamed: typed events, numbered in order, the same text and usage as the whole answer.
+    events = list(client.responses.create(model=MODEL, instructions="Answer briefly.", input=ask,
+                                          max_output_tokens=12, temperature=0, stream=True))
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == f"response.{answer.status}"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer.output_text
+    assert events[-1].response.output_text == answer.output_text
+    assert events[-1].response.usage.output_tokens == answer.usage.output_tokens
+    streamed_call = [e for e in client.responses.create(model=MODEL, input=ask, tools=tools, tool_choice="required",
+                                                        max_output_tokens=60, temperature=0, stream=True)
+                     if e.type == "response.function_call_arguments.done"]
+    assert len(streamed_call) == 1 and streamed_call[0].arguments == call.arguments
+    for extra, param in [({"previous_response_id": "resp_1"}, "previous_response_id"), ({"store": True}, "store"),
+                         ({"frobnicate": 1}, "frobnicate")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model=MODEL, input=ask, extra_body=extra)
+        assert caught.value.body["param"] == param
