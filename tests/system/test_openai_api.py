@@ -604,3 +604,29 @@ def test_the_responses_api_answers_as_chat_calls_tools_and_streams_typed_events(
         with pytest.raises(openai.BadRequestError) as caught:
             client.responses.create(model=MODEL, input=ask, extra_body=extra)
         assert caught.value.body["param"] == param
+
+
+def test_lm_evaluation_harness_request_shapes_score_and_generate_as_the_whole_model(client, tokenizer,
+                                                                                  reference_model):
+    """The bodies lm-eval's local-completions sends (its _create_payload, tokenized prompts in a batch):
+    loglikelihood (echo, logprobs 1, max_tokens 1) scores every prompt token as transformers' float32 model
+    within 1e-4 on this float32 mesh, one choice per prompt in order; generate_until ([[ids]], stop, seed)
+    gives the greedy continuation."""
+    import torch
+
+    from helpers import golden
+
+    texts = ["The capital of France is Paris.", "Water boils at one hundred degrees."]
+    batch = [tokenizer(text)["input_ids"] for text in texts]
+    scored = client.completions.create(model=MODEL, prompt=batch, temperature=0, max_tokens=1, logprobs=1,
+                                       seed=1234, echo=True)
+    assert [choice.index for choice in scored.choices] == [0, 1]
+    for ids, choice in zip(batch, scored.choices):
+        with torch.inference_mode():
+            want = torch.log_softmax(reference_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        got = torch.tensor(choice.logprobs.token_logprobs[1:len(ids)])
+        assert torch.allclose(got, want[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], atol=1e-4)
+    generated = client.completions.create(model=MODEL, prompt=[batch[0]], max_tokens=8, temperature=0,
+                                          stop=["\n\n"], seed=1234)
+    assert len(generated.choices) == 1
+    assert generated.choices[0].text == tokenizer.decode(golden(reference_model, batch[0], 8)).split("\n\n")[0]
