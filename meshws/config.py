@@ -33,7 +33,7 @@ class NodeSettings:
     quant: str = "none"  # int8: linear weights as int8 with per-channel scales (lean path)
     compile: bool = False  # torch.compile the lean path at start
     matmul: str = "auto"  # float32 products: torch (MKL), openblas (numpy's), or auto: openblas on AMD CPUs
-    wire_dtype: str = "bfloat16"  # dtype of hidden states between nodes
+    wire_dtype: str = "auto"  # dtype of hidden states between nodes; auto: float32 under --dtype float32
     threads: int | None = None  # compute threads (torch's or OpenBLAS's); default: the host's share
     max_frame_bytes: int = 64 * 1024 * 1024  # largest websocket frame accepted
     compress_min_bytes: int = 64 * 1024  # tensor bodies at least this big are zstd-compressed if it pays
@@ -97,7 +97,7 @@ _HELP = {
              "meshws's kernel (FBGEMM without a C compiler); a GGUF's blocks are its weights already",
     "matmul": "what multiplies float32 weights on the lean path: torch (MKL on x86), openblas (numpy's), or auto: "
               "OpenBLAS on AMD CPUs (MKL reads weights there at about half the speed)",
-    "wire_dtype": "dtype of hidden states sent between nodes",
+    "wire_dtype": "hidden states between nodes: auto is float32 under --dtype float32 (a split answers as one machine), else bfloat16",
     "threads": "compute threads: torch's, or OpenBLAS's while it multiplies (default: the host's cores split "
                "between the meshws nodes running on it, followed as nodes come and go)",
     "max_frame_bytes": "largest websocket frame this node accepts, e.g. 64M",
@@ -255,7 +255,7 @@ _CHOICES = {
     "quant": ("none", "int8"),
     "matmul": ("auto", "torch", "openblas"),
     "draft": ("ngram", "none"),
-    "wire_dtype": ("float32", "bfloat16", "float16"),
+    "wire_dtype": ("auto", "float32", "bfloat16", "float16"),
     "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
 

@@ -12,7 +12,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 MODEL = "SmolLM2-135M-Instruct"
-EXACT = ("--dtype", "float32", "--wire-dtype", "float32")
+EXACT = ("--dtype", "float32")  # float32 links by default (`--wire-dtype auto`)
 SECRET = "mesh-secret-for-the-tests-0123"  # the `secret_file` fixture's
 CHAT_PROMPTS = [
     "Write a short story about a robot who learns to paint.",

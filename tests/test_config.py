@@ -85,3 +85,16 @@ def test_secrets_come_from_files_and_short_ones_are_refused(tmp_path, capsys):
         assert needle in capsys.readouterr().err
     assert parse_settings(["--host", "0.0.0.0", "--insecure"], environ={}).insecure
     assert parse_settings(["--host", "0.0.0.0"], environ={"MESHWS_INSECURE": "1"}).insecure
+
+
+@pytest.mark.parametrize("dtype, wire, sent", [
+    ("float32", "auto", "float32"),  # an exact node sends what it computes: a split answers as one machine
+    ("bfloat16", "auto", "bfloat16"),
+    ("auto", "auto", "bfloat16"),  # a GGUF's 8-bit activations lose more than bf16 links do
+    ("float32", "bfloat16", "bfloat16"),  # asked for: kept
+])
+def test_the_wire_dtype_follows_the_compute_dtype_unless_asked_for(dtype, wire, sent):
+    from meshws.model.settings import ShardSettings
+
+    assert parse_settings([], environ={}).wire_dtype == "auto"
+    assert ShardSettings(dtype=dtype, wire_dtype=wire).checked()[0].wire_dtype == sent

@@ -53,7 +53,7 @@ from ..head.service import HeadService, Unavailable
 from .errors import ApiError, public_text, shown
 from .logprobs import chat_logprobs
 from .markdown import MAX_RENDER_CHARS, Renderer, RenderBusy
-from .openai_routes import run_spec, usage
+from .answers import run_spec, usage
 from .sse import bound_write_buffers, until_drained
 from .requests import check_request, complete_spec
 

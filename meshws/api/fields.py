@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import ApiError
+from .errors import ApiError, shown
 
 # Fields meshws implements, per endpoint (the OpenAI names) ...
 CHAT_FIELDS = {
@@ -49,6 +49,13 @@ CHAT_ONLY = {"functions", "function_call", "store", "metadata", "modalities", "a
              "verbosity", "web_search_options", "prompt_cache_key", "safety_identifier", "service_tier"}
 COMPLETION_ONLY = {"best_of", "suffix"}
 
+# /v1/responses: the fields it implements, and those it takes only with the value that asks for nothing
+RESPONSE_FIELDS = {"model", "input", "instructions", "stream", "max_output_tokens", "temperature", "top_p", "tools",
+                   "tool_choice", "text", "previous_response_id", "parallel_tool_calls", "user"}
+RESPONSE_NO_OP = {"store": (False,), "metadata": ({},), "include": ([],), "truncation": ("disabled",),
+                  "background": (False,), "service_tier": ("auto", "default"), "reasoning": (), "max_tool_calls": (),
+                  "top_logprobs": (0,), "prompt_cache_key": (), "safety_identifier": (), "stream_options": ()}
+
 MESSAGE_FIELDS = {"role", "content", "tool_calls", "tool_call_id"}  # (the last two checked with the role)
 MESSAGE_NO_OP = {"function_call": (), "name": (), "refusal": (),
                  "audio": (), "annotations": ([],), "reasoning_content": ()}
@@ -74,6 +81,20 @@ def check_fields(body: dict[str, Any], chat: bool) -> None:
         raise ApiError(400, f"unknown field '{name}' for {endpoint}; meshws reads "
                        f"{', '.join(sorted(implemented))} and the extensions {', '.join(sorted(EXTENSIONS))}",
                        param=name, code="unknown_parameter")
+
+
+def check_response_fields(body: dict[str, Any]) -> None:
+    """The fields of a /v1/responses request, as `check_fields` checks the others' (nothing is stored here)."""
+    for name, value in body.items():
+        if name in RESPONSE_FIELDS or name in ("seed", "top_k"):  # (the chat extensions it passes on)
+            continue
+        if name in RESPONSE_NO_OP:
+            if not _is_no_op(value, RESPONSE_NO_OP[name]):
+                raise ApiError(400, f"'{name}' is not supported by meshws{_asked(value, RESPONSE_NO_OP[name])}",
+                               param=name, code="unsupported_parameter")
+            continue
+        raise ApiError(400, f"unknown field {shown(name)} for /v1/responses; meshws reads "
+                       f"{', '.join(sorted(RESPONSE_FIELDS))}", param=name[:64], code="unknown_parameter")
 
 
 def check_message_fields(message: dict[str, Any], where: str) -> None:

@@ -16,57 +16,25 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 import orjson
 from aiohttp import web
 
-from ..head.conversation import Conversation
-from ..head.generation import GenerationRequest, GenerationStats, PipelineError
+from ..head.generation import GenerationStats, PipelineError
 from ..head.service import Admission, HeadService, Unavailable
-from .errors import ApiError, json_response, public_text, read_json
+from .answers import finish_reason, pipeline_failure, run_spec, stream_error, unavailable, usage
+from .completion_batch import serve_batch
+from .errors import ApiError, json_response, read_json
 from .logprobs import chat_logprobs, completion_logprobs, joined, prompt_logprobs
 from .requests import CompletionSpec, check_request, complete_spec
+from .response_routes import ResponsesApi
 from .sse import EventStream, SlowClient
 from .choices import Choice, run_choices
 from .tools import CallSplitter, calls_in
 from .tokens import TokenRoutes
 
 log = logging.getLogger("meshws.api")
-
-def unavailable(exc: Unavailable) -> ApiError:
-    """503 with Retry-After: the head has no room or no route now."""
-    return ApiError(503, public_text(str(exc)), code=exc.code, kind="service_unavailable",
-                    headers={"Retry-After": str(exc.retry_after)})
-
-
-def pipeline_failure(exc: PipelineError) -> ApiError:
-    """The mesh failed: a 502, or the same error as a stream's last event."""
-    return ApiError(502, f"pipeline error: {public_text(str(exc))}", code="pipeline_error", kind="upstream_error")
-
-
-def usage(stats: GenerationStats, choices: Sequence[Choice] = ()) -> dict[str, Any]:
-    """The answer's token counts (`choices`: all of an `n` > 1 request's; the prompt counts once)."""
-    completion = sum(choice.stats.completion_tokens for choice in choices) if choices else stats.completion_tokens
-    counts: dict[str, Any] = {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": stats.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},  # not prefilled again: a kept session held them
-    }
-    if stats.speculation is not None and stats.speculation.laps:  # an extension: how the drafts fared
-        counts["speculation"] = stats.speculation.describe()
-    return counts
-
-
-def run_spec(head: HeadService, spec: CompletionSpec, stats: GenerationStats, admission: Admission,
-             token_ids: list[int] | None = None, conversation: Conversation | None = None) -> AsyncIterator[str]:
-    """The text of a validated, admitted request as it is decided (close it with `aclosing`)."""
-    request = GenerationRequest(prompt=spec.prompt, max_tokens=spec.max_tokens, sampling=spec.sampling,
-                                prompt_ids=spec.prompt_ids, ignore_eos=spec.ignore_eos)
-    return head.stream(request, spec.stop, stats, admission, token_ids, conversation,
-                       owner=spec.owner if spec.cache_prompt else None)
-
 
 class OpenAIApi:
     def __init__(self, head: HeadService, write_timeout: float = 30.0, sse_ping: float = 15.0) -> None:
@@ -80,6 +48,7 @@ class OpenAIApi:
         app.router.add_get("/v1/models/{name:.+}", self.model)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/responses", ResponsesApi(self.head, self.write_timeout, self.sse_ping).create)
         tokens = TokenRoutes(self.head)
         for path in ("/tokenize", "/v1/tokenize"):
             app.router.add_post(path, tokens.tokenize)
@@ -122,15 +91,22 @@ class OpenAIApi:
             return exc.response()
         except Unavailable as exc:
             if stream is not None and stream.open:
-                return await self._stream_error(stream, unavailable(exc).body())
+                return await stream_error(stream, unavailable(exc).body())
             return unavailable(exc).response()
+        if draft.batch:  # several prompts: each a request of its own
+            try:
+                return await serve_batch(self.head, draft, admission, stream, self._choice)
+            finally:
+                admission.release()
+                if stream is not None:
+                    stream.stop_pings()
         n = draft.body.get("n") or 1
         extra = self.head.queue.take_now(n - 1) if n > 1 else []  # each choice is a generation: a slot each
         if extra is None:
             admission.release()
             error = unavailable(Unavailable(f"{n} choices need {n} free generation slots; retry shortly",
                                             "queue_full", 1))
-            return await self._stream_error(stream, error.body()) if stream is not None and stream.open \
+            return await stream_error(stream, error.body()) if stream is not None and stream.open \
                 else error.response()
         kind = "chat.completion" if chat else "text_completion"
         answer_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -144,7 +120,7 @@ class OpenAIApi:
             return await self._complete(spec, admission, chat, kind, answer_id, stats)
         except ApiError as exc:
             if stream is not None and stream.open:
-                return await self._stream_error(stream, exc.body())
+                return await stream_error(stream, exc.body())
             return exc.response()
         finally:
             admission.release()  # the generation released it already, unless it never started
@@ -168,16 +144,6 @@ class OpenAIApi:
         if stats.logprobs is None:
             return text, None
         return text, prompt_logprobs(spec.prompt_ids, stats.prompt_logprobs or (), self.head.decode)
-
-    @staticmethod
-    async def _stream_error(stream: EventStream, error: dict[str, Any]) -> web.StreamResponse:
-        """An error after the stream started (the status line is sent): an error event, then [DONE]."""
-        try:
-            await stream.send(b"data: " + orjson.dumps(error) + b"\n\n")
-            await stream.send(b"data: [DONE]\n\n")
-            return await stream.finish()
-        except (SlowClient, ConnectionError):
-            return stream.response
 
     async def _complete(self, spec: CompletionSpec, admission: Admission, chat: bool, kind: str,
                         answer_id: str, stats: GenerationStats) -> web.Response:
@@ -213,7 +179,7 @@ class OpenAIApi:
         stats, text = done.stats, done.text
         echoed = self._echoed(spec, first) if spec.echo else ("", None)  # (the prompt was prefilled once)
         logprobs = self._logprobs(stats, chat, 0, len(stats.logprobs or ()), len(echoed[0]))
-        choice: dict[str, Any] = {"index": index, "finish_reason": _finish(stats),
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason(stats),
                                   "logprobs": joined(echoed[1], logprobs) if echoed[1] and logprobs else logprobs}
         if chat:
             content, calls = calls_in(text, spec.tools) if spec.tools is not None else (text, [])
@@ -256,7 +222,7 @@ class OpenAIApi:
             choices = await run_choices(self.head, spec, admission, stats,
                                         lambda index, delta: stream.send(chunk(index, delta)))
             for index, choice in enumerate(choices):
-                await stream.send(chunk(index, None, _finish(choice.stats)))
+                await stream.send(chunk(index, None, finish_reason(choice.stats)))
             if spec.include_usage:
                 end = {"id": answer_id, "object": chunk_kind, "created": created, "model": spec.model, "choices": [],
                        "usage": usage(stats, choices)}
@@ -326,7 +292,7 @@ class OpenAIApi:
                         await write(chunk(delta_choice(content)))
             if echo:
                 await self._send_echo(write, chunk, spec, stats, told)
-            finish = _finish(stats)
+            finish = finish_reason(stats)
             if tools is not None:  # the calls, whole, once the answer is complete
                 calls = calls_in("".join(parts), tools)[1]
                 held = splitter.rest(bool(calls))  # held back for a call that did not come: content after all
@@ -354,7 +320,3 @@ class OpenAIApi:
             await write(b"data: " + orjson.dumps(error) + b"\n\n")
         await write(b"data: [DONE]\n\n")
         return await stream.finish()
-
-
-def _finish(stats: GenerationStats) -> str:
-    return stats.finish_reason.value if stats.finish_reason else "length"

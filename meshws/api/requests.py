@@ -12,15 +12,17 @@ from ..head.service import HeadService
 from ..model.constraints import GrammarError, json_grammar
 from ..model.sampling import MAX_PROMPT_LOGPROBS, MAX_PROMPT_TOP_LOGPROBS, MAX_TOP_LOGPROBS, SamplingParams
 from .errors import ApiError, shown
-from .fields import check_fields, check_message_fields
+from .fields import check_fields
+from .messages import parse_messages
 from .tools import ToolSpec, check_schema_size, parse_tools, plain_messages
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_MESSAGES = 1024
 MAX_CHOICES = 8  # `n`
 CHARS_PER_TOKEN_CAP = 16  # a prompt longer than context x this many characters cannot fit: refused unread
 DEFAULT_MAX_TOKENS = 1024
 MAX_STOP_STRINGS = 16
+MAX_BATCH = 64  # a completion's prompts times `n`: each is a generation, queued for a slot of its own
+BATCH_CONTEXTS = 8  # all of a batch's prompts together: at most this many context windows of tokens
 
 
 @dataclass
@@ -142,70 +144,6 @@ def parse_stop(body: dict[str, Any]) -> list[str]:
     return [s for s in stop if s]
 
 
-def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if messages is None:
-        raise ApiError(400, "'messages' is a required field", param="messages", code="missing_required_parameter")
-    if not isinstance(messages, list):
-        raise ApiError(400, "'messages' must be a list", param="messages", code="invalid_type")
-    if not messages:
-        raise ApiError(400, "'messages' must not be empty", param="messages", code="invalid_value")
-    plain: list[dict[str, str]] = []
-    for index, message in enumerate(messages):
-        where = f"messages[{index}]"
-        if not isinstance(message, dict):
-            raise ApiError(400, f"'{where}' must be an object", param=where, code="invalid_type")
-        role = message.get("role")
-        if role not in ROLES:
-            raise ApiError(400, f"'{where}.role' must be one of {', '.join(ROLES)}, got {shown(role)}",
-                           param=f"{where}.role", code="invalid_value")
-        check_message_fields(message, where)
-        plain.append({"role": "system" if role == "developer" else role, "content": _content(message, where),
-                      **_tool_fields(message, where)})
-    return plain
-
-
-def _tool_fields(message: dict[str, Any], where: str) -> dict[str, Any]:
-    """An assistant's earlier `tool_calls`, or a tool result's `tool_call_id` (required on a `tool` message)."""
-    role, calls, call_id = message.get("role"), message.get("tool_calls"), message.get("tool_call_id")
-    if role == "tool":
-        if not isinstance(call_id, str) or not call_id:
-            raise ApiError(400, f"'{where}.tool_call_id' is required on a tool message", param=f"{where}.tool_call_id",
-                           code="invalid_value")
-        return {"tool_call_id": call_id}
-    if call_id is not None:
-        raise ApiError(400, f"'{where}.tool_call_id' belongs on a tool message", param=f"{where}.tool_call_id",
-                       code="invalid_value")
-    if not calls:
-        return {}
-    ok = role == "assistant" and isinstance(calls, list) and all(
-        isinstance(c, dict) and c.get("type", "function") == "function" and isinstance(c.get("function"), dict)
-        and isinstance(c["function"].get("name"), str) and isinstance(c["function"].get("arguments", ""), str)
-        for c in calls)
-    if not ok:
-        raise ApiError(400, f"'{where}.tool_calls' must be an assistant's list of {{\"type\": \"function\", "
-                       "\"function\": {\"name\", \"arguments\"}}", param=f"{where}.tool_calls", code="invalid_value")
-    return {"tool_calls": calls}
-
-
-def _content(message: dict[str, Any], where: str) -> str:
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if content is None and message.get("role") == "assistant":  # (one that only called tools)
-        return ""
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"'{where}.content' parts must be text parts; only text is supported",
-                               param=f"{where}.content", code="invalid_value")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ApiError(400, f"'{where}.content' must be a string or a list of text parts",
-                   param=f"{where}.content", code="invalid_type")
-
-
 def check_common(body: dict[str, Any], chat: bool) -> None:
     check_fields(body, chat)
     for name in ("stream", "return_token_ids", "ignore_eos", "cache_prompt", "echo"):
@@ -228,6 +166,7 @@ class RequestDraft:
     messages: list[dict[str, str]] | None = None  # chat
     prompt: str = ""  # completions: the text ...
     prompt_ids: list[int] | None = None  # ... or the token ids
+    batch: list[tuple[str, list[int] | None]] = field(default_factory=list)  # completions: several prompts
     tools: ToolSpec | None = None  # chat: the functions the model may call
 
 
@@ -259,14 +198,25 @@ def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> Reques
         draft.messages = parse_messages(body)
         _check_size(sum(len(m["content"]) for m in draft.messages), len(draft.messages), head.context_length)
     else:
-        draft.prompt, draft.prompt_ids = _completion_prompt(body)
-        _check_size(len(draft.prompt) + len(draft.prompt_ids or ()), 1, head.context_length)
+        prompts = _completion_prompts(body)
+        for text, ids in prompts:
+            _check_size(len(text) + len(ids or ()), 1, head.context_length)
+        if sum(len(text) / CHARS_PER_TOKEN_CAP + len(ids or ()) for text, ids in prompts) > batch_tokens(head):
+            raise ApiError(400, f"the prompts together are longer than {BATCH_CONTEXTS} context windows could hold",
+                           param="prompt", code="context_length_exceeded")
+        draft.prompt, draft.prompt_ids = prompts[0]
+        draft.batch = prompts if len(prompts) > 1 else []
     for name in ("max_completion_tokens", "max_tokens"):
         _integer(body, name, 1, None)
     streamed_extras = logprobs is not None or body.get("echo") or (tools is not None and tools.choice != "none")
-    if (_integer(body, "n", 1, 1, high=MAX_CHOICES) or 1) > 1 and body.get("stream") and streamed_extras:
-        raise ApiError(400, "with 'n' > 1 a stream carries text only: ask without stream for log-probabilities, "
-                       "echo or tool calls", param="n", code="unsupported_parameter")
+    n = _integer(body, "n", 1, 1, high=MAX_CHOICES) or 1
+    if len(draft.batch) * n > MAX_BATCH:
+        raise ApiError(400, f"at most {MAX_BATCH} prompts times 'n' per request, got {len(draft.batch)} x {n}",
+                       param="prompt", code="invalid_value")
+    if (n > 1 or draft.batch) and body.get("stream") and streamed_extras:
+        raise ApiError(400, "with 'n' > 1 or several prompts a stream carries text only: ask without stream for "
+                       "log-probabilities, echo or tool calls", param="n" if n > 1 else "prompt",
+                       code="unsupported_parameter")
     return draft
 
 
@@ -339,19 +289,30 @@ async def complete_spec(draft: RequestDraft, head: HeadService) -> CompletionSpe
     )
 
 
-def _completion_prompt(body: dict[str, Any]) -> tuple[str, list[int] | None]:
-    """/v1/completions takes a string, a one-string list, or a list of token ids."""
+def _completion_prompts(body: dict[str, Any]) -> list[tuple[str, list[int] | None]]:
+    """/v1/completions takes a string, a list of token ids, or a list of either: one prompt each, as OpenAI's."""
     prompt = body.get("prompt")
     if prompt is None:
         raise ApiError(400, "'prompt' is a required field", param="prompt", code="missing_required_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt, None
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-        return "", list(prompt)
-    raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
-                   param="prompt", code="invalid_type")
+    if isinstance(prompt, str) or _token_ids(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or _token_ids(p) for p in prompt):
+        raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of either (one prompt each)",
+                       param="prompt", code="invalid_type")
+    if len(prompt) > MAX_BATCH:
+        raise ApiError(400, f"at most {MAX_BATCH} prompts per request, got {len(prompt)}", param="prompt",
+                       code="invalid_value")
+    return [(p, None) if isinstance(p, str) else ("", list(p)) for p in prompt]
+
+
+def batch_tokens(head: HeadService) -> int:
+    """The tokens all of a request's prompts may hold together."""
+    return head.context_length * BATCH_CONTEXTS
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
 
 
 def _check_size(characters: int, messages: int, context: int) -> None:

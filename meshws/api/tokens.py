@@ -17,7 +17,8 @@ from aiohttp import web
 
 from ..head.service import HeadService
 from .errors import ApiError, json_response, read_json
-from .requests import CHARS_PER_TOKEN_CAP, parse_messages
+from .messages import parse_messages
+from .requests import CHARS_PER_TOKEN_CAP
 from .tools import plain_messages
 
 TOKENIZE_FIELDS = {"model", "prompt", "content", "messages", "with_pieces", "return_token_strs"}

@@ -10,6 +10,12 @@ the state it reached (`Grammars`) and found again by the session's next step; wh
 is (a failover to this tail, a conversation cut back), one is rebuilt from the tokens.
 Rejected drafts never enter a matcher: it advances only by the tokens the tail chose.
 Why llguidance: see README ("Structured output").
+
+A schema is tightened before it compiles, as llama.cpp's and xgrammar's grammars do, so
+that a small model finishes its answer (docs/api.md, "Structured output"): an object
+that declares properties takes no others unless the schema says `additionalProperties`;
+a number is plain decimal with at most 15 digits before its point and 9 after; between
+tokens goes at most one space, or one or two newlines and 20 spaces or tabs.
 """
 
 from __future__ import annotations
@@ -28,18 +34,80 @@ class GrammarError(ValueError):
     """A grammar llguidance cannot use, or a token sequence it does not allow."""
 
 
+MAX_INTEGER_PART = 10**15 - 1  # 15 digits before the point (llama.cpp's grammar allows 16)
+FRACTION_STEP = 1e-9  # 9 digits after it: as `multipleOf`, which llguidance turns into a bound on the digits
+WHITESPACE = r"( |\n{1,2}[ \t]{0,20})"  # between two tokens of JSON, once (llama.cpp's, one space fewer)
+NOT_SCHEMAS = ("const", "enum", "default", "examples")  # values, not schemas: left as they are
+ANY = "meshws_any"  # the definition a bare object's values refer to: any JSON, its numbers bounded too
+
+
 def json_grammar(schema: dict[str, Any] | None) -> str:
     """The llguidance grammar of a JSON schema (None: any JSON object); GrammarError if it cannot be one."""
     import llguidance
 
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema if schema is not None else {"type": "object"})
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            tightened(schema if schema is not None else {"type": "object"}),
+            overrides={"whitespace_pattern": WHITESPACE})
     except Exception as exc:  # the library's own error types differ by version
         raise GrammarError(f"the schema cannot be compiled: {exc}") from None
     problem = llguidance.LLMatcher.validate_grammar(grammar)  # None, or what is wrong
     if problem:
         raise GrammarError(f"the schema cannot be compiled: {problem}")
     return grammar
+
+
+def tightened(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `schema` whose objects take only the properties they declare and whose numbers are bounded."""
+    used = [False]
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        node = {key: value if key in NOT_SCHEMAS else walk(value) for key, value in node.items()}
+        types = node.get("type")
+        types = types if isinstance(types, list) else [types]
+        if ("properties" in node or "patternProperties" in node) and "additionalProperties" not in node:
+            node["additionalProperties"] = False  # what the model would add is never what the client asked for
+        elif "object" in types and not {"properties", "patternProperties", "additionalProperties"} & set(node):
+            node["additionalProperties"] = {"$ref": f"#/$defs/{ANY}"}
+            used[0] = True
+        if "number" in types or "integer" in types:
+            _bound_number(node)
+        return node
+
+    out = walk(schema)
+    if used[0] and isinstance(out, dict):
+        out["$defs"] = {**(out.get("$defs") or {}), ANY: _any_json()}
+    return out
+
+
+def _bound_number(node: dict[str, Any]) -> None:
+    """At most MAX_INTEGER_PART in size (within the schema's own bounds) and, for a number, 9 digits after its
+    point; a schema that asks for larger numbers keeps its own bounds."""
+    low, high = _numeric(node.get("minimum")), _numeric(node.get("maximum"))
+    if (low is not None and low > MAX_INTEGER_PART) or (high is not None and high < -MAX_INTEGER_PART):
+        return
+    node["minimum"] = -MAX_INTEGER_PART if low is None else max(low, -MAX_INTEGER_PART)
+    node["maximum"] = MAX_INTEGER_PART if high is None else min(high, MAX_INTEGER_PART)
+    types = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
+    if "number" in types and "multipleOf" not in node:
+        node["multipleOf"] = FRACTION_STEP
+
+
+def _numeric(value: Any) -> float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _any_json() -> dict[str, Any]:
+    """Any JSON value, its numbers and nested objects bounded as the rest of the schema's."""
+    ref = {"$ref": f"#/$defs/{ANY}"}
+    number = {"type": "number"}
+    _bound_number(number)
+    return {"anyOf": [{"type": "null"}, {"type": "boolean"}, number, {"type": "string"},
+                      {"type": "array", "items": ref}, {"type": "object", "additionalProperties": ref}]}
 
 
 class Matcher:

@@ -26,7 +26,7 @@ class ShardLayout:
 @dataclass(frozen=True)
 class ShardSettings:
     dtype: str = "float32"  # compute dtype: float32, bfloat16 or auto (`cpu.choose_dtype`)
-    wire_dtype: str = "bfloat16"  # dtype of hidden states sent to the next hop
+    wire_dtype: str = "auto"  # dtype of hidden states sent to the next hop; auto: see `wire_for`
     max_sessions: int = 64  # KV caches held at once (LRU beyond)
     cache_ttl: float = 600.0  # seconds an idle session's cache is kept
     max_cache_bytes: int | None = None  # byte budget for all KV caches (LRU beyond); None: sized from free memory
@@ -41,8 +41,8 @@ class ShardSettings:
         """These settings validated, with an `auto` dtype and a "none" quant made concrete; and why that dtype."""
         if self.dtype not in ("float32", "bfloat16", "auto"):
             raise ValueError(f"dtype must be float32, bfloat16 or auto, not {self.dtype!r}")
-        if self.wire_dtype not in TORCH_DTYPES:
-            raise ValueError(f"wire dtype must be one of {sorted(TORCH_DTYPES)}")
+        if self.wire_dtype != "auto" and self.wire_dtype not in TORCH_DTYPES:
+            raise ValueError(f"wire dtype must be auto or one of {sorted(TORCH_DTYPES)}")
         if self.compute not in ("auto", "lean", "transformers"):
             raise ValueError(f"compute must be auto, lean or transformers, not {self.compute!r}")
         if self.quant not in (None, "none", "int8"):
@@ -51,4 +51,14 @@ class ShardSettings:
             raise ValueError(f"matmul must be auto, torch or openblas, not {self.matmul!r}")
         dtype, reason = choose_dtype(self.dtype)
         quant = None if self.quant == "none" else self.quant
-        return replace(self, dtype=dtype, quant=quant, dtype_was_auto=self.dtype == "auto"), reason
+        return replace(self, dtype=dtype, quant=quant, dtype_was_auto=self.dtype == "auto",
+                       wire_dtype=wire_for(self.wire_dtype, self.dtype)), reason
+
+
+def wire_for(wire_dtype: str, requested_dtype: str) -> str:
+    """The wire dtype `auto` stands for: float32 where the node was asked to compute exactly in float32, so a
+    split mesh answers as one machine does; else bfloat16, which loses less than 8-bit activations or bf16
+    compute lose already and halves a prefill's bytes."""
+    if wire_dtype != "auto":
+        return wire_dtype
+    return "float32" if requested_dtype == "float32" else "bfloat16"
