@@ -78,9 +78,9 @@ def check_fields(body: dict[str, Any], chat: bool) -> None:
                                param=name, code="unsupported_parameter")
             continue
         endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-        raise ApiError(400, f"unknown field '{name}' for {endpoint}; meshws reads "
+        raise ApiError(400, f"unknown field {shown(name)} for {endpoint}; meshws reads "
                        f"{', '.join(sorted(implemented))} and the extensions {', '.join(sorted(EXTENSIONS))}",
-                       param=name, code="unknown_parameter")
+                       param=name[:64], code="unknown_parameter")
 
 
 def check_response_fields(body: dict[str, Any]) -> None:
@@ -107,8 +107,8 @@ def check_message_fields(message: dict[str, Any], where: str) -> None:
                 raise ApiError(400, f"'{where}.{name}' is not supported by meshws (no names, function_call "
                                "or audio in messages)", param=f"{where}.{name}", code="unsupported_parameter")
             continue
-        raise ApiError(400, f"unknown field '{where}.{name}'; a message has a role and a content",
-                       param=f"{where}.{name}", code="unknown_parameter")
+        raise ApiError(400, f"unknown field {shown(name)} in '{where}'; a message has a role and a content",
+                       param=f"{where}.{name[:64]}", code="unknown_parameter")
 
 
 def _asked(value: Any, allowed: tuple[Any, ...]) -> str:
