@@ -13,9 +13,12 @@ from typing import Any
 
 from ..mesh.link import Link
 from ..mesh.link_pool import LinkPool
+from ..mesh.reverse import cannot_dial
 from ..mesh.wire import RouteHop
 from .registry import Registry
 from .routes import NodeRecord, NoRoute, Route, chain_gaps, plan_hops
+
+RELAYED_HOP_COST = 8.0  # a relayed hop, in generations in flight
 
 
 class RoutePlanner:
@@ -38,7 +41,8 @@ class RoutePlanner:
             return Route(None, (), [own])
         try:
             hops = plan_hops(self._candidates(), self.span[1], self.total_layers,
-                             load=lambda r: self._inflight.get(r.url, 0) + r.load, exclude=exclude or set())
+                             load=lambda r: self._inflight.get(r.url, 0) + r.load, exclude=exclude or set(),
+                             hop_cost=self._hop_cost)
         except NoRoute as exc:
             problems = [str(exc)]
             link = self._peer_link()
@@ -54,6 +58,12 @@ class RoutePlanner:
                 view.append({"node": hop.node, "layers": list(hop.layers), "url": hop.url})
         after = () if hops[0].static else tuple(RouteHop(h.url, h.layers) for h in hops[1:])
         return Route(self.links.get(hops[0].url), after, view, [hop.url for hop in hops])
+
+    def _hop_cost(self, before: NodeRecord | None, record: NodeRecord) -> float:
+        """A hop the head relays (neither side can dial the other: `mesh.relay`) crosses the head's network twice:
+        it counts as RELAYED_HOP_COST generations more, so a direct or reversed replica goes first."""
+        relayed = before is not None and all(not r.static and cannot_dial(self.links, r.url) for r in (before, record))
+        return RELAYED_HOP_COST if relayed else 0.0
 
     def hold(self, route: Route) -> Route:
         """A generation uses `route` until `route.release()`: its hops count one more in flight."""

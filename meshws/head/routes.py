@@ -60,8 +60,10 @@ def plan_hops(
     total_layers: int,
     load: Callable[[NodeRecord], float],
     exclude: set[str] = frozenset(),  # type: ignore[assignment]
+    hop_cost: Callable[[NodeRecord | None, NodeRecord], float] = lambda before, record: 0.0,
 ) -> list[NodeRecord]:
-    """The fewest hops that chain exactly from `start` to `total_layers`, least loaded among equals."""
+    """The fewest hops that chain exactly from `start` to `total_layers`, least costly among equals: each node's
+    load, and what reaching it from the hop before costs (`hop_cost`; None before the first: the head)."""
     best: dict[int, tuple[int, float, list[NodeRecord]]] = {start: (0, 0.0, [])}
     for position in range(start, total_layers):  # spans only move forward: positions in order suffice
         if position not in best:
@@ -70,7 +72,7 @@ def plan_hops(
         for record in records:
             if record.url in exclude or record.layers[0] != position:
                 continue
-            candidate = (hops + 1, cost + load(record), path + [record])
+            candidate = (hops + 1, cost + load(record) + hop_cost(path[-1] if path else None, record), path + [record])
             end = record.layers[1]
             if end not in best or candidate[:2] < best[end][:2]:
                 best[end] = candidate
