@@ -77,7 +77,8 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
                 assert sessions["aggregate_tok_s"] > 0 and sessions["itl_p95_s"] > 0
         assert entry["joining"]["busy_sessions"] == 3 and entry["joining"]["ttft_s"] > 0
         assert len(entry["joining"]["runs_ttft_s"]) == 2
-        assert 1152 < entry["wire"]["decode_frame_bytes"] <= 1400
+        width = 4 if dtype == "float32" else 2  # `--wire-dtype auto`: the hidden state as the nodes compute it
+        assert 576 * width < entry["wire"]["decode_frame_bytes"] <= 576 * width + 250
         assert entry["wire"]["prefill_frame_bytes"] > entry["wire"]["decode_frame_bytes"]
         assert set(entry["stateless"]) == {"64", "256", "1024"}
         for context in entry["stateless"].values():

@@ -94,8 +94,8 @@ async def _converse(turn, reference, questions, check_between=None):
     messages, held, reused = [{"role": "system", "content": SYSTEM}], [], []
     for question in questions:
         messages.append({"role": "user", "content": question})
+        text, cached = await turn(messages)  # (asked first: the reference's work must not age a warm session)
         want, ids, after = reference.answer(messages)
-        text, cached = await turn(messages)
         assert text == want, (question, text, want)
         assert cached == expected_reuse(held, ids), (question, cached, expected_reuse(held, ids))
         reused.append(cached)
