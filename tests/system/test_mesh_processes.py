@@ -18,13 +18,6 @@ pytestmark = [pytest.mark.real_model, pytest.mark.processes]
 
 
 @pytest.fixture(scope="module")
-def mesh(embedded_model):
-    mesh = Mesh([("head", "0-14"), ("tail", "15-29")], common=EXACT)
-    yield mesh
-    mesh.stop()
-
-
-@pytest.fixture(scope="module")
 def tokenizer(embedded_model):
     from transformers import AutoTokenizer
 
