@@ -24,13 +24,25 @@ WAITING = 2  # relay-back sockets a head keeps waiting per (tail, middle)
 PAIR_WAIT = 10.0  # seconds a middle's relay request waits for the tail's relay-back socket
 
 
+class _Back:
+    """A tail's relay-back socket, read by its own task from the start (so a close is seen while it waits); what
+    it sends waits in `inbox`, one message at most."""
+
+    def __init__(self, ws: web.WebSocketResponse) -> None:
+        self.ws = ws
+        self.inbox: asyncio.Queue[Any] = asyncio.Queue(maxsize=1)  # messages, then None when it closed
+        self.taken = False  # paired with a middle's socket
+        self.closed = False
+        self.done = asyncio.get_running_loop().create_future()  # the pipe it was taken for has ended
+
+
 class Relay:
     def __init__(self, allowed: Callable[[str, str], bool], relayed: Callable[[int], None],
                  max_frame_bytes: int) -> None:
         self.allowed = allowed  # may (tail, middle) be relayed: both joined, neither dialable by this head?
         self.relayed = relayed  # counts the bytes piped
         self.max_frame_bytes = max_frame_bytes
-        self.waiting: dict[tuple[str, str], list[tuple[web.WebSocketResponse, asyncio.Future]]] = {}
+        self.waiting: dict[tuple[str, str], list[_Back]] = {}
         self.pipes = 0
         self._arrived = asyncio.Condition()
 
@@ -41,23 +53,27 @@ class Relay:
     async def wait_back(self, request: web.Request, tail: str, middle: str) -> web.WebSocketResponse:
         """The tail's relay-back socket: kept until a middle's relay request takes it, and while the pipe runs."""
         backs = self.waiting.setdefault((tail, middle), [])
-        backs[:] = [(ws, done) for ws, done in backs if not ws.closed]
         if not self.allowed(tail, middle) or len(backs) >= WAITING:
             raise web.HTTPForbidden(text="no relay between those nodes (not both joined and undialable, or enough "
                                          "sockets wait already)")
         ws = web.WebSocketResponse(max_msg_size=2 * self.max_frame_bytes + 65536)  # (no heartbeat while it waits)
         await ws.prepare(request)
-        done = asyncio.get_running_loop().create_future()
-        backs.append((ws, done))
+        back = _Back(ws)
+        backs.append(back)
         async with self._arrived:
             self._arrived.notify_all()
         try:
-            await done
+            async for message in ws:
+                if message.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+                    break
+                await back.inbox.put(message)
         finally:
-            if (ws, done) in backs:
-                backs.remove((ws, done))
-            if not ws.closed:
-                await ws.close()
+            back.closed = True
+            if back in backs:
+                backs.remove(back)
+            if back.taken:
+                await back.inbox.put(None)
+                await back.done  # the pipe ends now that this side has
         return ws
 
     async def join(self, request: web.Request, tail: str, middle: str) -> web.WebSocketResponse:
@@ -69,50 +85,58 @@ class Relay:
         back = await self._take_back(tail, middle)
         if back is None:
             raise web.HTTPServiceUnavailable(text="the tail has no socket waiting for a relay; try again")
-        back_ws, done = back
         ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=2 * self.max_frame_bytes + 65536)
         self.pipes += 1
         try:
             await ws.prepare(request)
             log.info("relaying the link %s -> %s (neither can dial the other)", middle, tail)
-            pumps = [asyncio.create_task(self._pump(ws, back_ws)), asyncio.create_task(self._pump(back_ws, ws))]
+            pumps = [asyncio.create_task(self._to_tail(ws, back)), asyncio.create_task(self._to_middle(back, ws))]
             await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
             for pump in pumps:
                 pump.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
         finally:
             self.pipes -= 1
-            if not done.done():
-                done.set_result(None)
-            if not ws.closed:
-                await ws.close()
+            if not back.done.done():
+                back.done.set_result(None)
+            for side in (ws, back.ws):
+                if not side.closed:
+                    await side.close()
         return ws
 
-    async def _take_back(self, tail: str, middle: str) -> tuple[web.WebSocketResponse, asyncio.Future] | None:
-        async def ready() -> tuple[web.WebSocketResponse, asyncio.Future] | None:
+    async def _take_back(self, tail: str, middle: str) -> _Back | None:
+        def ready() -> _Back | None:
             backs = self.waiting.get((tail, middle), [])
             while backs:
-                ws, done = backs.pop(0)
-                if not ws.closed and not done.done():
-                    return ws, done
+                back = backs.pop(0)
+                if not back.closed:
+                    back.taken = True
+                    return back
             return None
 
         try:
             async with asyncio.timeout(PAIR_WAIT):
                 async with self._arrived:
-                    while (back := await ready()) is None:
+                    while (back := ready()) is None:
                         await self._arrived.wait()
                     return back
         except TimeoutError:
             return None
 
-    async def _pump(self, source: web.WebSocketResponse, sink: web.WebSocketResponse) -> None:
-        """Messages from `source` to `sink` as they come, one at a time (the sink's pace holds the source back)."""
+    async def _to_tail(self, source: web.WebSocketResponse, back: _Back) -> None:
+        """The middle's messages to the tail as they come, one at a time (the tail's pace holds the middle back)."""
         async for message in source:
-            if message.type == WSMsgType.TEXT:
-                await sink.send_str(message.data)
-            elif message.type == WSMsgType.BINARY:
-                await sink.send_bytes(message.data)
-            else:
+            if message.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
                 break
-            self.relayed(len(message.data))
+            await self._send(back.ws, message)
+
+    async def _to_middle(self, back: _Back, sink: web.WebSocketResponse) -> None:
+        while (message := await back.inbox.get()) is not None:
+            await self._send(sink, message)
+
+    async def _send(self, sink: web.WebSocketResponse, message: Any) -> None:
+        if message.type == WSMsgType.TEXT:
+            await sink.send_str(message.data)
+        else:
+            await sink.send_bytes(message.data)
+        self.relayed(len(message.data))

@@ -14,6 +14,7 @@ import pytest
 
 from helpers import EXACT, SECRET, chat_ids, complete_ids, golden, other_host
 from meshws.tools.launch import NodeProcess, free_port
+from meshws.tools.namespaces import DROP_INBOUND
 
 pytestmark = [pytest.mark.real_model, pytest.mark.processes,
               pytest.mark.skipif(not shutil.which("iptables") or not shutil.which("ip"),
@@ -26,9 +27,8 @@ HOST_IP, NAT_IP = "10.231.9.1", "10.231.9.2"
 def behind_nat():
     """A host behind NAT: a network namespace joined to this one by a veth pair, which may dial out but drops
     every connection dialed to it (inbound SYNs)."""
-    drop = ["iptables", "-A", "INPUT", "-i", "{device}", "-p", "tcp", "--syn", "-j", "DROP"]
     try:
-        with other_host(HOST_IP, NAT_IP, drop) as name:
+        with other_host(HOST_IP, NAT_IP, DROP_INBOUND) as name:
             yield name
     except subprocess.CalledProcessError as exc:
         pytest.skip(f"cannot make a namespace behind NAT here: {' '.join(exc.cmd)}: {exc.stderr}")
@@ -112,8 +112,7 @@ MIDDLE_HOST_IP, MIDDLE_NAT_IP = "10.231.10.1", "10.231.10.2"
 @pytest.fixture(scope="module")
 def middle_behind_nat():
     """A second host behind NAT, with no way to the first but through this one's head."""
-    drop = ["iptables", "-A", "INPUT", "-i", "{device}", "-p", "tcp", "--syn", "-j", "DROP"]
-    with other_host(MIDDLE_HOST_IP, MIDDLE_NAT_IP, drop) as name:
+    with other_host(MIDDLE_HOST_IP, MIDDLE_NAT_IP, DROP_INBOUND) as name:
         yield name
 
 
