@@ -40,6 +40,7 @@ class ResponsesApi:
         response_id, created = "resp_" + uuid.uuid4().hex[:24], int(time.time())
         try:
             spec = await complete_spec(draft, self.head)
+            spec.owner = f"{request.remote}\n{body.get('user')}"  # a warm session serves its owner only
             if stream is not None:
                 return await stream_response(stream, spec, body, self.head, admission, stats, response_id, created)
             parts: list[str] = []

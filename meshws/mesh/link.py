@@ -36,6 +36,8 @@ Subscriber = Callable[[SessionReply], None]
 def no_way_to(exc: BaseException) -> bool:
     """Did a dial find no way to the peer (timed out, no route), as dials to a node behind NAT do? A refused
     connection is not that: the peer's host answered, and nothing listens (the node is down or restarting)."""
+    if isinstance(exc, aiohttp.ClientSSLError):  # (reached, and its TLS is wrong: not a NAT, and said so)
+        return False
     if isinstance(exc, aiohttp.ClientConnectorError):
         return not isinstance(exc.os_error, ConnectionRefusedError)
     return isinstance(exc, (aiohttp.ConnectionTimeoutError, asyncio.TimeoutError))
@@ -91,7 +93,7 @@ class Link:
         """A websocket the peer dialed to this node (it cannot be dialed): the link runs over it. The future is done
         when the link no longer uses it (the caller, which holds the socket open, may then close it)."""
         done = asyncio.get_running_loop().create_future()
-        if self.state == "closed":
+        if self.state == "closed" or (self.reversed and self.is_up):  # an up link is not taken over by another
             done.set_result(None)
             return done
         self._offers.put_nowait((ws, done))
@@ -100,8 +102,6 @@ class Link:
             if self._task is not None:
                 self._task.cancel()
             self._task = asyncio.create_task(self._take_offers(), name=f"reverse link {self.url}")
-        elif self._ws is not None and not self._ws.closed:  # a newer socket replaces the one in use
-            asyncio.ensure_future(self._ws.close())
         return done
 
     async def wait_up(self, timeout: float) -> bool:

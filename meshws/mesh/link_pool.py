@@ -33,10 +33,10 @@ class LinkPool:
         return url.rstrip("/") in self._links
 
     def close_idle(self, idle_seconds: float, keep: set[str]) -> list[str]:
-        """Close links no session has used for `idle_seconds` (except those in `keep`, and reversed ones, whose peer
-        would only dial in again); their URLs."""
+        """Close links no session has used for `idle_seconds` (except those in `keep`, and reversed ones while their
+        peer's socket is up: it would only dial in again); their URLs."""
         now = time.monotonic()
-        idle = [url for url, link in self._links.items() if url not in keep and not link.reversed
+        idle = [url for url, link in self._links.items() if url not in keep and not (link.reversed and link.is_up)
                 and link.sessions == 0 and now - link.last_used > idle_seconds]
         for url in idle:
             self.discard(url)

@@ -51,30 +51,42 @@ class Relay:
                 "limit": RELAYS}
 
     async def wait_back(self, request: web.Request, tail: str, middle: str) -> web.WebSocketResponse:
-        """The tail's relay-back socket: kept until a middle's relay request takes it, and while the pipe runs."""
-        backs = self.waiting.setdefault((tail, middle), [])
-        if not self.allowed(tail, middle) or len(backs) >= WAITING:
+        """The tail's relay-back socket: kept until a middle's relay request takes it, and while the pipe runs (its
+        heartbeats answered all along, so a tail gone silent is seen)."""
+        if not self.allowed(tail, middle) or len(self.waiting.get((tail, middle), [])) >= WAITING:
             raise web.HTTPForbidden(text="no relay between those nodes (not both joined and undialable, or enough "
                                          "sockets wait already)")
-        ws = web.WebSocketResponse(max_msg_size=2 * self.max_frame_bytes + 65536)  # (no heartbeat while it waits)
-        await ws.prepare(request)
+        backs = self.waiting.setdefault((tail, middle), [])
+        ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=2 * self.max_frame_bytes + 65536)
         back = _Back(ws)
-        backs.append(back)
-        async with self._arrived:
-            self._arrived.notify_all()
+        backs.append(back)  # (counted before the handshake's await: requests at once cannot pass the cap)
         try:
+            await ws.prepare(request)
+            async with self._arrived:
+                self._arrived.notify_all()
             async for message in ws:
-                if message.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+                if message.type not in (WSMsgType.TEXT, WSMsgType.BINARY) or not await self._handed(back, message):
                     break
-                await back.inbox.put(message)
         finally:
             back.closed = True
             if back in backs:
                 backs.remove(back)
+            if not backs:
+                self.waiting.pop((tail, middle), None)
             if back.taken:
-                await back.inbox.put(None)
+                await self._handed(back, None)
                 await back.done  # the pipe ends now that this side has
         return ws
+
+    @staticmethod
+    async def _handed(back: _Back, message: Any) -> bool:
+        """`message` into the back socket's inbox, unless its pipe ends first (then nobody will read it)."""
+        put = asyncio.ensure_future(back.inbox.put(message))
+        await asyncio.wait([put, back.done], return_when=asyncio.FIRST_COMPLETED)
+        if not put.done():
+            put.cancel()
+            return False
+        return True
 
     async def join(self, request: web.Request, tail: str, middle: str) -> web.WebSocketResponse:
         """The middle's side: its socket piped to a relay-back socket of the tail's, until either closes."""
@@ -82,12 +94,13 @@ class Relay:
             raise web.HTTPForbidden(text="no relay between those nodes (not both joined and undialable)")
         if self.pipes >= RELAYS:
             raise web.HTTPServiceUnavailable(text=f"this head relays {RELAYS} links at once already")
-        back = await self._take_back(tail, middle)
-        if back is None:
-            raise web.HTTPServiceUnavailable(text="the tail has no socket waiting for a relay; try again")
+        self.pipes += 1  # (counted before any await: requests at once cannot pass the cap)
+        back = None
         ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=2 * self.max_frame_bytes + 65536)
-        self.pipes += 1
         try:
+            back = await self._take_back(tail, middle)
+            if back is None:
+                raise web.HTTPServiceUnavailable(text="the tail has no socket waiting for a relay; try again")
             await ws.prepare(request)
             log.info("relaying the link %s -> %s (neither can dial the other)", middle, tail)
             pumps = [asyncio.create_task(self._to_tail(ws, back)), asyncio.create_task(self._to_middle(back, ws))]
@@ -97,11 +110,13 @@ class Relay:
             await asyncio.gather(*pumps, return_exceptions=True)
         finally:
             self.pipes -= 1
-            if not back.done.done():
-                back.done.set_result(None)
-            for side in (ws, back.ws):
-                if not side.closed:
-                    await side.close()
+            if back is not None:
+                if not back.done.done():
+                    back.done.set_result(None)
+                if not back.ws.closed:
+                    await back.ws.close()
+            if not ws.closed and ws.prepared:
+                await ws.close()
         return ws
 
     async def _take_back(self, tail: str, middle: str) -> _Back | None:

@@ -82,9 +82,11 @@ class ReverseEndpoint:
         """A head links this way only to its joined nodes, a middle to any hop (the secret says it is one of the
         mesh's) within its cap of links; and neither to a node it dials: a socket offered for a reachable node
         does not take its place."""
+        if self.joined is not None:
+            return url in set(self.joined()) and cannot_dial(self.links, url)
         if url in self.links:
             return cannot_dial(self.links, url)
-        return self.joined is None and len(self.links.all()) < MAX_ROUTE_LINKS
+        return len(self.links.all()) < MAX_ROUTE_LINKS
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get(REVERSE_PATH + "/{url}", self.handle)
@@ -185,9 +187,7 @@ class ReverseDialer:
                 path = reverse_path(self.own_url(), relay_for)
                 try:
                     headers = await signed_headers(client, hop, self.secret, "GET", path, ssl=self.ssl)
-                    # (a relay-back socket waits unread until a middle's link takes it: no heartbeat on it)
-                    async with client.ws_connect(hop + path, heartbeat=None if relay_for else 5.0, headers=headers,
-                                                 ssl=self.ssl,
+                    async with client.ws_connect(hop + path, heartbeat=5.0, headers=headers, ssl=self.ssl,
                                                  max_msg_size=2 * self.max_frame_bytes + 65536) as ws:
                         state.update(state="up", error=None, since=time.time(), connects=state["connects"] + 1)
                         wait = REDIAL_SECONDS[0]
@@ -202,7 +202,10 @@ class ReverseDialer:
 
 
 def cannot_dial(links: LinkPool, url: str) -> bool:
-    """Has this node failed to dial the node at `url` (which just announced itself, so it is alive)?"""
+    """Has this node failed to dial the node at `url` (which just announced itself, so it is alive)? (No link to
+    it: not that anyone knows.)"""
+    if url not in links:
+        return False
     link = links.get(url)
     return link.reversed or (not link.is_up and link.dial_failures > 0)
 

@@ -24,12 +24,20 @@ def _link(reversed_=False, up=True, failures=0):
     return SimpleNamespace(reversed=reversed_, is_up=up, dial_failures=failures, start=lambda: None)
 
 
+def _pool(links):
+    """A node's links as the planner finds them: one per joined node (the head links to each on its join)."""
+    pool = LinkPool(links.__getitem__)
+    for url in links:
+        pool.get(url)
+    return pool
+
+
 def test_the_planner_counts_a_hop_between_two_nodes_it_cannot_dial_as_relayed():
     links = {MIDDLE.url: _link(reversed_=True), NAT_TAIL.url: _link(reversed_=True), OPEN_TAIL.url: _link()}
-    planner = RoutePlanner("head@x", (0, 10), 30, "m", LinkPool(links.__getitem__), Registry("m", 30), None, False)
+    planner = RoutePlanner("head@x", (0, 10), 30, "m", _pool(links), Registry("m", 30), None, False)
     assert planner._hop_cost(MIDDLE, NAT_TAIL) == RELAYED_HOP_COST
     assert planner._hop_cost(MIDDLE, OPEN_TAIL) == 0.0  # reversed then dialed: no relay
     assert planner._hop_cost(None, MIDDLE) == 0.0  # the head's own link: reversed is as good as dialed
     links[NAT_TAIL.url] = _link(up=False, failures=2)  # not dialable yet, not reversed yet: as good as relayed
-    planner.links = LinkPool(links.__getitem__)
+    planner.links = _pool(links)
     assert planner._hop_cost(MIDDLE, NAT_TAIL) == RELAYED_HOP_COST

@@ -201,3 +201,71 @@ async def _flood_relay_backs(url, path, count):
         for ws in sockets:
             await ws.close()
     return statuses
+
+
+async def test_failover_onto_and_away_from_a_tail_behind_nat_keeps_the_answer(secret_file, behind_nat):
+    """Two replica tails, one behind NAT: the serving one is SIGKILLed mid-answer, first the reachable one (the
+    answer goes on on the tail behind NAT), then, restarted, the one behind NAT (it goes on on the other)."""
+    import aiohttp
+
+    from test_failover import STORY, stream_text
+
+    secret = ("--secret-file", secret_file)
+    head_port, nat_port, open_port = free_port(), free_port(), free_port()
+    head = NodeProcess("--role", "head", "--layers", "0-9", "--host", "0.0.0.0", *secret, *EXACT,
+                       "--registry-ttl", "4", name="head", port=head_port)
+    tails: dict[str, NodeProcess] = {}
+
+    def start(kind):
+        if kind == "nat":
+            tails[kind] = NodeProcess("--role", "tail", "--layers", "10-29", "--host", "0.0.0.0", "--advertise",
+                                      f"ws://{NAT_IP}:{nat_port}", *secret, "--join", f"http://{HOST_IP}:{head_port}",
+                                      *EXACT, name="nat tail", host=NAT_IP, port=nat_port, netns=behind_nat)
+        else:  # (its address sorts first: with loads equal, the planner takes it)
+            tails[kind] = NodeProcess("--role", "tail", "--layers", "10-29", "--host", "0.0.0.0", "--advertise",
+                                      f"ws://{HOST_IP}:{open_port}", *secret, "--join", f"http://{HOST_IP}:{head_port}",
+                                      *EXACT, name="open tail", port=open_port)
+        tails[kind].wait_started()
+        deadline = time.monotonic() + 30
+        while sum(link["state"] == "up" for link in head.health()["links"]) < len(tails):  # every replica linked
+            assert time.monotonic() < deadline, head.health()["links"]
+            time.sleep(0.3)
+        time.sleep(2.5)  # a heartbeat: the head knows every tail's load as it is
+
+    def sessions(kind):
+        if kind == "nat":
+            return health_inside(behind_nat, f"http://127.0.0.1:{nat_port}")["sessions"]
+        return tails[kind].health()["sessions"]
+
+    killed, held = [], {}
+
+    def kill_serving(chunks):
+        if chunks >= 15 and len(killed) < answers:
+            [serving] = [kind for kind in tails if sessions(kind) > held.get(kind, 0)]
+            tails[serving].kill()
+            killed.append(serving)
+
+    try:
+        head.wait_started()
+        start("nat")
+        start("open")
+        messages = [{"role": "user", "content": STORY}]
+        fault_free = await stream_text(head.url, messages, 60)
+        await asyncio.sleep(2.5)
+        answers = 1
+        assert await stream_text(head.url, messages, 60, on_chunk=kill_serving) == fault_free
+        start(killed[0])
+        async with aiohttp.ClientSession() as client, client.ws_connect(f"{head.url}/ws/chat") as chat:
+            # A conversation held on the reachable tail (its load, heartbeated) sends the next answer to the other.
+            await chat.send_json({"type": "chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                  "temperature": 0})
+            while (await chat.receive_json(timeout=60))["type"] != "done":
+                pass
+            held = {kind: sessions(kind) for kind in tails}
+            await asyncio.sleep(2.5)
+            answers = 2
+            assert await stream_text(head.url, messages, 60, on_chunk=kill_serving) == fault_free
+        assert killed == ["open", "nat"], (killed, held)  # onto the tail behind NAT, then away from it
+    finally:
+        for node in [*tails.values(), head]:
+            node.stop()
