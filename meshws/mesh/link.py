@@ -93,8 +93,8 @@ class Link:
         """A websocket the peer dialed to this node (it cannot be dialed): the link runs over it. The future is done
         when the link no longer uses it (the caller, which holds the socket open, may then close it)."""
         done = asyncio.get_running_loop().create_future()
-        if self.state == "closed" or (self.reversed and self.is_up):  # an up link is not taken over by another
-            done.set_result(None)
+        if self.state == "closed" or (self.reversed and self.is_up) or self._offers.qsize() >= 2:
+            done.set_result(None)  # (an up link is not taken over by another socket; two waiting are plenty)
             return done
         self._offers.put_nowait((ws, done))
         if not self.reversed:  # from now on the peer dials: stop dialing it
