@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
                         head.wait_ready(60)
                         _answer(head.url, args.model_id, prompt[:8], 2)
                         runs = [_answer(head.url, args.model_id, prompt, args.tokens) for _ in range(3)]
-                        formed = [link["formed"] for link in head.health()["links"] if address in link["url"]]
+                        formed = [link["formed"] for link in head.health()["links"] if f"{address}.2:" in link["url"]]
                         print(f"{kind:10} decode tok/s {[round(run, 1) for run in runs]}  head's link: {formed}",
                               flush=True)
                         rates[kind] += runs
