@@ -99,16 +99,15 @@ class ChatSocket:
                     if running is not None and not running.done():
                         running.cancel()
                     continue
+                if kind in ("chat", "reset", "render") and not valid_id(data):  # (answers echo it: bounded)
+                    await send({"type": "error", "message": ID_RULE, "param": "id", "code": "invalid_value"})
+                    continue
                 if kind == "render":  # one at a time per socket: the next message waits for it
-                    await send(await rendered(self.renderer, data) if valid_id(data) else
-                               {"type": "error", "message": ID_RULE, "param": "id", "code": "invalid_value"})
+                    await send(await rendered(self.renderer, data))
                     continue
                 if kind not in ("chat", "reset"):
                     await send({"type": "error", "message": f"unknown message type {shown(kind)}; use chat, stop, "
                                                             "reset or render"})
-                    continue
-                if not valid_id(data):  # (every answer echoes it: a long one would come back many times)
-                    await send({"type": "error", "message": ID_RULE, "param": "id", "code": "invalid_value"})
                     continue
                 if running is not None and not running.done():  # a new turn (or a reset) replaces the running one
                     running.cancel()

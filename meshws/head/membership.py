@@ -100,9 +100,9 @@ class RegistryEndpoints:
             nodes = [node for node in self.registry.nodes() if node.url != record.url]
             before = [node.url for node in nodes if node.layers[1] == record.layers[0]][:16]
             after = [node.url for node in nodes if node.layers[0] == record.layers[1]][:16]
-            answer.update(unreachable=True, dial_in=[url for url in before if not self.unreachable(url)],
-                          relay_for=[url for url in before if self.unreachable(url)],  # neither can dial: relayed
-                          relay=[url for url in after if self.unreachable(url)])
+            stuck = {url for url in before + after if self.unreachable(url)}  # neither side can dial: relayed
+            answer.update(unreachable=True, dial_in=[url for url in before if url not in stuck],
+                          relay_for=[url for url in before if url in stuck], relay=[url for url in after if url in stuck])
         return web.json_response(answer)
 
     async def leave(self, request: web.Request) -> web.Response:

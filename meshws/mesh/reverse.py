@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable, Iterable
 import aiohttp
 from aiohttp import web
 
-from .auth import signed_headers
+from .auth import http_base, signed_headers
 from .link import DIAL_TIMEOUT
 from .link_pool import LinkPool
 from .next_hops import MAX_ROUTE_LINKS
@@ -64,19 +64,18 @@ class ReverseEndpoint:
     """The dialed side (a head, a middle): `/mesh/reverse/...` sockets handed to the links they stand for."""
 
     def __init__(self, links: LinkPool, authorize: Callable[[web.Request], str | None], max_frame_bytes: int,
-                 joined: Callable[[], Iterable[str]] | None = None, relayed: Callable[[int], None] = len) -> None:
+                 joined: Callable[[], Iterable[str]] | None = None,
+                 relayed: Callable[[int], None] = lambda size: None) -> None:
         self.links = links
         self.authorize = authorize
         self.max_frame_bytes = max_frame_bytes
         self.joined = joined  # a head: the URLs of its joined nodes, the only ones it links to this way
-        self.accepted = 0
         self.relay = Relay(self.may_relay, relayed, max_frame_bytes) if joined is not None else None
 
     def may_relay(self, tail: str, middle: str) -> bool:
         """Both joined, and this head could dial neither (so neither can dial the other, as far as it knows)."""
         joined = set(self.joined()) if self.joined is not None else set()
-        return {tail, middle} <= joined and all(url in self.links and cannot_dial(self.links, url)
-                                                for url in (tail, middle))
+        return {tail, middle} <= joined and cannot_dial(self.links, tail) and cannot_dial(self.links, middle)
 
     def may_link(self, url: str) -> bool:
         """A head links this way only to its joined nodes, a middle to any hop (the secret says it is one of the
@@ -119,7 +118,6 @@ class ReverseEndpoint:
             raise web.HTTPForbidden(text="this node keeps no link to that address (not a joined node, or too many)")
         ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=self.max_frame_bytes + 65536)
         await ws.prepare(request)
-        self.accepted += 1
         log.info("%s dialed in: its link runs over that socket (it cannot be dialed)", url)
         try:
             await self.links.get(url).offer(ws)  # done when the link has finished with the socket
@@ -147,7 +145,7 @@ class ReverseDialer:
         """The sockets to keep (a head's latest answers): (hop, None) for a hop that cannot dial this node, and
         (head, middle) for a relay-back socket to a head that relays a middle's link here. New ones start, others
         stop."""
-        wanted = {(http_url(hop), relay_for) for hop, relay_for in targets}
+        wanted = {(http_base(hop.rstrip("/")), relay_for) for hop, relay_for in targets}
         for key in set(self._tasks) - wanted:
             self._tasks.pop(key).cancel()
             self._state.pop(key, None)
@@ -166,7 +164,7 @@ class ReverseDialer:
                 link = self.links.get(url)
                 if link.relay_via is None:
                     log.info("the link to %s goes through %s's relay (neither side can dial the other)", url, head)
-                link.relay_via = (http_url(head), relay_path(url, self.own_url()))
+                link.relay_via = (http_base(head.rstrip("/")), relay_path(url, self.own_url()))
 
     def describe(self) -> list[dict[str, Any]]:
         return [dict(state) for state in self._state.values()]
@@ -208,12 +206,3 @@ def cannot_dial(links: LinkPool, url: str) -> bool:
         return False
     link = links.get(url)
     return link.reversed or (not link.is_up and link.dial_failures > 0)
-
-
-def http_url(address: str) -> str:
-    """ws://host:port -> http://host:port (wss -> https); http(s) as given; no trailing slash."""
-    address = address.rstrip("/")
-    for scheme, http in (("ws://", "http://"), ("wss://", "https://")):
-        if address.startswith(scheme):
-            return http + address[len(scheme):]
-    return address
