@@ -1230,7 +1230,8 @@ static int product(const mw_weight *parts, int count, float *x, int64_t rows, fl
             if (!quantized[layout] && !(quantized[layout] = quantize_rows(x, rows, part->in, layout)))
                 failed = 1;
             else
-                q_product(t, quantized[layout], rows, part->in, part->w, part->bias, y + at, ldy, part->out, threads);
+                failed = q_product(t, quantized[layout], rows, part->in, part->w, part->bias, y + at, ldy, part->out,
+                                   threads) != 0;
         } else
             mw_linear(x, rows, part->in, part->w, part->kind, part->scale, part->bias, y + at, ldy, part->out, threads);
     }

@@ -15,9 +15,10 @@
    The default products (`mw_qlinear`) do what llama.cpp does for its speed: each activation row is quantized to
    signed 8 bits, with one float scale per 32 values for 32-value block types and per 256 for K-quants (round to
    nearest; `quantize_rows`), and a block's codes, made unsigned (u = c + offset), meet it in integer dot products
-   (AVX-512 VNNI's vpdpbusd: 4 products a lane, exact in int32), scaled per 16 values in float32; an offset's share
-   is b' times the sum of the 16 activations. A row's result is the same alone or in any batch and on any thread
-   count: each (row, output) pair sums its units and lanes in one order. */
+   (AVX-512 VNNI's vpdpbusd: 4 products a lane, exact in int32), scaled in float32: K-quants per 16 values (an
+   offset's share is b' times the sum of the 16 activations; below), the 32-value types per block
+   (`blocks32.c`). A row's result is the same alone or in any batch and on any thread count: each (row, output)
+   pair sums its parts in one order. */
 
 #define QK 256 /* values an unpacked unit holds */
 #define GROUP 16 /* values sharing a scale in an unpacked unit */
@@ -309,7 +310,7 @@ int mw_widen(int type, const void *w, int64_t cols, const int64_t *ids, int64_t 
    An activation row of `in` values (`padded`: rounded up to QK, zeros past `in`) is quantized to signed bytes q,
    as llama.cpp quantizes for the same types, in one of two layouts:
      ROW32, for 32-value block types (Q4_0 ... Q8_0): d = max |x| / 127 per 32 values, q = round(x / d), and
-       q int8[padded] | d float[padded / 32] | d * (sum of q) per 16 values
+       q int8[padded] | d float[padded / 32] | (sum of q) int32[padded / 32] | d * (sum of q) float[padded / 32]
      ROW256, for K-quants: one d per 256 values, and
        q int8[padded], spread (below) | d float[padded / 256] | (sum of q) per 16 values (in order), as a float
    In ROW256 a unit's 256 values are spread over its four chunks of 64: chunk c holds, for each 32-value sub-block
@@ -360,6 +361,8 @@ static void quantize_row(const float *x, int64_t in, int layout, uint8_t *row) {
     const int64_t padded = q8_padded(in), size = layout == ROW32 ? 32 : QK;
     int8_t *q = (int8_t *)row, natural[QK];
     float *scales = (float *)(row + padded), *sums = scales + (layout == ROW32 ? padded / 32 : padded / QK);
+    int32_t *totals = (int32_t *)sums; /* ROW32: a block's sum of codes, then d times it (`shares`) */
+    float *shares = sums + padded / 32;
     int group_sums[QK / GROUP];
     for (int64_t k = 0; k < padded; k += size) {
         const int64_t n = in - k < size ? (in - k > 0 ? in - k : 0) : size;
@@ -367,8 +370,8 @@ static void quantize_row(const float *x, int64_t in, int layout, uint8_t *row) {
         if (layout == ROW32) {
             quantize_block(x + k, n, size, top, q + k, group_sums);
             scales[k / 32] = d;
-            sums[k / GROUP] = d * (float)group_sums[0];
-            sums[k / GROUP + 1] = d * (float)group_sums[1];
+            totals[k / 32] = group_sums[0] + group_sums[1];
+            shares[k / 32] = d * (float)totals[k / 32];
         } else {
             quantize_block(x + k, n, size, top, natural, group_sums);
             for (int p = 0; p < QK; p++)
@@ -392,18 +395,24 @@ static uint8_t *quantize_rows(const float *x, int64_t rows, int64_t in, int layo
 /* A quantized row's parts (either layout). */
 typedef struct {
     const int8_t *q;
-    const float *scale; /* ROW32: per 32 values; ROW256: per 256 */
-    const float *sums;  /* per 16 values */
+    const float *scale;    /* ROW32: per 32 values; ROW256: per 256 */
+    const float *sums;     /* ROW256: per 16 values; ROW32: per block, d times `totals` */
+    const int32_t *totals; /* ROW32: per block, the sum of its codes */
 } q_row;
 
 static inline q_row row_at(const uint8_t *row, int64_t padded, int layout) {
-    q_row x = {(const int8_t *)row, (const float *)(row + padded), NULL};
+    q_row x = {(const int8_t *)row, (const float *)(row + padded), NULL, NULL};
     x.sums = x.scale + (layout == ROW32 ? padded / 32 : padded / QK);
+    if (layout == ROW32) {
+        x.totals = (const int32_t *)x.sums;
+        x.sums += padded / 32;
+    }
     return x;
 }
 
-/* A weight row unpacked for the 8-bit products: per unit of QK values, the unsigned codes (ROW256: spread as its
-   activations are), the scale a per 16 values and b' (what the sum of those 16 activations is multiplied by). */
+/* A K-quant weight row unpacked for the 8-bit products: per unit of QK values, the unsigned codes (spread as its
+   activations are), the scale a per 16 values and b' (what the sum of those 16 activations is multiplied by).
+   (The 32-value types: `blocks32.c`.) */
 typedef struct {
     uint8_t *codes; /* [padded] */
     float *a, *b;   /* [padded / 16] */
@@ -416,7 +425,7 @@ static void unpack_row(const block_type *t, const uint8_t *w, int64_t in, unpack
         int n = in - k < QK ? (int)(in - k) : QK;
         int8_t *c = (int8_t *)u->codes + k;
         float *a = u->a + k / GROUP, *b = u->b + k / GROUP;
-        t->unpack(w, n, layout_of(t) == ROW256 ? natural : c, a, b);
+        t->unpack(w, n, natural, a, b);
         w += n / t->elements * t->bytes;
         for (int g = 0; g < QK / GROUP; g++) {
             if (g >= n / GROUP) { /* past the row's end: nothing */
@@ -426,13 +435,8 @@ static void unpack_row(const block_type *t, const uint8_t *w, int64_t in, unpack
             }
             b[g] = t->has_b ? b[g] : -((float)t->offset * a[g]); /* (as the fused loops make it) */
         }
-        if (layout_of(t) == ROW256)
-            for (int p = 0; p < QK; p++)
-                c[p] = natural[spread_at(p)];
-        else
-            memset(c + n, 0, (size_t)(QK - n));
-        for (int i = 0; i < QK; i++)
-            c[i] = (int8_t)(uint8_t)((int)c[i] + (i < n || layout_of(t) == ROW256 ? t->offset : 0));
+        for (int p = 0; p < QK; p++)
+            c[p] = (int8_t)(uint8_t)((int)natural[spread_at(p)] + t->offset);
     }
 }
 
@@ -440,16 +444,13 @@ static void unpack_row(const block_type *t, const uint8_t *w, int64_t in, unpack
 #define PREFETCH 2048 /* bytes ahead of the block read that a fused loop asks for (a hint: past the end, nothing) */
 #define Q_TILE 64 /* outputs a unit of work takes: their weights stay in cache while each group of rows passes */
 
-/* Every product of a type, for any number of rows, runs the same loop below (a row's sums, and their order, are
-   the same alone or in any batch, and on every instruction set): the fused loops of the hot types where they are
-   built, else `q_dots` on the unpacked row. Per (row, unit of 256 values), lane by lane (16 lanes of 4 values):
-     ROW256: the integer dots of chunks 0 and 1 summed (i01), of 2 and 3 (i23), exactly; then
-             v = float(i01) * a01 + float(i23) * a23 (a lane's scale for its values of each pair of chunks),
-             v += b' * (sum of q) of 16-value group `lane` (in order), and acc[unit parity] += v * d;
-     ROW32:  per chunk c of 64 values (two blocks), e = float(dots) * (a * d), the chunks into two chains
-             (0, 2 and 1, 3) and the offsets' share (b' times d * the sums per 16) into the first, then
-             acc[unit parity] += even + odd;
-   then the two accumulators, then their lanes (`hsum`'s tree). */
+/* Every product of a K-quant type, for any number of rows, runs the same loop below (a row's sums, and their order,
+   are the same alone or in any batch, and on every instruction set): the fused loops of the hot types where they
+   are built, else `q_dots` on the unpacked row. Per (row, unit of 256 values), lane by lane (16 lanes of 4 values):
+   the integer dots of chunks 0 and 1 summed (i01), of 2 and 3 (i23), exactly; then
+   v = float(i01) * a01 + float(i23) * a23 (a lane's scale for its values of each pair of chunks),
+   v += b' * (sum of q) of 16-value group `lane` (in order), and acc[unit parity] += v * d;
+   then the two accumulators, then their lanes (`hsum`'s tree). The 32-value types: `blocks32.c`. */
 
 /* The lanes' scale indices (16-value groups) for chunks `pair` (0: chunks 0 and 1; 1: 2 and 3) of a ROW256 unit. */
 static inline int spread_group(int lane, int pair) { return 2 * SUB_ORDER[lane / 2] + pair; }
@@ -457,11 +458,6 @@ static inline int spread_group(int lane, int pair) { return 2 * SUB_ORDER[lane /
 #if LANES == 16 && defined(__AVX512VNNI__)
 static inline __m512 dots(__m512i codes, const int8_t *x) {
     return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(x)));
-}
-
-static inline __m256 per_block(__m512 a) { /* a ROW32 unit's 8 blocks' scales from its scales per 16 values */
-    return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0,
-                                                                          0, 0, 0), a));
 }
 
 static inline __m512 spread_lanes(__m512 a, int pair) { /* lane l: a[spread_group(l, pair)] */
@@ -488,37 +484,14 @@ static inline __attribute__((always_inline)) void spread_rows(const __m512i *cod
     }
 }
 
-/* A ROW32 unit (eight blocks of 32): its chunks' codes, the blocks' scales a (one a block) and b' per 16 values.
-   A row's block scales times a, eight at once, then each chunk's lanes from them (its two blocks: one permute), as
-   the loads of a scale per lane took a sixth of a Q8_0 unit's time. */
-static inline __attribute__((always_inline)) void block_rows(const __m512i *codes, __m256 a, __m512 b,
-                                                             const q_row *x, int nr, int64_t k, vec *acc) {
-    const __m512i two = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m512i chunk[4] = {two, _mm512_add_epi32(two, _mm512_set1_epi32(2)),
-                              _mm512_add_epi32(two, _mm512_set1_epi32(4)), _mm512_add_epi32(two, _mm512_set1_epi32(6))};
-    for (int r = 0; r < nr; r++) {
-        const int8_t *q = x[r].q + k;
-        const __m512 ad = _mm512_castps256_ps512(_mm256_mul_ps(a, _mm256_loadu_ps(x[r].scale + k / 32)));
-        vec even = vtimes(dots(codes[0], q), _mm512_permutexvar_ps(chunk[0], ad));
-        vec odd = vtimes(dots(codes[1], q + 64), _mm512_permutexvar_ps(chunk[1], ad));
-        even = vfma(dots(codes[2], q + 128), _mm512_permutexvar_ps(chunk[2], ad), even);
-        odd = vfma(dots(codes[3], q + 192), _mm512_permutexvar_ps(chunk[3], ad), odd);
-        even = vfma(b, vload(x[r].sums + k / GROUP), even);
-        acc[2 * r + (k / QK & 1)] = vplus(acc[2 * r + (k / QK & 1)], vplus(even, odd));
-    }
-}
-
-/* The unpacked row (`unpack_row`), any type: the same sums as a fused loop of that type would make. */
+/* The unpacked row (`unpack_row`), any K-quant: the same sums as a fused loop of that type would make. */
 static inline __attribute__((always_inline)) void unpacked_rows(const unpacked_row *u, int64_t padded, const q_row *x,
-                                                                int nr, int layout, vec *acc) {
+                                                                int nr, vec *acc) {
     for (int64_t k = 0; k < padded; k += QK) {
         const vec a = vload(u->a + k / GROUP), b = vload(u->b + k / GROUP);
         const __m512i codes[4] = {_mm512_load_si512(u->codes + k), _mm512_load_si512(u->codes + k + 64),
                                   _mm512_load_si512(u->codes + k + 128), _mm512_load_si512(u->codes + k + 192)};
-        if (layout == ROW256)
-            spread_rows(codes, spread_lanes(a, 0), spread_lanes(a, 1), b, x, nr, k, acc);
-        else
-            block_rows(codes, per_block(a), b, x, nr, k, acc);
+        spread_rows(codes, spread_lanes(a, 0), spread_lanes(a, 1), b, x, nr, k, acc);
     }
 }
 
@@ -608,90 +581,15 @@ static inline __attribute__((always_inline)) void fused_q6_K(const uint8_t *w, i
     }
 }
 
-/* A unit's first `bytes` bytes (at most 256) as four registers, zeros past them: never a read past the unit, which
-   may end the mapping. */
-static inline void unit_bytes(const uint8_t *w, int64_t bytes, __m512i *z) {
-    for (int i = 0; i < 4; i++) {
-        const int64_t left = bytes - 64 * i;
-        const __mmask64 keep = left >= 64 ? ~0ULL : left <= 0 ? 0 : (1ULL << left) - 1;
-        z[i] = _mm512_maskz_loadu_epi8(keep, w + 64 * i);
-    }
-}
-
-/* Halves at 16-bit positions at[0..15] (< 128) of the four registers, as floats (blocks' scales: one permute
-   per pair of registers instead of a conversion and a store per block). */
-static inline vec unit_halves(const __m512i *z, __m512i at) {
-    const __m512i low = _mm512_permutex2var_epi16(z[0], at, z[1]);
-    const __m512i high = _mm512_permutex2var_epi16(z[2], at, z[3]);
-    const __mmask32 from_high = _mm512_cmpge_epu16_mask(at, _mm512_set1_epi16(64));
-    return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_mask_blend_epi16(from_high, low, high)));
-}
-
-/* Q8_0, eight blocks a unit (fewer at a row's end): u = q + 128, b' = -128 d. */
-static inline __attribute__((always_inline)) void fused_q8_0(const uint8_t *w, int64_t in, const q_row *x, int nr,
-                                                             vec *acc) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const __m512i scale_at = _mm512_setr_epi32(0, 17 << 16 | 17, 34 << 16 | 34, 51 << 16 | 51, 68 << 16 | 68,
-                                               85 << 16 | 85, 102 << 16 | 102, 119 << 16 | 119, 0, 0, 0, 0, 0, 0, 0,
-                                               0); /* block i's d (16-bit word 17 i), twice */
-    for (int64_t k = 0; k < q8_padded(in); k += QK) {
-        const int blocks = in - k >= QK ? 8 : (int)(in - k) / 32;
-        __m512i z[4], codes[4];
-        unit_bytes(w, 34 * blocks, z);
-        for (int c = 0; c < 4; c++) {
-            const __m256i first = c * 2 < blocks ? _mm256_loadu_si256((const __m256i *)(w + 68 * c + 2)) :
-                _mm256_setzero_si256();
-            const __m256i second = c * 2 + 1 < blocks ? _mm256_loadu_si256((const __m256i *)(w + 68 * c + 36)) :
-                _mm256_setzero_si256();
-            codes[c] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1), flip);
-        }
-        const vec a = unit_halves(z, scale_at); /* d of each block, once per 16 values (0 past the row) */
-        block_rows(codes, per_block(a), negated(vtimes(vset1(128.0f), a)), x, nr, k, acc);
-        w += 34 * blocks;
-    }
-}
-
-/* Q4_1, eight blocks a unit: a = d, b' = m. A chunk's two blocks' 16 bytes of codes each, twice (the high nibbles
-   in the second copy), from the unit's registers. */
-static inline __m512i q4_1_gather(int c) {
-    uint8_t at[64];
-    for (int i = 0; i < 64; i++) { /* chunk c: blocks 2c, 2c + 1; registers 0-1 (c < 3) or 1-2 (c = 3) */
-        const int block = 2 * c + i / 32, byte = 20 * block + 4 + i % 16;
-        at[i] = (uint8_t)(byte - (c == 3 ? 64 : 0));
-    }
-    return _mm512_loadu_si512(at);
-}
-
-static inline __attribute__((always_inline)) void fused_q4_1(const uint8_t *w, int64_t in, const q_row *x, int nr,
-                                                             vec *acc) {
-    const __m512i low = _mm512_set1_epi8(15);
-    const __m512i gather[4] = {q4_1_gather(0), q4_1_gather(1), q4_1_gather(2), q4_1_gather(3)};
-    const __m512i scale_at = _mm512_setr_epi32(0, 10 << 16 | 10, 20 << 16 | 20, 30 << 16 | 30, 40 << 16 | 40,
-                                               50 << 16 | 50, 60 << 16 | 60, 70 << 16 | 70, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i min_at = _mm512_add_epi16(scale_at, _mm512_set1_epi16(1));
-    for (int64_t k = 0; k < q8_padded(in); k += QK) {
-        const int blocks = in - k >= QK ? 8 : (int)(in - k) / 32;
-        __m512i z[4], codes[4];
-        unit_bytes(w, 20 * blocks, z);
-        for (int c = 0; c < 4; c++) {
-            const __m512i q = _mm512_permutex2var_epi8(z[c == 3], gather[c], z[1 + (c == 3)]);
-            codes[c] = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xff00ff00u, q, 4), low);
-        }
-        const vec a = unit_halves(z, scale_at), b = unit_halves(z, min_at); /* d, m once per 16 values (0 past) */
-        block_rows(codes, per_block(a), b, x, nr, k, acc);
-        w += 20 * blocks;
-    }
-}
-
-static int has_fused_dots(int type) { return type == 12 || type == 14 || type == 8 || type == 3; }
+static int has_fused_dots(int type) { return type == 12 || type == 14; }
 
 /* sums[r] = row r . the weight row w (raw blocks, or `u` unpacked for a type without a fused loop). */
 static void q_dots(int type, const uint8_t *w, const unpacked_row *u, int64_t in, const uint8_t *const *rows, int nr,
-                   int64_t padded, int layout, float *sums) {
+                   int64_t padded, float *sums) {
     q_row x[Q_ROWS];
     const int width = nr == 1 ? 1 : nr == 2 ? 2 : nr <= 4 ? 4 : 8; /* loops built for these counts only: a group */
     for (int r = 0; r < width; r++) /* of 3 runs as 4, its first row again (those sums dropped) */
-        x[r] = row_at(rows[r < nr ? r : 0], padded, layout);
+        x[r] = row_at(rows[r < nr ? r : 0], padded, ROW256);
     vec acc[2 * Q_ROWS];
     for (int r = 0; r < 2 * Q_ROWS; r++)
         acc[r] = vzero();
@@ -704,21 +602,15 @@ static void q_dots(int type, const uint8_t *w, const unpacked_row *u, int64_t in
     }
 #define Q4K(n) fused_q4_K(w, in, x, n, acc)
 #define Q6K(n) fused_q6_K(w, in, x, n, acc)
-#define Q80(n) fused_q8_0(w, in, x, n, acc)
-#define Q41(n) fused_q4_1(w, in, x, n, acc)
-#define ANY(n) unpacked_rows(u, padded, x, n, layout, acc)
+#define ANY(n) unpacked_rows(u, padded, x, n, acc)
     switch (type) {
     case 12: ROWS(Q4K); break;
     case 14: ROWS(Q6K); break;
-    case 8: ROWS(Q80); break;
-    case 3: ROWS(Q41); break;
     default: ROWS(ANY); break;
     }
 #undef ROWS
 #undef Q4K
 #undef Q6K
-#undef Q80
-#undef Q41
 #undef ANY
     for (int r = 0; r < nr; r++)
         sums[r] = hsum(vplus(acc[2 * r], acc[2 * r + 1]));
@@ -729,10 +621,10 @@ static int has_fused_dots(int type) { return (void)type, 0; }
 /* sums[r] = row r . the unpacked weight row: the vector loops' arithmetic, lane by lane in scalar code (16 lanes of
    4 values; `hsum`'s tree). */
 static void q_dots(int type, const uint8_t *w, const unpacked_row *u, int64_t in, const uint8_t *const *rows, int nr,
-                   int64_t padded, int layout, float *sums) {
+                   int64_t padded, float *sums) {
     (void)type, (void)w, (void)in;
     for (int r = 0; r < nr; r++) {
-        const q_row x = row_at(rows[r], padded, layout);
+        const q_row x = row_at(rows[r], padded, ROW256);
         float acc[2][16] = {{0}};
         for (int64_t k = 0; k < padded; k += QK) {
             int dots[4][16];
@@ -746,21 +638,10 @@ static void q_dots(int type, const uint8_t *w, const unpacked_row *u, int64_t in
             for (int l = 0; l < 16; l++) {
                 const float *a = u->a + k / GROUP;
                 float *into = &acc[k / QK & 1][l];
-                if (layout == ROW256) {
-                    float v = (float)(dots[0][l] + dots[1][l]) * a[spread_group(l, 0)];
-                    v = fmaf((float)(dots[2][l] + dots[3][l]), a[spread_group(l, 1)], v);
-                    v = fmaf(u->b[k / GROUP + l], x.sums[k / GROUP + l], v);
-                    *into = fmaf(v, x.scale[k / QK], *into);
-                } else {
-                    float chain[4];
-                    for (int c = 0; c < 4; c++)
-                        chain[c] = a[4 * c + l / 4] * x.scale[(k + 64 * c + 4 * l) / 32];
-                    float even = (float)dots[0][l] * chain[0], odd = (float)dots[1][l] * chain[1];
-                    even = fmaf((float)dots[2][l], chain[2], even);
-                    odd = fmaf((float)dots[3][l], chain[3], odd);
-                    even = fmaf(u->b[k / GROUP + l], x.sums[k / GROUP + l], even);
-                    *into = *into + (even + odd);
-                }
+                float v = (float)(dots[0][l] + dots[1][l]) * a[spread_group(l, 0)];
+                v = fmaf((float)(dots[2][l] + dots[3][l]), a[spread_group(l, 1)], v);
+                v = fmaf(u->b[k / GROUP + l], x.sums[k / GROUP + l], v);
+                *into = fmaf(v, x.scale[k / QK], *into);
             }
         }
         float lanes[16], half[8];
@@ -785,7 +666,7 @@ typedef struct {
 static void qlinear_units(const void *task, int64_t begin, int64_t end) {
     const qlinear_job *j = task;
     const int64_t padded = q8_padded(j->in);
-    const int fused = has_fused_dots(j->type->type), layout = layout_of(j->type);
+    const int fused = has_fused_dots(j->type->type);
     uint8_t *buffer = fused ? NULL : lined((size_t)padded + sizeof(float) * 2 * (size_t)(padded / GROUP));
     unpacked_row u = {buffer, (float *)(buffer + padded), (float *)(buffer + padded) + padded / GROUP};
     const int64_t first = begin * Q_TILE, last = end * Q_TILE < j->out ? end * Q_TILE : j->out;
@@ -801,7 +682,7 @@ static void qlinear_units(const void *task, int64_t begin, int64_t end) {
                 float sums[Q_ROWS];
                 if (!fused)
                     unpack_row(j->type, w, j->in, &u);
-                q_dots(j->type->type, w, &u, j->in, rows, nr, padded, layout, sums);
+                q_dots(j->type->type, w, &u, j->in, rows, nr, padded, sums);
                 for (int r = 0; r < nr; r++)
                     j->y[(r0 + r) * j->ldy + o] = j->bias ? sums[r] + j->bias[o] : sums[r];
             }
@@ -810,14 +691,19 @@ static void qlinear_units(const void *task, int64_t begin, int64_t end) {
     free(buffer);
 }
 
+#include "blocks32.c"
+
 /* Quantized rows (`quantize_rows`, in the type's layout) times a block tensor: y[r * ldy + o] = x_r . w_o
-   (+ bias[o]). */
-static void q_product(const block_type *t, const uint8_t *x, int64_t rows, int64_t in, const void *w, const float *bias,
-                      float *y, int64_t ldy, int64_t out, int threads) {
+   (+ bias[o]). Returns 0, or -1 without memory. */
+static int q_product(const block_type *t, const uint8_t *x, int64_t rows, int64_t in, const void *w, const float *bias,
+                     float *y, int64_t ldy, int64_t out, int threads) {
+    if (layout_of(t) == ROW32)
+        return v_product(t, x, rows, in, w, bias, y, ldy, out, threads);
     qlinear_job job = {t, w, x, rows, in, out, ldy, in / t->elements * t->bytes, q8_row_bytes(in, layout_of(t)),
                        bias, y};
     const int64_t units = (out + Q_TILE - 1) / Q_TILE;
     parallel(qlinear_units, &job, units, rows * in * out < THREAD_WORK ? 1 : threads);
+    return 0;
 }
 
 /* y = x W^T (+ bias) with the 8-bit products, W a block tensor [out, in] of `type`. Returns 0, -1 without memory,
@@ -830,7 +716,7 @@ int mw_qlinear(const float *x, int64_t rows, int64_t in, const void *w, int type
     uint8_t *q = quantize_rows(x, rows, in, layout_of(t));
     if (!q)
         return -1;
-    q_product(t, q, rows, in, w, bias, y, ldy, out, threads);
+    const int failed = q_product(t, q, rows, in, w, bias, y, ldy, out, threads);
     free(q);
-    return 0;
+    return failed;
 }
