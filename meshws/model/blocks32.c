@@ -496,6 +496,16 @@ static void v_units(const void *task, int64_t begin, int64_t end) {
 static int v_direct_below(int type) { return type == 8 ? 4 : 3; }
 #endif
 
+/* How many rows of a 32-value type's product run straight from the blocks (below that, tiles); 0: tiles always
+   (another type, or a build without AVX-512 VNNI). For /health. */
+int mw_direct_rows(int type) {
+#if LANES == 16 && defined(__AVX512VNNI__)
+    return v_shuffled(type) ? v_direct_below(type) - 1 : 0;
+#else
+    return (void)type, 0;
+#endif
+}
+
 static int v_product(const block_type *t, const uint8_t *x, int64_t rows, int64_t in, const void *w,
                      const float *bias, float *y, int64_t ldy, int64_t out, int threads) {
     const int64_t x_bytes = q8_row_bytes(in, ROW32), blocks = in / 32;

@@ -119,6 +119,11 @@ class LeanLayers:
                 + (", bf16 products on AMX tiles" if self.fused and self.fused.amx else "")
                 + (", OpenBLAS products" if self.openblas else "") + (", compiled" if self.compiled else ""))
 
+    def products(self) -> dict[str, str]:
+        """/health: how a batch's 8-bit block products run, per block type (none on other weights)."""
+        types = [lin.blocks.type_id for lin in self._linears() if lin.blocks is not None and lin.products == "q8"]
+        return self.kernels.product_paths(types) if types and self.kernels else {}
+
     def _linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head] * (self.lm_head is not None)
 

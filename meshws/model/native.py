@@ -33,7 +33,7 @@ import logging
 import os
 import subprocess
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy
 import torch
@@ -84,6 +84,8 @@ class Kernels:
         self._widen.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         self.block_types = kernel_types(library)  # {ggml id: name} of the quantized types it computes on
+        library.mw_direct_rows.restype, library.mw_direct_rows.argtypes = ctypes.c_int, [ctypes.c_int]
+        self.direct_rows = {type_id: library.mw_direct_rows(type_id) for type_id in self.block_types}
         self.decode = library.mw_decode  # called by `fused.FusedDecode`, which checks what it hands over
         self.decode.restype = ctypes.c_int
         self.decode.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_float] * 2 \
@@ -150,6 +152,17 @@ class Kernels:
                                               groups * 64, threads):
             raise MemoryError("no memory for an AMX product")
         return out
+
+    def product_paths(self, type_ids: Iterable[int]) -> dict[str, str]:
+        """/health: how a batch's 8-bit products run, per block type. The paths give the same bits; which one runs
+        depends only on how many rows come together."""
+        paths = {}
+        for type_id in sorted(set(type_ids)):
+            rows, name = self.direct_rows.get(type_id, 0), self.block_types.get(type_id, str(type_id))
+            tiles = "tiles of 16 outputs, laid out once for all the rows"
+            paths[name] = ("each weight row against 8 rows at a time" if name.endswith("_K") else
+                           f"1-{rows} rows: straight from the blocks; more: {tiles}" if rows else tiles)
+        return paths
 
     def linear(self, rows: torch.Tensor, weight: torch.Tensor | BlockTensor, scales: torch.Tensor | None,
                bias: torch.Tensor | None, threads: int) -> torch.Tensor:

@@ -102,6 +102,16 @@ def test_8_bit_products_are_close_and_a_row_keeps_its_bits_in_any_batch(type_id)
     assert torch.isnan(out[4]).all() and torch.equal(out[:4], got[:4]) and torch.equal(out[5:], got[5:])
 
 
+def test_health_says_how_a_batch_multiplies_each_block_type():
+    paths = KERNELS.product_paths([8, 3, 12, 3])
+    assert list(paths) == ["Q4_1", "Q8_0", "Q4_K"]
+    assert paths["Q4_K"] == "each weight row against 8 rows at a time"
+    for name, type_id in (("Q4_1", 3), ("Q8_0", 8)):  # (the rows on each side of the switch keep their bits: above)
+        rows = KERNELS.direct_rows[type_id]
+        assert paths[name].startswith(f"1-{rows} rows: straight from the blocks") if rows else \
+            paths[name] == "tiles of 16 outputs, laid out once for all the rows"
+
+
 def test_what_the_kernels_are_handed_is_checked():
     raw = _blocks(12, 4, 256)
     blocks = _tensor(12, raw, 256)
