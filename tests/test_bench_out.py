@@ -3,11 +3,13 @@ GGUF section's split and its picture of several runs."""
 
 import argparse
 import os
+import shutil
 
 import pytest
 
 from meshws.tools.bench_gguf import split_roles
 from meshws.tools.bench_plot import write_gguf_plot
+from meshws.tools.launch import NodeProcess
 from meshws.tools.memory_bench import report_path
 
 
@@ -79,3 +81,11 @@ def test_several_runs_make_one_picture_and_a_run_without_llama_cpp_none(tmp_path
     assert picture is not None and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert write_gguf_plot([{**section("x.gguf", 2), "llama_cpp": None}], tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or not shutil.which("taskset"), reason="no taskset here")
+def test_a_pinned_node_starts_under_taskset_on_its_core():  # (`bench --pin`: the head on one core, the tail on another)
+    core = str(sorted(os.sched_getaffinity(0))[0])
+    node = NodeProcess("--help", cpus=core)
+    assert node.proc.wait(timeout=60) == 0
+    assert node.proc.args[:3] == ["taskset", "-c", core] and node.proc.args[4:6] == ["-m", "meshws.node"]

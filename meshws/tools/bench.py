@@ -15,7 +15,9 @@ each dtype it measures:
   * one decode step of a 15-layer shard per compute path, against the time to read its
     weights once at this machine's measured memory bandwidth (`bench_compute`);
   * llama.cpp on the same GGUF and thread count, when llama-cpp-python is installed (an
-    optional extra): every decode figure is then also a ratio to it;
+    optional extra): every decode figure is then also a ratio to it, and at each session count
+    its own batched decoding of that many sequences stands beside the mesh's aggregate
+    (`bench_llama`);
   * a six-turn conversation with a ~500-token system prompt: time to first token of
     turns 2-6 with the session reused (/ws/chat; the OpenAI API's warm pool) over the
     same turns prefilled in full (`bench_turns`);
@@ -44,6 +46,7 @@ from .bench_compute import (gguf_of, measure_bandwidth, measure_decode_step, mea
 from .bench_gguf import measure_gguf, print_gguf
 from .bench_plot import write_gguf_plot, write_plot
 from .bench_laps import measure_laps
+from .bench_llama import measure_llama_cpp_sessions
 from .bench_nodes import measure_processes
 from .bench_turns import measure_conversation
 from .local_mesh import tail_start
@@ -110,13 +113,16 @@ def add_ratios(result: dict[str, Any]) -> None:
         for name in ("full_node", "full_node_int8"):
             if name in result:
                 result[name]["ratio_to_llama_cpp"] = round(result[name]["per_session_tok_s"] / cpp, 3)
+        sequences = result.get("llama_cpp_sessions") or {}
         for entry in (entry for series in mesh_series(result) for entry in result[series].values()):
             entry["per_session_ratio_to_llama_cpp"] = round(entry["per_session_tok_s"] / cpp, 3)
             entry["aggregate_ratio_to_llama_cpp"] = round(entry["aggregate_tok_s"] / cpp, 3)
+            entry["aggregate_ratio_to_llama_cpp_sequences"] = _over(  # (its batched decoding of as many sequences)
+                entry["aggregate_tok_s"], sequences.get(str(entry.get("sessions")), {}).get("aggregate_tok_s"))
 
 
 def mesh_series(result: dict[str, Any]) -> list[str]:
-    """The head + tail series measured: `mesh` (float weights) and `mesh_int8` (`--mesh-quant int8`)."""
+    """The head + tail series measured: `mesh` (float weights), `mesh_int8` (`--mesh-quant int8`), `mesh_pinned` (`--pin`)."""
     return [key for key in result if key == "mesh" or key.startswith("mesh_")]
 
 
@@ -135,6 +141,10 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
         "full_node_int8_ge_3x_generate": result.get("full_node_int8", {}).get("ratio_to_generate"),
         "mesh_one_session_ge_1_5x_generate": mesh.get("1", {}).get("per_session_ratio_to_generate"),
         "full_node_ge_0_5x_llama_cpp": result["full_node"].get("ratio_to_llama_cpp"),
+        "mesh_16_ge_1_5x_generate_16": _over(mesh.get("16", {}).get("aggregate_tok_s"),
+                                             result.get("generate_sessions", {}).get("16", {}).get("aggregate_tok_s")),
+        "mesh_16_ge_1x_llama_cpp_16": _over(mesh.get("16", {}).get("aggregate_tok_s"),
+                                            (result.get("llama_cpp_sessions") or {}).get("16", {}).get("aggregate_tok_s")),
         "mesh_16_p95_itl_le_3x_one": _over(mesh.get("16", {}).get("itl_p95_s"), mesh.get("1", {}).get("itl_p95_s")),
         "joining_ttft_le_2x_idle": _over(result.get("joining", {}).get("ttft_s"), mesh.get("1", {}).get("ttft_p50_s")),
         **{f"conversation_{name}_ttft_le_0_3x_fresh": result.get("conversation", {}).get(name, {}).get(
@@ -148,7 +158,7 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
               "decode_frame_le_1400_bytes": 1400, "cached_ge_15x_stateless_at_1024": 15.0,
               "full_node_ge_2x_generate": 2.0, "full_node_int8_ge_3x_generate": 3.0,
               "mesh_one_session_ge_1_5x_generate": 1.5, "full_node_ge_0_5x_llama_cpp": 0.5,
-              "mesh_16_p95_itl_le_3x_one": 3.0, "joining_ttft_le_2x_idle": 2.0,
+              "mesh_16_ge_1_5x_generate_16": 1.5, "mesh_16_ge_1x_llama_cpp_16": 1.0, "mesh_16_p95_itl_le_3x_one": 3.0, "joining_ttft_le_2x_idle": 2.0,
               "conversation_ws_chat_ttft_le_0_3x_fresh": 0.3, "conversation_openai_api_ttft_le_0_3x_fresh": 0.3,
               "drafts_delayed_repeat_ge_2_tokens_per_lap": 2.0, "drafts_delayed_repeat_time_le_0_55x_none": 0.55,
               "drafts_delayed_ordinary_time_le_1_05x_none": 1.05, "drafts_loopback_ordinary_time_le_1x_none": 1.0}
@@ -193,10 +203,11 @@ def print_table(report: dict[str, Any]) -> None:
                       f"      | {entry['ttft_p50_s'] * 1000:.0f} / {entry['ttft_p95_s'] * 1000:.0f} ms | "
                       f"{entry['itl_p50_s'] * 1000:.0f} / {entry['itl_p95_s'] * 1000:.0f} ms | "
                       f"{busy.get('head', 0):.2f} / {busy.get('tail', 0):.2f}")
-        for key, label in (("generate_sessions", "generate() batch"), ("full_node_sessions", "full node")):
+        for key, label in (("generate_sessions", "generate() batch"), ("full_node_sessions", "full node"),
+                           ("llama_cpp_sessions", "llama.cpp seqs")):
             print(f"{label:<17}: " + ", ".join(f"{count}: {entry['aggregate_tok_s']:.1f} tok/s "
                                               f"(p95 gap {entry['itl_p95_s'] * 1000:.0f} ms)"
-                                              for count, entry in result.get(key, {}).items()))
+                                              for count, entry in (result.get(key) or {}).items()))
         joining = result.get("joining")
         if joining:
             print(f"a session joining {joining['busy_sessions']} busy ones: first token after "
@@ -242,6 +253,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     parser.add_argument("--runs", type=int, default=None,
                         help="runs per session count on nodes, each figure their median (default 3; 1 if --short)")
     parser.add_argument("--short", action="store_true", help="a quick run (CI): few tokens and repeats, no memory")
+    parser.add_argument("--pin", action="store_true",
+                        help="also measure the head + tail with each node on a core of its own (taskset)")
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
                         help="measure memory per span in fresh processes (default: on unless --short)")
     parser.add_argument("--parts", type=int, default=2, choices=range(2, 9), metavar="N",
@@ -295,6 +308,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     bandwidth = measure_bandwidth()
     report["bandwidth_gb_s"] = round(bandwidth / 1e9, 2)
     llama = measure_llama_cpp(gguf_of(args.model), prompt_ids, args.tokens)
+    llama_sessions = measure_llama_cpp_sessions(gguf_of(args.model), prompt_ids, args.tokens, args.sessions)
     threads = torch.get_num_threads()
     for dtype in args.dtype:
         print(f"measuring {dtype} ...", flush=True)
@@ -302,7 +316,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
         result: dict[str, Any] = {"generate": measure_generate(resolved, dtype, prompt_ids, args.tokens),
                                   "generate_sessions": measure_generate_sessions(resolved, dtype, prompt_ids,
                                                                                  args.tokens, args.sessions),
-                                  "llama_cpp": llama,
+                                  "llama_cpp": llama, "llama_cpp_sessions": llama_sessions,
                                   "decode_step": measure_decode_step(resolved, dtype, bandwidth)}
         result.update(measure_processes(args, dtype, prompt_ids, resolved.model_id))
         result["conversation"] = measure_conversation(args.model, args.layers, dtype, resolved.model_id,

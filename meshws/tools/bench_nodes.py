@@ -3,7 +3,8 @@
 A `full` node at one session and at each session count (for a folder's float weights also
 with `--quant int8`); a head + tail mesh on loopback at each session count (with each shard's
 busy fraction), a session joining the others, frame sizes; and with `--mesh-quant int8` (float
-weights) the same mesh runs again with int8 weights on both nodes.
+weights) the same mesh runs again with int8 weights on both nodes; with `--pin` once more with the head and the
+tail each on a core of its own (`taskset`), as nodes on separate machines would compute.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import statistics
 import time
 from typing import Any
 
+from ..cores import usable_cores
 from .streams import joining_run, median_run, stream_once
 
 
@@ -68,21 +70,25 @@ def measure_processes(args: argparse.Namespace, dtype: str, prompt_ids: list[int
     for index, quant in enumerate(quants):  # float first: the joining run and frames come from it
         key = "mesh" if quant == "none" else f"mesh_{quant}"
         results.update(measure_mesh(args, (*common, "--quant", quant), prompt_ids, model_id, key, first=index == 0))
+    if getattr(args, "pin", False) and usable_cores() >= 2:  # the head on core 0, the tail on core 1
+        results.update(measure_mesh(args, (*common, "--quant", "none"), prompt_ids, model_id, "mesh_pinned",
+                                    first=False, cpus=[str(core) for core in sorted(os.sched_getaffinity(0))[:2]]))
     return results
 
 
 def measure_mesh(args: argparse.Namespace, flags: tuple[str, ...], prompt_ids: list[int], model_id: str, key: str,
-                 first: bool) -> dict[str, Any]:
-    """A head + tail mesh at each session count; the first one measured also gives the joining run and frames."""
+                 first: bool, cpus: list[str] | None = None) -> dict[str, Any]:
+    """A head + tail mesh at each session count (`cpus`: each node on those cores alone, `taskset`); the first one
+    measured also gives the joining run and frames."""
     from .launch import Mesh
 
     split = args.tail_start  # as `meshws mesh` splits: both nodes read about the same weight bytes a step
     mesh = Mesh([("head", f"0-{split - 1}"), ("tail", f"{split}-{args.layers - 1}")], common=flags,
-                split_threads=False)
+                split_threads=False, cpus=cpus)
     results: dict[str, Any] = {key: {}}
     try:
         for node in mesh.nodes:  # each has seen the other (`cores`) before anything is timed
-            while node.health()["compute"].get("threads", 0) > max(1, (os.cpu_count() or 1) // 2):
+            while node.health()["compute"].get("threads", 0) > max(1, usable_cores() // 2):
                 time.sleep(0.5)
         asyncio.run(stream_once(mesh.head.url, model_id, prompt_ids, 4))  # warm-up
         for count in args.sessions:

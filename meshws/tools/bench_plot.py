@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 SERIES = (("generate_sessions", "generate()"), ("full_node_sessions", "full node"), ("mesh", "head + tail"),
-          ("mesh_int8", "head + tail, int8"))
+          ("mesh_int8", "head + tail, int8"), ("mesh_pinned", "head + tail, a core each"),
+          ("llama_cpp_sessions", "llama.cpp, as many sequences"))
 
 
 def write_plot(report: dict[str, Any], path: Path) -> Path | None:

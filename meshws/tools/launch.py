@@ -19,7 +19,8 @@ READY = re.compile(r"meshws (\w+) ready: .* on https?://[^ ]+:(\d+)")
 
 class NodeProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None, name: str = "node", port: int = 0,
-                 echo: bool = False, ca: str | None = None, host: str = "127.0.0.1", netns: str | None = None) -> None:
+                 echo: bool = False, ca: str | None = None, host: str = "127.0.0.1", netns: str | None = None,
+                 cpus: str | None = None) -> None:
         self.host = host  # where it listens (and where url, ws_url and health reach it)
         self.args = ["--host", host, "--port", str(port), *args]
         self.name = name
@@ -31,6 +32,7 @@ class NodeProcess:
         self._ready = threading.Event()
         full_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
         inside = ["ip", "netns", "exec", netns] if netns else []  # another host: a network namespace
+        inside += ["taskset", "-c", cpus] if cpus else []  # only these cores (the node then counts them alone)
         self.proc = subprocess.Popen(
             [*inside, sys.executable, "-m", "meshws.node", *self.args],
             env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -126,7 +128,7 @@ class Mesh:
     def __init__(self, specs: list[tuple[str, str]], common: tuple[str, ...] = (),
                  extra: dict[str, tuple[str, ...]] | None = None, ports: list[int] | None = None,
                  echo: bool = False, timeout: float = 120.0, ca: str | None = None,
-                 split_threads: bool = True) -> None:
+                 split_threads: bool = True, cpus: list[str] | None = None) -> None:
         self.nodes: list[NodeProcess] = []
         ports = ports or [free_port() for _ in specs]
         if split_threads and "--threads" not in common:
@@ -140,7 +142,7 @@ class Mesh:
                     scheme = "wss" if "--tls-cert" in args else "ws"
                     args += ["--peer", f"{scheme}://127.0.0.1:{ports[index + 1]}"]
                 self.nodes.append(NodeProcess(*args, name=f"{role} {layers}", port=ports[index], echo=echo,
-                                              ca=ca))
+                                              ca=ca, cpus=cpus[index] if cpus else None))
             for node in self.nodes:
                 node.wait_started(timeout)
             self.head.wait_ready(timeout)

@@ -58,6 +58,12 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
         assert steps["lean"]["weight_mib"] < 0.25 * steps["transformers"]["weight_mib"]
         llama = entry["llama_cpp"]  # an optional extra: measured only where llama-cpp-python is installed
         assert llama is None or (llama["decode_tok_s"] > 0 and "ratio_to_llama_cpp" in entry["full_node"])
+        sequences = entry["llama_cpp_sessions"]  # llama.cpp's batched decoding of as many sequences, beside the mesh
+        assert (sequences is None) == (llama is None)
+        if sequences is not None:
+            assert set(sequences) == {"1", "4"} and all(seq["aggregate_tok_s"] > 0 for seq in sequences.values())
+            assert entry["mesh"]["4"]["aggregate_ratio_to_llama_cpp_sequences"] == pytest.approx(
+                entry["mesh"]["4"]["aggregate_tok_s"] / sequences["4"]["aggregate_tok_s"], rel=0.01)
         assert "mesh_int8" not in entry
         assert set(entry["mesh"]) == set(entry["full_node_sessions"]) == set(entry["generate_sessions"]) == {"1", "4"}
         for sessions in entry["mesh"].values():
@@ -88,6 +94,7 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
                                          "full_node_ge_2x_generate", "full_node_int8_ge_3x_generate",
                                          "mesh_one_session_ge_1_5x_generate", "full_node_ge_0_5x_llama_cpp",
                                          "mesh_16_p95_itl_le_3x_one", "joining_ttft_le_2x_idle",
+                                         "mesh_16_ge_1_5x_generate_16", "mesh_16_ge_1x_llama_cpp_16",
                                          "conversation_ws_chat_ttft_le_0_3x_fresh",
                                          "conversation_openai_api_ttft_le_0_3x_fresh",
                                          "drafts_delayed_repeat_ge_2_tokens_per_lap",
