@@ -25,14 +25,16 @@ def write_plot(report: dict[str, Any], path: Path) -> Path | None:
     except ImportError:
         return None
     figure, (rates, gaps) = plt.subplots(1, 2, figsize=(11, 4.2))
+    drawn = set()
     for dtype, result in report["results"].items():
         for key, label in SERIES:
             data = result.get(key) or {}
             counts = sorted(int(count) for count in data)
-            if not counts:
+            if not counts or (key == "llama_cpp_sessions" and key in drawn):  # (its own dtype: drawn once)
                 continue
+            drawn.add(key)
             style = "-" if dtype == "float32" else "--"
-            name = f"{label}, {dtype}"
+            name = label if key == "llama_cpp_sessions" else f"{label}, {dtype}"
             rates.plot(counts, [data[str(c)]["aggregate_tok_s"] for c in counts], style, marker="o", label=name)
             gaps.plot(counts, [data[str(c)]["itl_p95_s"] * 1000 for c in counts], style, marker="o", label=name)
     for axes, title in ((rates, "aggregate tokens/s"), (gaps, "p95 inter-token latency (ms)")):
