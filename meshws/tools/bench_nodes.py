@@ -70,7 +70,8 @@ def measure_processes(args: argparse.Namespace, dtype: str, prompt_ids: list[int
     for index, quant in enumerate(quants):  # float first: the joining run and frames come from it
         key = "mesh" if quant == "none" else f"mesh_{quant}"
         results.update(measure_mesh(args, (*common, "--quant", quant), prompt_ids, model_id, key, first=index == 0))
-    if getattr(args, "pin", False) and usable_cores() >= 2:  # the head on core 0, the tail on core 1
+    pin = getattr(args, "pin", False) and hasattr(os, "sched_getaffinity") and usable_cores() >= 2  # (taskset: Linux)
+    if pin:  # the head on one core, the tail on the next
         results.update(measure_mesh(args, (*common, "--quant", "none"), prompt_ids, model_id, "mesh_pinned",
                                     first=False, cpus=[str(core) for core in sorted(os.sched_getaffinity(0))[:2]]))
     return results
