@@ -113,7 +113,8 @@ static void v_lay(const block_type *t, const uint8_t *w, int64_t row_bytes, int 
     const __m512i codes_from = _mm512_loadu_si512(take), heads_from = _mm512_loadu_si512(heads);
     const __m512i pair = _mm512_loadu_si512(half); /* lanes 4 o + b of two packed registers: outputs 0-7 */
     const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
-    const int64_t lines = (next_bytes + 63) / 64, passes = (blocks + per - 1) / per, per_pass = (lines + passes - 1) / passes;
+    const int64_t lines = (next_bytes + 63) / 64, passes = (blocks + per - 1) / per;
+    const int64_t per_pass = (lines + passes - 1) / passes;
     for (int64_t b0 = 0; b0 < blocks; b0 += per) {
         const int count = blocks - b0 < per ? (int)(blocks - b0) : per, span = count * bytes;
         for (int64_t line = b0 / per * per_pass; line < (b0 / per + 1) * per_pass && line < lines; line++)
@@ -215,7 +216,8 @@ static inline __attribute__((always_inline)) void v_columns(const int32_t *at, i
         r[o + 2] = _mm512_unpacklo_epi64(t[o + 1], t[o + 3]);
         r[o + 3] = _mm512_unpackhi_epi64(t[o + 1], t[o + 3]);
     }
-    const __m512i low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    const __m512i low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    const __m512i high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
     for (int i = 0; i < 4; i++) { /* r[i]: columns i (128-bit lanes 0, 2) and i + 4 (lanes 1, 3) of rows 0-3 ... */
         column[i] = _mm512_permutex2var_epi64(r[i], low, r[i + 4]);
         column[i + 4] = _mm512_permutex2var_epi64(r[i], high, r[i + 4]);
@@ -256,7 +258,8 @@ static void v_direct_q8(const uint8_t *w, int64_t row_bytes, int n, int64_t bloc
                 const __m256i two = 2 * c + 1 < count ? _mm256_loadu_si256((const __m256i *)(u + 68 * c + 36)) :
                     _mm256_setzero_si256();
                 d[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(
-                    _mm512_inserti64x4(_mm512_castsi256_si512(one), two, 1), flip), _mm512_loadu_si512(q + 32 * k + 64 * c));
+                    _mm512_inserti64x4(_mm512_castsi256_si512(one), two, 1), flip),
+                    _mm512_loadu_si512(q + 32 * k + 64 * c));
             }
             __m512i e[2];
             for (int j = 0; j < 2; j++) {

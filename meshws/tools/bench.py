@@ -122,7 +122,8 @@ def add_ratios(result: dict[str, Any]) -> None:
 
 
 def mesh_series(result: dict[str, Any]) -> list[str]:
-    """The head + tail series measured: `mesh` (float weights), `mesh_int8` (`--mesh-quant int8`), `mesh_pinned` (`--pin`)."""
+    """The head + tail series measured: `mesh` (float weights), `mesh_int8` (`--mesh-quant int8`), `mesh_pinned`
+    (`--pin`)."""
     return [key for key in result if key == "mesh" or key.startswith("mesh_")]
 
 
@@ -143,8 +144,8 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
         "full_node_ge_0_5x_llama_cpp": result["full_node"].get("ratio_to_llama_cpp"),
         "mesh_16_ge_1_5x_generate_16": _over(mesh.get("16", {}).get("aggregate_tok_s"),
                                              result.get("generate_sessions", {}).get("16", {}).get("aggregate_tok_s")),
-        "mesh_16_ge_1x_llama_cpp_16": _over(mesh.get("16", {}).get("aggregate_tok_s"),
-                                            (result.get("llama_cpp_sessions") or {}).get("16", {}).get("aggregate_tok_s")),
+        "mesh_16_ge_1x_llama_cpp_16": _over(mesh.get("16", {}).get("aggregate_tok_s"), (
+            result.get("llama_cpp_sessions") or {}).get("16", {}).get("aggregate_tok_s")),
         "mesh_16_p95_itl_le_3x_one": _over(mesh.get("16", {}).get("itl_p95_s"), mesh.get("1", {}).get("itl_p95_s")),
         "joining_ttft_le_2x_idle": _over(result.get("joining", {}).get("ttft_s"), mesh.get("1", {}).get("ttft_p50_s")),
         **{f"conversation_{name}_ttft_le_0_3x_fresh": result.get("conversation", {}).get(name, {}).get(
@@ -158,7 +159,8 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
               "decode_frame_le_1400_bytes": 1400, "cached_ge_15x_stateless_at_1024": 15.0,
               "full_node_ge_2x_generate": 2.0, "full_node_int8_ge_3x_generate": 3.0,
               "mesh_one_session_ge_1_5x_generate": 1.5, "full_node_ge_0_5x_llama_cpp": 0.5,
-              "mesh_16_ge_1_5x_generate_16": 1.5, "mesh_16_ge_1x_llama_cpp_16": 1.0, "mesh_16_p95_itl_le_3x_one": 3.0, "joining_ttft_le_2x_idle": 2.0,
+              "mesh_16_ge_1_5x_generate_16": 1.5, "mesh_16_ge_1x_llama_cpp_16": 1.0,
+              "mesh_16_p95_itl_le_3x_one": 3.0, "joining_ttft_le_2x_idle": 2.0,
               "conversation_ws_chat_ttft_le_0_3x_fresh": 0.3, "conversation_openai_api_ttft_le_0_3x_fresh": 0.3,
               "drafts_delayed_repeat_ge_2_tokens_per_lap": 2.0, "drafts_delayed_repeat_time_le_0_55x_none": 0.55,
               "drafts_delayed_ordinary_time_le_1_05x_none": 1.05, "drafts_loopback_ordinary_time_le_1x_none": 1.0}
