@@ -4,8 +4,10 @@ One context holds every sequence (`n_seq_max`, one unified KV cache); the prompt
 batch, then each step is one batch of one token per sequence, greedy. That is llama.cpp's own
 batched decoding on the same GGUF and thread count, with no HTTP or streaming in the way: the
 fairest thing to set beside a mesh's aggregate rate. Through llama-cpp-python's low-level API
-(an optional extra): None without it. A lone sequence's first tokens equal `create_completion`'s
-greedy ones (checked by hand when this was written).
+(an optional extra): None without it. The context keeps llama.cpp's own default attention (flash
+attention on this CPU), where `Llama` objects (`measure_llama_cpp`) turn it off: a lone sequence's
+64 greedy tokens equal `create_completion`'s with `flash_attn=True`, and without it part ways at a
+near tie (token 23 of the bench prompt on the embedded model). Checked by hand.
 """
 
 from __future__ import annotations
