@@ -1,13 +1,17 @@
 """`--out` of the benchmarks: a file, or a folder that gets the report's own name; unwritable places fail first. The
-GGUF section's split and its picture of several runs."""
+GGUF section's split and its picture of several runs; the many-sessions figures set beside llama.cpp's sequences and
+generate()'s batch, and `--pin`'s nodes under taskset."""
 
 import argparse
 import os
 import shutil
+import sys
 
 import pytest
 
+from meshws.tools.bench import add_ratios, targets
 from meshws.tools.bench_gguf import split_roles
+from meshws.tools.bench_llama import measure_llama_cpp_sessions
 from meshws.tools.bench_plot import write_gguf_plot
 from meshws.tools.launch import NodeProcess
 from meshws.tools.memory_bench import report_path
@@ -89,3 +93,36 @@ def test_a_pinned_node_starts_under_taskset_on_its_core():  # (`bench --pin`: th
     node = NodeProcess("--help", cpus=core)
     assert node.proc.wait(timeout=60) == 0
     assert node.proc.args[:3] == ["taskset", "-c", core] and node.proc.args[4:6] == ["-m", "meshws.node"]
+
+
+def _sessions_result(llama_cpp: bool) -> dict:
+    def mesh(one: float, sixteen: float) -> dict:
+        return {"1": {"sessions": 1, "per_session_tok_s": one, "aggregate_tok_s": one},
+                "16": {"sessions": 16, "per_session_tok_s": sixteen / 16, "aggregate_tok_s": sixteen}}
+
+    return {"generate": {"decode_tok_s": 50.0}, "generate_sessions": {"16": {"aggregate_tok_s": 150.0}},
+            "llama_cpp": {"decode_tok_s": 100.0} if llama_cpp else None,
+            "llama_cpp_sessions": {"1": {"aggregate_tok_s": 125.0}, "16": {"aggregate_tok_s": 200.0}} if llama_cpp
+            else None,
+            "mesh": mesh(100.0, 240.0), "mesh_pinned": mesh(90.0, 300.0), "full_node": {"per_session_tok_s": 80.0},
+            "stateless": {}}
+
+
+def test_each_mesh_series_is_set_beside_llama_cpps_as_many_sequences_and_generates_batch_of_16():
+    result = _sessions_result(llama_cpp=True)
+    add_ratios(result)
+    assert result["mesh"]["1"]["aggregate_ratio_to_llama_cpp_sequences"] == 0.8
+    assert result["mesh_pinned"]["16"]["aggregate_ratio_to_llama_cpp_sequences"] == 1.5
+    checks = targets(result)  # (the float mesh's figures, not the pinned one's)
+    assert checks["mesh_16_ge_1x_llama_cpp_16"] == {"value": 1.2, "met": True}
+    assert checks["mesh_16_ge_1_5x_generate_16"] == {"value": 1.6, "met": True}
+
+
+def test_without_llama_cpp_its_sequences_are_not_measured_and_their_target_says_so(monkeypatch, tmp_path):
+    result = _sessions_result(llama_cpp=False)
+    add_ratios(result)
+    assert "aggregate_ratio_to_llama_cpp_sequences" not in result["mesh"]["16"]
+    assert targets(result)["mesh_16_ge_1x_llama_cpp_16"] == {"value": None, "met": None}
+    assert measure_llama_cpp_sessions(None, [1, 2, 3], 8, [1, 16]) is None  # no GGUF
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # llama-cpp-python not installed
+    assert measure_llama_cpp_sessions(tmp_path / "model.gguf", [1, 2, 3], 8, [1, 16]) is None
