@@ -89,6 +89,8 @@ static void v_swaps(__m512i *swaps) {
 
 static int v_shuffled(int type) { return type == 2 || type == 3 || type == 8; }
 
+static int v_head(const block_type *t) { return t->type == 3 ? 4 : 2; } /* Q4_1's d and m, or a d: codes follow */
+
 /* Q4_0, Q4_1 and Q8_0 laid out from plain loads: per output, a pass's codes (4 blocks of 16 bytes of nibbles, or 2
    of 32 codes) gathered into one register with a byte permute, 16 outputs' registers transposed; then the heads
    (d, and Q4_1's m) likewise, four outputs to a register. Nibbles: byte j of a block holds value j (low) and
@@ -99,7 +101,7 @@ static void v_lay(const block_type *t, const uint8_t *w, int64_t row_bytes, int 
         v_lay_any(t, w, row_bytes, n, blocks, tile);
         return;
     }
-    const int bytes = t->bytes, q8 = t->type == 8, per = q8 ? 2 : 4, codes_at = t->type == 3 ? 4 : 2;
+    const int bytes = t->bytes, q8 = t->type == 8, per = q8 ? 2 : 4, codes_at = v_head(t);
     uint8_t take[64], heads[64] = {0};
     for (int i = 0; i < 64; i++)
         take[i] = (uint8_t)(q8 ? i / 32 * bytes + codes_at + i % 32 : i / 16 * bytes + codes_at + i % 16);
@@ -168,7 +170,7 @@ static void v_lay(const block_type *t, const uint8_t *w, int64_t row_bytes, int 
 /* A row's codes spread per block (V_SPREAD bytes) as `v_direct` meets them: the low then high nibbles' values of
    a block's first 16 bytes (none against its head), then of its next `head` bytes. */
 static void v_spread(const block_type *t, const int8_t *q, int64_t blocks, int8_t *to) {
-    const int head = t->type == 3 ? 4 : 2;
+    const int head = v_head(t);
     for (int64_t b = 0; b < blocks; b++, q += 32, to += V_SPREAD) {
         memset(to, 0, V_SPREAD);
         for (int j = head; j < 16; j++) { /* bytes head .. 15: nibbles of values j - head and j - head + 16 */
@@ -308,7 +310,7 @@ static void v_direct(const block_type *t, const uint8_t *w, int64_t row_bytes, i
     const uint8_t *rows[16];
     for (int o = 0; o < 16; o++) /* (outputs past n read output n - 1 again; their lanes are not stored) */
         rows[o] = w + (o < n ? o : n - 1) * row_bytes;
-    const __mmask16 second = (__mmask16)((1u << (t->type == 3 ? 4 : 2)) - 1); /* a block's last nibbles */
+    const __mmask16 second = (__mmask16)((1u << v_head(t)) - 1); /* a block's last nibbles */
     const __m512i nibble = _mm512_set1_epi8(15);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, spread += V_SPREAD, panel += V_PANEL) {
@@ -439,8 +441,9 @@ typedef struct {
     const block_type *type;
     const uint8_t *w;
     const int32_t *panels; /* the rows' groups (`v_panel`), one after the other */
-    const int8_t *spread;  /* direct (`v_direct`): each row's spread codes, else NULL */
-    const int8_t *codes;   /* the quantized rows (`quantize_rows`), x_bytes apart */
+    int direct;            /* each row straight from the blocks (`v_direct`, `v_direct_q8`), not on tiles */
+    const int8_t *spread;  /* for `v_direct`: each row's spread codes */
+    const int8_t *codes;   /* for `v_direct_q8`: the quantized rows (`quantize_rows`), x_bytes apart */
     int64_t rows, in, out, ldy, row_bytes, x_bytes;
     const float *bias;
     float *y;
@@ -453,7 +456,8 @@ static inline int v_group(int64_t left) { return left >= V_ROWS ? V_ROWS : left 
 static void v_units(const void *task, int64_t begin, int64_t end) {
     const v_job *j = task;
     const int64_t blocks = j->in / 32;
-    uint8_t *buffer = lined((size_t)(j->spread ? 16 * 8 * ((blocks + 7) / 8 * 8) : v_tile_bytes(blocks)));
+    const int64_t stride = (blocks + 7) / 8 * 8; /* (`v_direct_q8`'s block sums and d, 16 rows of them) */
+    uint8_t *buffer = lined((size_t)(j->direct ? 16 * 8 * stride : v_tile_bytes(blocks)));
     if (!buffer)
         abort(); /* (a few KiB per thread: nothing else could go on either) */
     v_tile tile = v_tile_at(buffer, blocks);
@@ -464,12 +468,12 @@ static void v_units(const void *task, int64_t begin, int64_t end) {
         const uint8_t *next = j->w + (o0 + V_OUT) * j->row_bytes; /* the next unit's rows, read soon */
         const int64_t ahead = unit + 1 < end ? (j->out - o0 - V_OUT < V_OUT ? j->out - o0 - V_OUT : V_OUT) : 0;
 #if LANES == 16 && defined(__AVX512VNNI__)
-        if (j->spread) {
+        if (j->direct) {
             for (int64_t r = 0; r < j->rows; r++)
                 if (j->type->type == 8)
                     v_direct_q8(j->w + o0 * j->row_bytes, j->row_bytes, n, blocks, j->codes + r * j->x_bytes,
                                 j->panels + r * blocks * V_PANEL, bias, j->y + r * j->ldy + o0, (int32_t *)buffer,
-                                (int32_t *)buffer + 16 * ((blocks + 7) / 8 * 8));
+                                (int32_t *)buffer + 16 * stride);
                 else
                     v_direct(j->type, j->w + o0 * j->row_bytes, j->row_bytes, n, blocks,
                              j->spread + r * blocks * V_SPREAD, j->panels + r * blocks * V_PANEL, bias,
@@ -489,9 +493,6 @@ static void v_units(const void *task, int64_t begin, int64_t end) {
     free(buffer);
 }
 
-/* Quantized ROW32 rows times a 32-value block tensor: y[r * ldy + o] = x_r . w_o (+ bias[o]). Returns -1 without
-   memory. */
-
 #if LANES == 16 && defined(__AVX512VNNI__)
 /* Below how many rows a product runs straight from the blocks rather than on tiles (the same bits either way),
    as measured with two threads on a Zen 4 (SmolLM2's shapes): Q4_1 1536 x 576, two rows 47 us direct and 73 on
@@ -509,6 +510,8 @@ int mw_direct_rows(int type) {
 #endif
 }
 
+/* Quantized ROW32 rows times a 32-value block tensor: y[r * ldy + o] = x_r . w_o (+ bias[o]). Returns -1 without
+   memory. */
 static int v_product(const block_type *t, const uint8_t *x, int64_t rows, int64_t in, const void *w,
                      const float *bias, float *y, int64_t ldy, int64_t out, int threads) {
     const int64_t x_bytes = q8_row_bytes(in, ROW32), blocks = in / 32;
@@ -518,8 +521,9 @@ static int v_product(const block_type *t, const uint8_t *x, int64_t rows, int64_
     const int direct = 0;
 #endif
     int32_t *panels = lined(sizeof(int32_t) * (size_t)(rows * blocks * V_PANEL));
-    int8_t *spread = direct ? lined((size_t)(rows * blocks * V_SPREAD)) : NULL;
-    if (!panels || (direct && !spread)) {
+    const int spreads = direct && t->type != 8; /* (`v_direct`'s; Q8_0's lone rows read `x` as it is) */
+    int8_t *spread = spreads ? lined((size_t)(rows * blocks * V_SPREAD)) : NULL;
+    if (!panels || (spreads && !spread)) {
         free(panels);
         free(spread);
         return -1;
@@ -528,12 +532,13 @@ static int v_product(const block_type *t, const uint8_t *x, int64_t rows, int64_
         const int nr = direct ? 1 : v_group(rows - r0);
         v_panel(x + r0 * x_bytes, x_bytes, nr, in, t->offset, panels + r0 * blocks * V_PANEL);
 #if LANES == 16 && defined(__AVX512VNNI__)
-        if (direct)
+        if (spreads)
             v_spread(t, (const int8_t *)(x + r0 * x_bytes), blocks, spread + r0 * blocks * V_SPREAD);
 #endif
         r0 += nr;
     }
-    v_job job = {t, w, panels, spread, (const int8_t *)x, rows, in, out, ldy, blocks * t->bytes, x_bytes, bias, y};
+    v_job job = {t, w, panels, direct, spread, (const int8_t *)x, rows, in, out, ldy, blocks * t->bytes, x_bytes, bias,
+                 y};
     parallel(v_units, &job, (out + V_OUT - 1) / V_OUT, rows * in * out < THREAD_WORK ? 1 : threads);
     free(panels);
     free(spread);
