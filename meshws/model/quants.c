@@ -468,7 +468,7 @@ static inline __m512 spread_lanes(__m512 a, int pair) { /* lane l: a[spread_grou
 
 /* A ROW256 unit: its four chunks' codes, the lanes' scales a01, a23, and b' per 16 values; every row's share. */
 static inline __attribute__((always_inline)) void spread_rows(const __m512i *codes, __m512 a01, __m512 a23, __m512 b,
-                                                              const q_row *x, int nr, int64_t k, vec *acc) {
+                                                              const q_row *x, int nr, int64_t k, int parity, vec *acc) {
     for (int r = 0; r < nr; r++) {
         const int8_t *q = x[r].q + k;
         const __m512i i01 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[0],
@@ -480,19 +480,31 @@ static inline __attribute__((always_inline)) void spread_rows(const __m512i *cod
         vec v = vtimes(_mm512_cvtepi32_ps(i01), a01);
         v = vfma(_mm512_cvtepi32_ps(i23), a23, v);
         v = vfma(b, vload(x[r].sums + k / GROUP), v);
-        acc[2 * r + (k / QK & 1)] = vfma(v, vset1(x[r].scale[k / QK]), acc[2 * r + (k / QK & 1)]);
+        acc[2 * r + parity] = vfma(v, vset1(x[r].scale[k / QK]), acc[2 * r + parity]);
     }
 }
 
+/* A type's loop over a row's units calls its unit twice a pass, for units 2i and 2i + 1: `parity` (k / QK & 1) is
+   then a constant in each call, and every accumulator stays in a register. */
+#define UNITS_IN_PAIRS(unit, end, ...)                                                                            \
+    for (int64_t k = 0; k < (end); k += 2 * QK) {                                                                 \
+        unit(k, 0, __VA_ARGS__);                                                                                  \
+        if (k + QK < (end))                                                                                       \
+            unit(k + QK, 1, __VA_ARGS__);                                                                         \
+    }
+
 /* The unpacked row (`unpack_row`), any K-quant: the same sums as a fused loop of that type would make. */
+static inline __attribute__((always_inline)) void unpacked_unit(int64_t k, int parity, const unpacked_row *u,
+                                                                const q_row *x, int nr, vec *acc) {
+    const vec a = vload(u->a + k / GROUP), b = vload(u->b + k / GROUP);
+    const __m512i codes[4] = {_mm512_load_si512(u->codes + k), _mm512_load_si512(u->codes + k + 64),
+                              _mm512_load_si512(u->codes + k + 128), _mm512_load_si512(u->codes + k + 192)};
+    spread_rows(codes, spread_lanes(a, 0), spread_lanes(a, 1), b, x, nr, k, parity, acc);
+}
+
 static inline __attribute__((always_inline)) void unpacked_rows(const unpacked_row *u, int64_t padded, const q_row *x,
                                                                 int nr, vec *acc) {
-    for (int64_t k = 0; k < padded; k += QK) {
-        const vec a = vload(u->a + k / GROUP), b = vload(u->b + k / GROUP);
-        const __m512i codes[4] = {_mm512_load_si512(u->codes + k), _mm512_load_si512(u->codes + k + 64),
-                                  _mm512_load_si512(u->codes + k + 128), _mm512_load_si512(u->codes + k + 192)};
-        spread_rows(codes, spread_lanes(a, 0), spread_lanes(a, 1), b, x, nr, k, acc);
-    }
+    UNITS_IN_PAIRS(unpacked_unit, padded, u, x, nr, acc)
 }
 
 static inline __m512 negated(__m512 v) { /* -v, lane by lane, as the scalar minus (signed zeros too) */
@@ -517,8 +529,8 @@ static inline __m512i q4_K_gather(int c) {
 }
 
 /* Q4_K, unpacked in registers: a = d * scale, b' = -(dmin * min), as `unpack_q4_K` and `unpack_row` make them. */
-static inline __attribute__((always_inline)) void fused_q4_K(const uint8_t *w, int64_t in, const q_row *x, int nr,
-                                                             vec *acc) {
+static inline __attribute__((always_inline)) void q4_K_unit(int64_t k, int parity, const uint8_t *row, const q_row *x,
+                                                            int nr, vec *acc) {
     const __m512i low = _mm512_set1_epi8(15);
     /* The 8 scales and 8 mins as 16 bytes in vector registers (scalar shifts and inserts took a fifth of a unit's
        time): each one's low 6 bits, or low 4 and the 2 high bits from bytes 0-7; then times d or dmin. */
@@ -531,30 +543,34 @@ static inline __attribute__((always_inline)) void fused_q4_K(const uint8_t *w, i
     const __m512i scale_of_lane = _mm512_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6, 1, 1, 3, 3, 5, 5, 7, 7);
     const __m512i min_of_group = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     const __m512i gather[4] = {q4_K_gather(0), q4_K_gather(1), q4_K_gather(2), q4_K_gather(3)};
-    for (int64_t k = 0; k < in; k += QK, w += 144) {
-        for (int line = 0; line < 144; line += 64) /* (the hardware's prefetch alone left a fifth of the time idle) */
-            __builtin_prefetch(w + PREFETCH + line, 0, 0);
-        const __m128i head = _mm_loadu_si128((const __m128i *)w); /* d, dmin, then the 12 bytes of scales */
-        const __m128i low_bits = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi8(head, take_low), low_shift), low_mask);
-        const __m128i high_bits = _mm_srli_epi32(_mm_and_si128(_mm_shuffle_epi8(head, take_high), top_two), 2);
-        const vec both = vtimes(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(low_bits, high_bits))),
-                                _mm512_permutexvar_ps(d_then_dmin, _mm512_castps128_ps512(_mm_cvtph_ps(head))));
-        const vec a = _mm512_permutexvar_ps(scale_of_lane, both), b = negated(_mm512_permutexvar_ps(min_of_group, both));
-        const __m512i qa = _mm512_loadu_si512(w + 16), qb = _mm512_loadu_si512(w + 80);
-        __m512i codes[4];
-        for (int c = 0; c < 4; c++) {
-            const __m512i q = _mm512_permutex2var_epi8(qa, gather[c], qb);
-            codes[c] = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xffff0000u, q, 4), low);
-        }
-        spread_rows(codes, a, a, b, x, nr, k, acc);
+    const uint8_t *w = row + k / QK * 144;
+    for (int line = 0; line < 144; line += 64) /* (the hardware's prefetch alone left a fifth of the time idle) */
+        __builtin_prefetch(w + PREFETCH + line, 0, 0);
+    const __m128i head = _mm_loadu_si128((const __m128i *)w); /* d, dmin, then the 12 bytes of scales */
+    const __m128i low_bits = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi8(head, take_low), low_shift), low_mask);
+    const __m128i high_bits = _mm_srli_epi32(_mm_and_si128(_mm_shuffle_epi8(head, take_high), top_two), 2);
+    const vec both = vtimes(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(low_bits, high_bits))),
+                            _mm512_permutexvar_ps(d_then_dmin, _mm512_castps128_ps512(_mm_cvtph_ps(head))));
+    const vec a = _mm512_permutexvar_ps(scale_of_lane, both), b = negated(_mm512_permutexvar_ps(min_of_group, both));
+    const __m512i qa = _mm512_loadu_si512(w + 16), qb = _mm512_loadu_si512(w + 80);
+    __m512i codes[4];
+    for (int c = 0; c < 4; c++) {
+        const __m512i q = _mm512_permutex2var_epi8(qa, gather[c], qb);
+        codes[c] = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xffff0000u, q, 4), low);
     }
+    spread_rows(codes, a, a, b, x, nr, k, parity, acc);
+}
+
+static inline __attribute__((always_inline)) void fused_q4_K(const uint8_t *row, int64_t in, const q_row *x, int nr,
+                                                             vec *acc) {
+    UNITS_IN_PAIRS(q4_K_unit, in, row, x, nr, acc)
 }
 
 /* Q6_K: a = d * scale per 16 values, b' = -32 a (the codes' offset). Value 32s + 8c + t of a unit: low nibble at
    byte 64 h + 32 (s % 2) + 8c + t of ql, shifted by 4 ((s % 4) / 2); high bits at byte 32 h + 8c + t of qh,
    shifted by 2 (s % 4), with h = s / 4. */
-static inline __attribute__((always_inline)) void fused_q6_K(const uint8_t *w, int64_t in, const q_row *x, int nr,
-                                                             vec *acc) {
+static inline __attribute__((always_inline)) void q6_K_unit(int64_t k, int parity, const uint8_t *row, const q_row *x,
+                                                            int nr, vec *acc) {
     const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3);
     /* per 8-byte group k of a chunk (sub-block s = SUB_ORDER[k]): where its ql and qh bytes start, and shifts */
     const long long b32 = 0x2020202020202020LL, b64 = 0x4040404040404040LL, b96 = 0x6060606060606060LL;
@@ -563,57 +579,61 @@ static inline __attribute__((always_inline)) void fused_q6_K(const uint8_t *w, i
     const __m512i ql_shift = _mm512_set_epi64(4, 0, 4, 0, 4, 0, 4, 0);
     const __m512i qh_shift = _mm512_set_epi64(6, 2, 6, 2, 4, 0, 4, 0);
     const __m512i within = _mm512_set1_epi64(0x0706050403020100LL);
-    for (int64_t k = 0; k < in; k += QK, w += 210) {
-        for (int line = 0; line < 210; line += 64)
-            __builtin_prefetch(w + PREFETCH + line, 0, 0);
-        const vec a = vtimes(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 192)))),
-                             vset1(half_fast(w + 208)));
-        const __m512i la = _mm512_loadu_si512(w), lb = _mm512_loadu_si512(w + 64), h = _mm512_loadu_si512(w + 128);
-        __m512i codes[4];
-        for (int c = 0; c < 4; c++) {
-            const __m512i offset = _mm512_add_epi8(within, _mm512_set1_epi8((char)(8 * c)));
-            const __m512i l = _mm512_permutex2var_epi8(la, _mm512_add_epi8(offset, ql_at), lb);
-            const __m512i hi = _mm512_permutexvar_epi8(_mm512_add_epi8(offset, qh_at), h);
-            codes[c] = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi64(l, ql_shift), low),
-                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(hi, qh_shift), two), 4));
-        }
-        spread_rows(codes, spread_lanes(a, 0), spread_lanes(a, 1), negated(vtimes(vset1(32.0f), a)), x, nr, k, acc);
+    const uint8_t *w = row + k / QK * 210;
+    for (int line = 0; line < 210; line += 64)
+        __builtin_prefetch(w + PREFETCH + line, 0, 0);
+    const vec a = vtimes(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 192)))),
+                         vset1(half_fast(w + 208)));
+    const __m512i la = _mm512_loadu_si512(w), lb = _mm512_loadu_si512(w + 64), h = _mm512_loadu_si512(w + 128);
+    __m512i codes[4];
+    for (int c = 0; c < 4; c++) {
+        const __m512i offset = _mm512_add_epi8(within, _mm512_set1_epi8((char)(8 * c)));
+        const __m512i l = _mm512_permutex2var_epi8(la, _mm512_add_epi8(offset, ql_at), lb);
+        const __m512i hi = _mm512_permutexvar_epi8(_mm512_add_epi8(offset, qh_at), h);
+        codes[c] = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi64(l, ql_shift), low),
+                                   _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(hi, qh_shift), two), 4));
     }
+    spread_rows(codes, spread_lanes(a, 0), spread_lanes(a, 1), negated(vtimes(vset1(32.0f), a)), x, nr, k, parity,
+                acc);
+}
+
+static inline __attribute__((always_inline)) void fused_q6_K(const uint8_t *row, int64_t in, const q_row *x, int nr,
+                                                             vec *acc) {
+    UNITS_IN_PAIRS(q6_K_unit, in, row, x, nr, acc)
 }
 
 static int has_fused_dots(int type) { return type == 12 || type == 14; }
 
-/* sums[r] = row r . the weight row w (raw blocks, or `u` unpacked for a type without a fused loop). */
+/* sums[r] = row r . the weight row w (raw blocks, or `u` unpacked for a type without a fused loop), `width` rows (a
+   constant once inlined: each width gets its own accumulators, in registers, rather than one array in memory that
+   every call zeroed). */
+static inline __attribute__((always_inline)) void dots_of(int type, const uint8_t *w, const unpacked_row *u, int64_t in,
+                                                          const q_row *x, int width, int nr, int64_t padded,
+                                                          float *sums) {
+    vec acc[2 * Q_ROWS];
+    for (int r = 0; r < 2 * width; r++)
+        acc[r] = vzero();
+    switch (type) {
+    case 12: fused_q4_K(w, in, x, width, acc); break;
+    case 14: fused_q6_K(w, in, x, width, acc); break;
+    default: unpacked_rows(u, padded, x, width, acc); break;
+    }
+    for (int r = 0; r < nr; r++)
+        sums[r] = hsum(vplus(acc[2 * r], acc[2 * r + 1]));
+}
+
 static void q_dots(int type, const uint8_t *w, const unpacked_row *u, int64_t in, const uint8_t *const *rows, int nr,
                    int64_t padded, float *sums) {
     q_row x[Q_ROWS];
     const int width = nr == 1 ? 1 : nr == 2 ? 2 : nr <= 4 ? 4 : 8; /* loops built for these counts only: a group */
     for (int r = 0; r < width; r++) /* of 3 runs as 4, its first row again (those sums dropped) */
         x[r] = row_at(rows[r < nr ? r : 0], padded, ROW256);
-    vec acc[2 * Q_ROWS];
-    for (int r = 0; r < 2 * Q_ROWS; r++)
-        acc[r] = vzero();
-#define ROWS(call)                                                                                                \
-    switch (width) {                                                                                              \
-    case 1: call(1); break;                                                                                       \
-    case 2: call(2); break;                                                                                       \
-    case 4: call(4); break;                                                                                       \
-    default: call(8); break;                                                                                      \
+    switch (width) {
+    case 1: dots_of(type, w, u, in, x, 1, nr, padded, sums); break;
+    case 2: dots_of(type, w, u, in, x, 2, nr, padded, sums); break;
+    case 4: dots_of(type, w, u, in, x, 4, nr, padded, sums); break;
+    default: dots_of(type, w, u, in, x, 8, nr, padded, sums); break;
     }
-#define Q4K(n) fused_q4_K(w, in, x, n, acc)
-#define Q6K(n) fused_q6_K(w, in, x, n, acc)
-#define ANY(n) unpacked_rows(u, padded, x, n, acc)
-    switch (type) {
-    case 12: ROWS(Q4K); break;
-    case 14: ROWS(Q6K); break;
-    default: ROWS(ANY); break;
-    }
-#undef ROWS
-#undef Q4K
-#undef Q6K
-#undef ANY
-    for (int r = 0; r < nr; r++)
-        sums[r] = hsum(vplus(acc[2 * r], acc[2 * r + 1]));
 }
 #else
 static int has_fused_dots(int type) { return (void)type, 0; }
