@@ -455,7 +455,7 @@ static void panel_rows(const void *task, int64_t begin, int64_t end) {
 
 /* Helper threads, started on first need and kept. `parallel` hands out units by publishing a new
    `ticket`: a generation count and how many threads take part. Helper t < that count and the caller
-   take units a few at a time (`next`) until none is left, and count them `done`; the others go back
+   take a share of the units left at a time (`next`) until none is left, and count them `done`; the others go back
    to sleep at once (a node whose core share shrank must not keep its extra helpers spinning). The
    caller returns once every unit is done, never waiting for a helper that took none: a helper whose
    core another node's step took delays the call by the units it holds, not by a fixed share (nodes
@@ -467,7 +467,7 @@ static void panel_rows(const void *task, int64_t begin, int64_t end) {
 #define MAX_THREADS 64
 #define THREAD_WORK 100000 /* multiply-adds below which one thread does it all */
 #define SPIN_NS 200000
-#define UNIT_SHARES 4 /* a call's units handed out in about this many pieces per thread */
+#define UNIT_SHARES 2 /* a thread takes 1 / (this * threads) of the units left (at least one) */
 
 typedef void (*work_fn)(const void *task, int64_t begin, int64_t end);
 
@@ -481,7 +481,7 @@ static struct {
     unsigned long long first_ticket[MAX_THREADS];
     work_fn work;
     const void *task;
-    int64_t units, chunk;
+    int64_t units, threads;
 } pool = {.busy = PTHREAD_MUTEX_INITIALIZER, .sleep = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
 
 /* A forked child has none of its parent's helpers (nor a consistent pool): it starts over. */
@@ -500,20 +500,23 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* Units of `generation`'s work, `chunk` at a time, until none is left. A unit taken is computed before the caller
+/* Units of `generation`'s work, a share of those left at a time (smaller as fewer are left, so that the threads
+   finish together), until none is left. A unit taken is computed before the caller
    can see them all done, so the work, task and sizes read after taking one are that generation's; read before
    (another call's, if it began meanwhile), the compare-exchange fails on the slot that call replaced. */
 static void take_units(unsigned long long generation) {
     for (;;) {
         unsigned long long slot = atomic_load_explicit(&pool.next, memory_order_acquire);
-        int64_t begin;
+        int64_t begin, take;
         do {
             begin = (int64_t)(slot & 0xffffffffu);
             if (slot >> 32 != generation || begin >= pool.units)
                 return;
-        } while (!atomic_compare_exchange_weak_explicit(&pool.next, &slot, slot + (unsigned long long)pool.chunk,
+            take = (pool.units - begin) / (UNIT_SHARES * pool.threads);
+            take = take < 1 ? 1 : take;
+        } while (!atomic_compare_exchange_weak_explicit(&pool.next, &slot, slot + (unsigned long long)take,
                                                         memory_order_acq_rel, memory_order_acquire));
-        int64_t end = begin + pool.chunk < pool.units ? begin + pool.chunk : pool.units;
+        const int64_t end = begin + take;
         pool.work(pool.task, begin, end);
         atomic_fetch_add_explicit(&pool.done, end - begin, memory_order_release);
     }
@@ -570,7 +573,7 @@ static void parallel(work_fn work, const void *task, int64_t units, int threads)
     pool.work = work;
     pool.task = task;
     pool.units = units;
-    pool.chunk = units / (threads * UNIT_SHARES) > 1 ? units / (threads * UNIT_SHARES) : 1;
+    pool.threads = threads;
     atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
     atomic_store_explicit(&pool.next, generation << 32, memory_order_release);
     atomic_store_explicit(&pool.ticket, generation << 32 | (unsigned)threads, memory_order_release);

@@ -443,6 +443,8 @@ static void unpack_row(const block_type *t, const uint8_t *w, int64_t in, unpack
 #define Q_ROWS 8 /* activation rows that share one pass over a weight row */
 #define PREFETCH 2048 /* bytes ahead of the block read that a fused loop asks for (a hint: past the end, nothing) */
 #define Q_TILE 64 /* outputs a unit of work takes: their weights stay in cache while each group of rows passes */
+#define Q_TILE_ONE_GROUP 16 /* or, with one group of rows (nothing to keep in cache), this many: the threads' last
+                               units are small, so they finish together */
 
 /* Every product of a K-quant type, for any number of rows, runs the same loop below (a row's sums, and their order,
    are the same alone or in any batch, and on every instruction set): the fused loops of the hot types where they
@@ -708,18 +710,19 @@ typedef struct {
     int64_t rows, in, out, ldy, row_bytes, x_bytes;
     const float *bias;
     float *y;
+    int64_t tile; /* outputs a unit */
 } qlinear_job;
 
-/* Units of Q_TILE outputs: for each group of Q_ROWS rows (in cache), every output of the unit. */
+/* Units of `tile` outputs: for each group of Q_ROWS rows (in cache), every output of the unit. */
 static void qlinear_units(const void *task, int64_t begin, int64_t end) {
     const qlinear_job *j = task;
     const int64_t padded = q8_padded(j->in);
     const int fused = has_fused_dots(j->type->type);
     uint8_t *buffer = fused ? NULL : lined((size_t)padded + sizeof(float) * 2 * (size_t)(padded / GROUP));
     unpacked_row u = {buffer, (float *)(buffer + padded), (float *)(buffer + padded) + padded / GROUP};
-    const int64_t first = begin * Q_TILE, last = end * Q_TILE < j->out ? end * Q_TILE : j->out;
-    for (int64_t tile = first; tile < last; tile += Q_TILE) {
-        const int64_t tile_end = tile + Q_TILE < last ? tile + Q_TILE : last;
+    const int64_t first = begin * j->tile, last = end * j->tile < j->out ? end * j->tile : j->out;
+    for (int64_t tile = first; tile < last; tile += j->tile) {
+        const int64_t tile_end = tile + j->tile < last ? tile + j->tile : last;
         for (int64_t r0 = 0; r0 < j->rows; r0 += Q_ROWS) {
             const int nr = (int)(j->rows - r0 < Q_ROWS ? j->rows - r0 : Q_ROWS);
             const uint8_t *rows[Q_ROWS];
@@ -755,8 +758,8 @@ static int q_product(const block_type *t, const uint8_t *x, int64_t rows, int64_
     if (layout_of(t) == ROW32)
         return v_product(t, x, rows, in, w, bias, y, ldy, out, threads);
     qlinear_job job = {t, w, x, rows, in, out, ldy, in / t->elements * t->bytes, q8_row_bytes(in, layout_of(t)),
-                       bias, y};
-    const int64_t units = (out + Q_TILE - 1) / Q_TILE;
+                       bias, y, rows <= Q_ROWS ? Q_TILE_ONE_GROUP : Q_TILE};
+    const int64_t units = (out + job.tile - 1) / job.tile;
     parallel(qlinear_units, &job, units, rows * in * out < THREAD_WORK ? 1 : threads);
     return 0;
 }
