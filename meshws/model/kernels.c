@@ -19,6 +19,7 @@
    read once for LANES rows instead of once per two. */
 
 #define _GNU_SOURCE
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>

@@ -335,7 +335,20 @@ static inline int64_t q8_row_bytes(int64_t in, int layout) {
 /* The largest |x| of x[0..n), or NaN if one is not finite. */
 static float largest(const float *x, int64_t n) {
     float top = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
+    int64_t i = 0;
+#if LANES == 16 /* (a maximum is exact in any order) */
+    __m512 tops = _mm512_setzero_ps();
+    __mmask16 finite = 0xffff;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+        finite &= _mm512_cmp_ps_mask(v, _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ); /* (false for NaN and infinity) */
+        tops = _mm512_max_ps(tops, v);
+    }
+    if (finite != 0xffff)
+        return NAN;
+    top = _mm512_reduce_max_ps(tops);
+#endif
+    for (; i < n; i++) {
         float v = fabsf(x[i]);
         if (!isfinite(v))
             return NAN;
@@ -347,6 +360,16 @@ static float largest(const float *x, int64_t n) {
 /* q[0..size) of x[0..n) (zeros past n) for the scale top / 127; the sums of each 16 q's into group_sums. */
 static void quantize_block(const float *x, int64_t n, int64_t size, float top, int8_t *q, int *group_sums) {
     const float inverse = isfinite(top) && top > 0.0f ? 127.0f / top : 0.0f;
+#if LANES == 16 /* the loop below, 16 values (a group) at a time: the same rounding, clamp and sums */
+    for (int64_t i = 0; i < size; i += GROUP) {
+        const __mmask16 live = i + GROUP <= n ? 0xffff : i >= n ? 0 : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, x + i), _mm512_set1_ps(inverse));
+        __m512i c = _mm512_cvttps_epi32(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+        _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(c));
+        group_sums[i / GROUP] = _mm512_reduce_add_epi32(c);
+    }
+#else
     for (int64_t g = 0; g < size / GROUP; g++)
         group_sums[g] = 0;
     for (int64_t i = 0; i < size; i++) {
@@ -355,6 +378,7 @@ static void quantize_block(const float *x, int64_t n, int64_t size, float top, i
         q[i] = (int8_t)v;
         group_sums[i / GROUP] += v;
     }
+#endif
 }
 
 static void quantize_row(const float *x, int64_t in, int layout, uint8_t *row) {
@@ -374,8 +398,8 @@ static void quantize_row(const float *x, int64_t in, int layout, uint8_t *row) {
             shares[k / 32] = d * (float)totals[k / 32];
         } else {
             quantize_block(x + k, n, size, top, natural, group_sums);
-            for (int p = 0; p < QK; p++)
-                q[k + p] = natural[spread_at(p)];
+            for (int p = 0; p < QK; p += 8) /* (eight values at a time lie together both ways) */
+                memcpy(q + k + p, natural + spread_at(p), 8);
             scales[k / QK] = d;
             for (int g = 0; g < QK / GROUP; g++)
                 sums[k / GROUP + g] = (float)group_sums[g];
