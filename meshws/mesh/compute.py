@@ -69,6 +69,7 @@ class ComputeWorker(Waves):
         self.whole_wave = whole_wave  # or (a head whose host's nodes lend each other cores) one wave, kept whole
         self._in_flight = InFlight()  # (`waves`) sessions whose step this shard sent on, not yet back
         self.lingers = 0  # decode batches that waited for more steps (never for a lone session)
+        self._computing = False  # a job runs and this node has not said it rests (`_rested`)
         self._arrived = 0.0  # when the last decode step was queued
         self.busy_seconds = 0.0  # time spent computing (idle = waiting on the network or on nothing)
         self.recent: deque[tuple[float, float, int]] = deque(maxlen=128)  # (start, end, rows) of recent jobs
@@ -169,9 +170,9 @@ class ComputeWorker(Waves):
             together: list[_Job] = []
             with self._ready:
                 while not (self._urgent or self._decodes or self._others or self._closed):
-                    self._ready.wait(IDLE_RETUNE_SECONDS if self.retune else None)
-                    self._retune()  # idle: follow the core share all the same
-                    self._hint(self.rest)
+                    if not self._ready.wait(IDLE_RETUNE_SECONDS if self.retune else None):
+                        self._retune()  # idle a while: follow the core share all the same
+                        self._hint(self.rest)
                 if self._closed and not (self._urgent or self._decodes or self._others):
                     return
                 if self._urgent:
@@ -201,6 +202,7 @@ class ComputeWorker(Waves):
             if job is None and not batch and not together:
                 continue
             self._retune()
+            self._computing = True
             started = time.monotonic()
             if together:
                 self._run_prefills(together, batch)
@@ -211,7 +213,7 @@ class ComputeWorker(Waves):
             else:
                 self._run_decodes(batch)
             ended = time.monotonic()
-            self._hint(self.rest)
+            self._rested()
             self.busy_seconds += ended - started
             self.recent.append((started, ended, len(batch)))
 
@@ -338,8 +340,16 @@ class ComputeWorker(Waves):
         for job, result in zip(batch, results):  # hidden states say how many came together (the next shard's wave)
             self._deliver(job, replace(result, group=len(batch)) if isinstance(result, TensorPayload) else result)
 
-    @staticmethod
-    def _deliver(job: _Job, result: Any) -> None:
+    def _rested(self) -> None:
+        """This node no longer computes (`rest`): said once a job, before its first result goes out, so that the next
+        node, handed that result, never finds this one still computing and lends its kernels half the cores."""
+        if self._computing:
+            self._computing = False
+            self._hint(self.rest)
+
+    def _deliver(self, job: _Job, result: Any) -> None:
+        self._rested()
+
         def settle() -> None:
             if job.future.done():
                 return  # the caller went away (cancelled)

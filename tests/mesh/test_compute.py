@@ -43,6 +43,34 @@ async def test_worker_batches_steps_that_arrive_together_and_runs_a_lone_step_al
         worker.shutdown()
 
 
+async def test_a_node_says_it_rests_before_a_result_leaves_it():
+    # The next node, handed the result, looks whether this one still computes to choose its kernels' threads: told
+    # after the result left, it could find this node busy and run its whole step on half the cores.
+    rests, computed = [], []
+
+    class Tail(_RecordingTail):
+        def forward_bytes(self, *args, **kwargs):
+            computed.append(time.monotonic())
+            return super().forward_bytes(*args, **kwargs)
+
+    def rest():
+        began = time.monotonic()
+        time.sleep(0.1)  # (a slow mark: made after the result went out, the caller would have the result first)
+        rests.append((began, time.monotonic()))
+
+    worker = ComputeWorker(Tail(), rest=rest)
+    try:
+        await asyncio.sleep(0.05)  # (the worker waits for work)
+        result = await worker.decode(DecodeStep("s", body=b"", shape=(1, 1, 8)))
+        received = time.monotonic()
+        assert result.token_id == 1
+        assert [(began, done) for began, done in rests if began > computed[0]] and \
+            all(done < received for began, done in rests if began > computed[0])
+        assert len(rests) == 1  # once a job (not on waking up as well)
+    finally:
+        worker.shutdown()
+
+
 async def test_an_exception_in_a_job_reaches_its_caller_and_the_worker_goes_on():
     worker = ComputeWorker(FakeBackend())
     try:
