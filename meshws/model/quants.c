@@ -556,7 +556,7 @@ static inline __m512i q4_K_gather(int c) {
 
 /* Q4_K, unpacked in registers: a = d * scale, b' = -(dmin * min), as `unpack_q4_K` and `unpack_row` make them. */
 static inline __attribute__((always_inline)) void q4_K_unit(int64_t k, int parity, const uint8_t *row, const q_row *x,
-                                                            int nr, vec *acc, int64_t ahead) {
+                                                            int nr, vec *acc) {
     const __m512i low = _mm512_set1_epi8(15);
     /* The 8 scales and 8 mins as 16 bytes in vector registers (scalar shifts and inserts took a fifth of a unit's
        time): each one's low 6 bits, or low 4 and the 2 high bits from bytes 0-7; then times d or dmin. */
@@ -571,7 +571,7 @@ static inline __attribute__((always_inline)) void q4_K_unit(int64_t k, int parit
     const __m512i gather[4] = {q4_K_gather(0), q4_K_gather(1), q4_K_gather(2), q4_K_gather(3)};
     const uint8_t *w = row + k / QK * 144;
     for (int line = 0; line < 144; line += 64) /* (the hardware's prefetch alone left a fifth of the time idle) */
-        __builtin_prefetch(w + ahead + line, 0, 0);
+        __builtin_prefetch(w + PREFETCH + line, 0, 0);
     const __m128i head = _mm_loadu_si128((const __m128i *)w); /* d, dmin, then the 12 bytes of scales */
     const __m128i low_bits = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi8(head, take_low), low_shift), low_mask);
     const __m128i high_bits = _mm_srli_epi32(_mm_and_si128(_mm_shuffle_epi8(head, take_high), top_two), 2);
@@ -589,14 +589,14 @@ static inline __attribute__((always_inline)) void q4_K_unit(int64_t k, int parit
 
 static inline __attribute__((always_inline)) void fused_q4_K(const uint8_t *row, int64_t in, const q_row *x, int nr,
                                                              vec *acc) {
-    UNITS_IN_PAIRS(q4_K_unit, in, row, x, nr, acc, PREFETCH)
+    UNITS_IN_PAIRS(q4_K_unit, in, row, x, nr, acc)
 }
 
 /* Q6_K: a = d * scale per 16 values, b' = -32 a (the codes' offset). Value 32s + 8c + t of a unit: low nibble at
    byte 64 h + 32 (s % 2) + 8c + t of ql, shifted by 4 ((s % 4) / 2); high bits at byte 32 h + 8c + t of qh,
    shifted by 2 (s % 4), with h = s / 4. */
 static inline __attribute__((always_inline)) void q6_K_unit(int64_t k, int parity, const uint8_t *row, const q_row *x,
-                                                            int nr, vec *acc, int64_t ahead) {
+                                                            int nr, vec *acc) {
     const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3);
     /* per 8-byte group k of a chunk (sub-block s = SUB_ORDER[k]): where its ql and qh bytes start, and shifts */
     const long long b32 = 0x2020202020202020LL, b64 = 0x4040404040404040LL, b96 = 0x6060606060606060LL;
@@ -607,7 +607,7 @@ static inline __attribute__((always_inline)) void q6_K_unit(int64_t k, int parit
     const __m512i within = _mm512_set1_epi64(0x0706050403020100LL);
     const uint8_t *w = row + k / QK * 210;
     for (int line = 0; line < 210; line += 64)
-        __builtin_prefetch(w + ahead + line, 0, 0);
+        __builtin_prefetch(w + PREFETCH + line, 0, 0);
     const vec a = vtimes(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 192)))),
                          vset1(half_fast(w + 208)));
     const __m512i la = _mm512_loadu_si512(w), lb = _mm512_loadu_si512(w + 64), h = _mm512_loadu_si512(w + 128);
@@ -625,7 +625,7 @@ static inline __attribute__((always_inline)) void q6_K_unit(int64_t k, int parit
 
 static inline __attribute__((always_inline)) void fused_q6_K(const uint8_t *row, int64_t in, const q_row *x, int nr,
                                                              vec *acc) {
-    UNITS_IN_PAIRS(q6_K_unit, in, row, x, nr, acc, PREFETCH)
+    UNITS_IN_PAIRS(q6_K_unit, in, row, x, nr, acc)
 }
 
 static int has_fused_dots(int type) { return type == 12 || type == 14; }
@@ -662,9 +662,9 @@ static void q_dots_lone(int type, const uint8_t *w, int64_t row_bytes, int64_t i
 #pragma GCC unroll 4
     for (int o = 0; o < LONE_OUTPUTS; o++) {
         if (type == 12)
-            UNITS_IN_PAIRS(q4_K_unit, in, w + o * row_bytes, &x, 1, acc + 2 * o, PREFETCH)
+            UNITS_IN_PAIRS(q4_K_unit, in, w + o * row_bytes, &x, 1, acc + 2 * o)
         else
-            UNITS_IN_PAIRS(q6_K_unit, in, w + o * row_bytes, &x, 1, acc + 2 * o, PREFETCH)
+            UNITS_IN_PAIRS(q6_K_unit, in, w + o * row_bytes, &x, 1, acc + 2 * o)
     }
     for (int o = 0; o < LONE_OUTPUTS; o++)
         sums[o] = hsum(vplus(acc[2 * o], acc[2 * o + 1]));
