@@ -131,7 +131,8 @@ class CoreShare:
         native.lend_threads(max(self.threads, self.cores // (1 + busy)) if lend else self.threads)
 
     def rest(self) -> None:
-        """(On the compute thread, after a job.) This node no longer computes."""
+        """(On the compute thread, once a job no longer computes: before its first result goes out.) This node no
+        longer computes."""
         with self._lock:
             self._mark(b"\0")
 

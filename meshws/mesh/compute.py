@@ -61,15 +61,15 @@ class ComputeWorker(Waves):
         # microseconds apart; lingering a few ms for them when several sessions are live
         # turns a 1 + 15 split into one batch of 16. A lone session never waits.
         self.live_sessions = live_sessions
-        self.retune = retune  # called on this thread before each job: follow the host's core share (`cores`)
-        self.rest = rest  # and this after each job (the node no longer computes)
+        self.retune = retune  # called on this thread before a job computes: follow the host's core share (`cores`)
+        self.rest = rest  # and this once it no longer computes, before its first result goes out (`_mark`)
         # Groups the live sessions' decode steps are split into (on a head: the shards on its route), so
         # that while the next shard computes one group this one computes the next: several waves in flight.
         self.micro_batches = micro_batches
         self.whole_wave = whole_wave  # or (a head whose host's nodes lend each other cores) one wave, kept whole
         self._in_flight = InFlight()  # (`waves`) sessions whose step this shard sent on, not yet back
         self.lingers = 0  # decode batches that waited for more steps (never for a lone session)
-        self._computing = False  # a job runs and this node has not said it rests (`_rested`)
+        self._computing = False  # what this node last said (`_mark`)
         self._arrived = 0.0  # when the last decode step was queued
         self.busy_seconds = 0.0  # time spent computing (idle = waiting on the network or on nothing)
         self.recent: deque[tuple[float, float, int]] = deque(maxlen=128)  # (start, end, rows) of recent jobs
@@ -171,7 +171,7 @@ class ComputeWorker(Waves):
             with self._ready:
                 while not (self._urgent or self._decodes or self._others or self._closed):
                     if not self._ready.wait(IDLE_RETUNE_SECONDS if self.retune else None):
-                        self._retune()  # idle a while: follow the core share all the same
+                        self._hint(self.retune)  # idle a while: follow the core share all the same
                         self._hint(self.rest)
                 if self._closed and not (self._urgent or self._decodes or self._others):
                     return
@@ -201,8 +201,7 @@ class ComputeWorker(Waves):
                 continue
             if job is None and not batch and not together:
                 continue
-            self._retune()
-            self._computing = True
+            self._mark(True)
             started = time.monotonic()
             if together:
                 self._run_prefills(together, batch)
@@ -213,12 +212,9 @@ class ComputeWorker(Waves):
             else:
                 self._run_decodes(batch)
             ended = time.monotonic()
-            self._rested()
+            self._mark(False)
             self.busy_seconds += ended - started
             self.recent.append((started, ended, len(batch)))
-
-    def _retune(self) -> None:
-        self._hint(self.retune)
 
     @staticmethod
     def _hint(call: Callable[[], None] | None) -> None:
@@ -283,6 +279,7 @@ class ComputeWorker(Waves):
         self._delivered(decodes, results[len(jobs):])
 
     def _run_decodes(self, batch: list[_Job]) -> None:
+        self._mark(True)
         if len(batch) == 1:  # (delivered as a batch's: a wave's part that ran alone is on its way too)
             self._delivered(batch, [self._alone(batch[0])])
         elif batch:
@@ -299,6 +296,7 @@ class ComputeWorker(Waves):
     def _run_chunk(self, job: _Job) -> None:
         """One chunk of a prefill; then back to the end of the queue, or its result delivered."""
         assert job.chunks is not None
+        self._mark(True)
         job.started = True
         try:
             next(job.chunks)
@@ -340,15 +338,16 @@ class ComputeWorker(Waves):
         for job, result in zip(batch, results):  # hidden states say how many came together (the next shard's wave)
             self._deliver(job, replace(result, group=len(batch)) if isinstance(result, TensorPayload) else result)
 
-    def _rested(self) -> None:
-        """This node no longer computes (`rest`): said once a job, before its first result goes out, so that the next
-        node, handed that result, never finds this one still computing and lends its kernels half the cores."""
-        if self._computing:
-            self._computing = False
-            self._hint(self.rest)
+    def _mark(self, computing: bool) -> None:
+        """Tell the host's other nodes whether this one computes (`retune` first, or `rest`): idle before a job's first
+        result goes out, since the next node, handed it, must not find this one computing and lend its kernels half
+        the cores; computing again if the job computes more after that (a failed batch's rows one by one)."""
+        if computing != self._computing:
+            self._computing = computing
+            self._hint(self.retune if computing else self.rest)
 
     def _deliver(self, job: _Job, result: Any) -> None:
-        self._rested()
+        self._mark(False)
 
         def settle() -> None:
             if job.future.done():

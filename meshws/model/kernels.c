@@ -468,7 +468,7 @@ static void panel_rows(const void *task, int64_t begin, int64_t end) {
 #define MAX_THREADS 64
 #define THREAD_WORK 100000 /* multiply-adds below which one thread does it all */
 #define SPIN_NS 200000
-#define UNIT_SHARES 2 /* a thread takes 1 / (this * threads) of the units left (at least one) */
+#define UNIT_SHARES 4 /* a thread takes 1 / (this * threads) of the units left (at least one) */
 
 typedef void (*work_fn)(const void *task, int64_t begin, int64_t end);
 
@@ -548,8 +548,9 @@ static void *helper(void *arg) {
     return NULL;
 }
 
-/* work(task, begin, end) over units [0, units), on up to `threads` threads, each taking a few units at a time: a
-   helper that lost its core (another node computes on it) delays the call by the units it holds, not its share. */
+/* work(task, begin, end) over units [0, units), on up to `threads` threads, each taking a share of the units left at a
+   time: a helper that lost its core (another node computes on it) delays the call by the units it holds (an eighth of
+   them at most, with two threads), not its share. */
 static void parallel(work_fn work, const void *task, int64_t units, int threads) {
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;

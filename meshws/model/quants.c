@@ -336,7 +336,7 @@ static inline int64_t q8_row_bytes(int64_t in, int layout) {
 static float largest(const float *x, int64_t n) {
     float top = 0.0f;
     int64_t i = 0;
-#if LANES == 16 /* (a maximum is exact in any order) */
+#if LANES == 16 && !defined(GENERIC) /* (a maximum is exact in any order) */
     __m512 tops = _mm512_setzero_ps();
     __mmask16 finite = 0xffff;
     for (; i + 16 <= n; i += 16) {
@@ -359,13 +359,16 @@ static float largest(const float *x, int64_t n) {
 
 /* q[0..size) of x[0..n) (zeros past n) for the scale top / 127; the sums of each 16 q's into group_sums. */
 static void quantize_block(const float *x, int64_t n, int64_t size, float top, int8_t *q, int *group_sums) {
-    const float inverse = isfinite(top) && top > 0.0f ? 127.0f / top : 0.0f;
-#if LANES == 16 /* the loop below, 16 values (a group) at a time: the same rounding, clamp and sums */
+    float inverse = isfinite(top) && top > 0.0f ? 127.0f / top : 0.0f;
+    inverse = inverse <= FLT_MAX ? inverse : FLT_MAX; /* (a top below 127 / FLT_MAX: no infinite scale, whose
+                                                         products would turn every value into -127) */
+#if LANES == 16 && !defined(GENERIC) /* the loop below, 16 values (a group) at a time: the same rounding, clamp, sums */
     for (int64_t i = 0; i < size; i += GROUP) {
         const __mmask16 live = i + GROUP <= n ? 0xffff : i >= n ? 0 : (__mmask16)((1u << (n - i)) - 1);
         const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, x + i), _mm512_set1_ps(inverse));
         __m512i c = _mm512_cvttps_epi32(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+        c = _mm512_maskz_mov_epi32(live, _mm512_min_epi32(_mm512_max_epi32(c, _mm512_set1_epi32(-127)),
+                                                          _mm512_set1_epi32(127))); /* (past n: 0, as below) */
         _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(c));
         group_sums[i / GROUP] = _mm512_reduce_add_epi32(c);
     }
@@ -649,9 +652,9 @@ static inline __attribute__((always_inline)) void dots_of(int type, const uint8_
 }
 
 /* A lone row against LONE_OUTPUTS weight rows `row_bytes` apart (Q4_K, Q6_K), one after another: sums[o] = row . w_o,
-   each output's arithmetic that of `q_dots` (the same bits). Their four `hsum`s at the end, rather than one between
-   each output's eight units and the next's, let the core run on into the next row (a tenth off a 1B token's
-   products). (Interleaving the rows unit by unit instead made four streams from memory, and took 1.6x as long.) */
+   each output's arithmetic that of `q_dots` (the same bits). Their `hsum`s come at the end, not between one output's
+   units and the next's, so the core runs on into the next row; the rows are read in order, one stream from memory
+   (interleaved unit by unit, four streams were much slower). */
 #define LONE_OUTPUTS 4
 static void q_dots_lone(int type, const uint8_t *w, int64_t row_bytes, int64_t in, const uint8_t *row, int64_t padded,
                         float *sums) {

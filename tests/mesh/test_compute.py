@@ -64,8 +64,9 @@ async def test_a_node_says_it_rests_before_a_result_leaves_it():
         result = await worker.decode(DecodeStep("s", body=b"", shape=(1, 1, 8)))
         received = time.monotonic()
         assert result.token_id == 1
-        assert [(began, done) for began, done in rests if began > computed[0]] and \
-            all(done < received for began, done in rests if began > computed[0])
+        after = [done for began, done in rests if began > computed[0]]  # marks made once the step was computed
+        assert after, "the node never said it rests after computing"
+        assert all(done < received for done in after), "the result reached its caller before the mark was made"
         assert len(rests) == 1  # once a job (not on waking up as well)
     finally:
         worker.shutdown()
