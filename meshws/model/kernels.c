@@ -1225,7 +1225,7 @@ static int product(const mw_weight *parts, int count, float *x, int64_t rows, fl
     int64_t ldy = 0;
     for (int p = 0; p < count; p++)
         ldy += parts[p].out;
-    uint8_t *quantized[2] = {NULL, NULL}; /* x in each layout the parts need, quantized once */
+    uint8_t *quantized[3] = {NULL, NULL, NULL}; /* x in each layout the parts need, quantized once */
     int failed = 0;
     for (int p = 0, at = 0; p < count && !failed; at += (int)parts[p].out, p++) {
         const mw_weight *part = parts + p;
@@ -1240,8 +1240,8 @@ static int product(const mw_weight *parts, int count, float *x, int64_t rows, fl
         } else
             mw_linear(x, rows, part->in, part->w, part->kind, part->scale, part->bias, y + at, ldy, part->out, threads);
     }
-    free(quantized[0]);
-    free(quantized[1]);
+    for (int layout = 0; layout < 3; layout++)
+        free(quantized[layout]);
     return failed ? -1 : 0;
 }
 

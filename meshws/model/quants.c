@@ -308,24 +308,41 @@ int mw_widen(int type, const void *w, int64_t cols, const int64_t *ids, int64_t 
 /* -- 8-bit products ------------------------------------------------------------------------------------------
 
    An activation row of `in` values (`padded`: rounded up to QK, zeros past `in`) is quantized to signed bytes q,
-   as llama.cpp quantizes for the same types, in one of two layouts:
+   as llama.cpp quantizes for the same types, in one of three layouts:
      ROW32, for 32-value block types (Q4_0 ... Q8_0): d = max |x| / 127 per 32 values, q = round(x / d), and
        q int8[padded] | d float[padded / 32] | (sum of q) int32[padded / 32] | d * (sum of q) float[padded / 32]
-     ROW256, for K-quants: one d per 256 values, and
-       q int8[padded], spread (below) | d float[padded / 256] | (sum of q) per 16 values (in order), as a float
-   In ROW256 a unit's 256 values are spread over its four chunks of 64: chunk c holds, for each 32-value sub-block
-   s in SUB_ORDER, its values 8c .. 8c + 7. A vpdpbusd lane (4 values) then always lies in one sub-block, the
-   same one in every chunk, so a unit's integer dots add up in int32 before its scales, once per unit. A block
-   with a NaN or an infinity gets d = NaN: the row's products are NaN, as a float product's. */
+     ROW256 and ROW256_Q4K, for K-quants: one d per 256 values, and
+       q int8[padded], in the unit's order (below) | d float[padded / 256] | (sum of q) per 16 values (in order),
+       as a float
+   A unit's 256 values lie in four chunks of 64, so that a vpdpbusd lane (4 values) lies in one group of values
+   sharing a scale, the same group in two chunks at least; its integer dots then add up in int32 before the
+   scale. ROW256 spreads them: chunk c holds, for each 32-value sub-block s in SUB_ORDER, its values 8c .. 8c + 7
+   (a lane is in the same sub-block in all four chunks, and in the same 16 values in chunks 0 and 1, 2 and 3).
+   ROW256_Q4K, for Q4_K alone, follows its nibbles as 64 bytes of them load: chunk c holds 16-value groups
+   Q4K_GROUPS[c] (quarter p of chunks 0 and 1 in sub-block p, of chunks 2 and 3 in sub-block 4 + p), so its
+   codes need no byte shuffle. A block with a NaN or an infinity gets d = NaN: the row's products are NaN, as a
+   float product's. */
 
 #define ROW32 0
 #define ROW256 1
+#define ROW256_Q4K 2
 
 static const int SUB_ORDER[8] = {0, 2, 4, 6, 1, 3, 5, 7}; /* low nibbles of Q4_K's four 32-byte groups, then high */
 
-static inline int spread_at(int p) { return 32 * SUB_ORDER[(p % 64) / 8] + 8 * (p / 64) + p % 8; } /* value at p */
+/* Q4_K's nibbles, 64 bytes (128 values) loaded at a time: the low nibbles of bytes 0-15 (values 0-15, group 0),
+   high of 16-31 (values 48-63, group 3), low of 32-47 (group 4), high of 48-63 (group 7); then the same bytes
+   with their halves of 16 swapped (groups 1, 2, 5, 6); then the next 64 bytes. */
+static const int Q4K_GROUPS[4][4] = {{0, 3, 4, 7}, {1, 2, 5, 6}, {8, 11, 12, 15}, {9, 10, 13, 14}};
 
-static inline int layout_of(const block_type *t) { return t->elements == QK ? ROW256 : ROW32; }
+static inline int unit_at(int layout, int p) { /* the value at position p of a unit */
+    if (layout == ROW256_Q4K)
+        return 16 * Q4K_GROUPS[p / 64][(p % 64) / 16] + p % 16;
+    return 32 * SUB_ORDER[(p % 64) / 8] + 8 * (p / 64) + p % 8;
+}
+
+static inline int layout_of(const block_type *t) {
+    return t->type == 12 ? ROW256_Q4K : t->elements == QK ? ROW256 : ROW32;
+}
 static inline int64_t q8_padded(int64_t in) { return (in + QK - 1) / QK * QK; }
 static inline int64_t q8_row_bytes(int64_t in, int layout) {
     const int64_t padded = q8_padded(in);
@@ -401,8 +418,8 @@ static void quantize_row(const float *x, int64_t in, int layout, uint8_t *row) {
             shares[k / 32] = d * (float)totals[k / 32];
         } else {
             quantize_block(x + k, n, size, top, natural, group_sums);
-            for (int p = 0; p < QK; p += 8) /* (eight values at a time lie together both ways) */
-                memcpy(q + k + p, natural + spread_at(p), 8);
+            for (int p = 0; p < QK; p += 8) /* (eight values at a time lie together in every layout) */
+                memcpy(q + k + p, natural + unit_at(layout, p), 8);
             scales[k / QK] = d;
             for (int g = 0; g < QK / GROUP; g++)
                 sums[k / GROUP + g] = (float)group_sums[g];
@@ -463,7 +480,7 @@ static void unpack_row(const block_type *t, const uint8_t *w, int64_t in, unpack
             b[g] = t->has_b ? b[g] : -((float)t->offset * a[g]); /* (as the fused loops make it) */
         }
         for (int p = 0; p < QK; p++)
-            c[p] = (int8_t)(uint8_t)((int)natural[spread_at(p)] + t->offset);
+            c[p] = (int8_t)(uint8_t)((int)natural[unit_at(layout_of(t), p)] + t->offset);
     }
 }
 
@@ -481,15 +498,17 @@ static void unpack_row(const block_type *t, const uint8_t *w, int64_t in, unpack
    v += b' * (sum of q) of 16-value group `lane` (in order), and acc[unit parity] += v * d;
    then the two accumulators, then their lanes (`hsum`'s tree). The 32-value types: `blocks32.c`. */
 
-/* The lanes' scale indices (16-value groups) for chunks `pair` (0: chunks 0 and 1; 1: 2 and 3) of a ROW256 unit. */
-static inline int spread_group(int lane, int pair) { return 2 * SUB_ORDER[lane / 2] + pair; }
+/* A lane's scale index (16-value group) in chunks `pair` (0: chunks 0 and 1; 1: 2 and 3) of a unit. */
+static inline int lane_group(int layout, int lane, int pair) {
+    return layout == ROW256_Q4K ? Q4K_GROUPS[2 * pair][lane / 4] : 2 * SUB_ORDER[lane / 2] + pair;
+}
 
 #if LANES == 16 && defined(__AVX512VNNI__)
 static inline __m512 dots(__m512i codes, const int8_t *x) {
     return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(x)));
 }
 
-static inline __m512 spread_lanes(__m512 a, int pair) { /* lane l: a[spread_group(l, pair)] */
+static inline __m512 spread_lanes(__m512 a, int pair) { /* lane l: a[lane_group(ROW256, l, pair)] */
     return _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(pair),
                                                   _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 2, 2, 6, 6, 10, 10, 14,
                                                                     14)), a);
@@ -546,48 +565,43 @@ static inline float half_fast(const uint8_t *p) { /* (F16C; a NaN's payload may 
     return _cvtsh_ss(h);
 }
 
-/* Byte indices gathering a spread chunk of Q4_K's codes from its 128 bytes of nibbles: for each of the four
-   32-byte groups, bytes 8c .. 8c + 7, twice (low nibbles in the first half, high nibbles in the second). */
-static inline __m512i q4_K_gather(int c) {
-    const __m512i within = _mm512_set_epi64(0x0706050403020100LL, 0x0706050403020100LL, 0x0706050403020100LL,
-                                            0x0706050403020100LL, 0x0706050403020100LL, 0x0706050403020100LL,
-                                            0x0706050403020100LL, 0x0706050403020100LL);
-    const __m512i group = _mm512_set_epi64(0x6060606060606060LL, 0x4040404040404040LL, 0x2020202020202020LL, 0,
-                                           0x6060606060606060LL, 0x4040404040404040LL, 0x2020202020202020LL, 0);
-    return _mm512_add_epi8(_mm512_add_epi8(within, group), _mm512_set1_epi8((char)(8 * c)));
-}
-
-/* Q4_K, unpacked in registers: a = d * scale, b' = -(dmin * min), as `unpack_q4_K` and `unpack_row` make them. */
+/* Q4_K, unpacked in registers in ROW256_Q4K's order: a = d * scale, b' = -(dmin * min), as `unpack_q4_K` and
+   `unpack_row` make them. A high nibble is not shifted down: its lanes multiply 16 times the code, and their scale
+   is a / 16 (exact: d / 16 is a float32 for every float16 d), which gives the shifted code's products bit for bit. */
 static inline __attribute__((always_inline)) void q4_K_unit(int64_t k, int parity, const uint8_t *row, const q_row *x,
                                                             int nr, vec *acc) {
-    const __m512i low = _mm512_set1_epi8(15);
     /* The 8 scales and 8 mins as 16 bytes in vector registers (scalar shifts and inserts took a fifth of a unit's
-       time): each one's low 6 bits, or low 4 and the 2 high bits from bytes 0-7; then times d or dmin. */
+       time): each one's low 6 bits, or low 4 and the 2 high bits from bytes 0-7; then times d (d / 16 for the odd
+       sub-blocks, high nibbles) or -dmin. */
     const __m128i take_low = _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m128i take_high = _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11);
     const __m128i low_shift = _mm_setr_epi32(0, 0, 0, 4), top_two = _mm_set1_epi8((char)0xc0);
     const __m128i low_mask = _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f);
-    const __m512i d_then_dmin = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    /* a spread lane's values share one sub-block of 32 in every chunk: its scale; b' per 16 values */
-    const __m512i scale_of_lane = _mm512_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6, 1, 1, 3, 3, 5, 5, 7, 7);
+    const __m512i times = _mm512_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2, 1, 1, 1, 1, 1, 1, 1, 1);
+    /* a lane's sub-block: quarter p of chunks 0 and 1 is in sub-block p, of chunks 2 and 3 in 4 + p; b' per 16 */
+    const __m512i scale_01 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i scale_23 = _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
     const __m512i min_of_group = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
-    const __m512i gather[4] = {q4_K_gather(0), q4_K_gather(1), q4_K_gather(2), q4_K_gather(3)};
+    const __m512i nibbles = _mm512_set_epi64(~0x0f0f0f0f0f0f0f0fLL, ~0x0f0f0f0f0f0f0f0fLL, 0x0f0f0f0f0f0f0f0fLL,
+                                             0x0f0f0f0f0f0f0f0fLL, ~0x0f0f0f0f0f0f0f0fLL, ~0x0f0f0f0f0f0f0f0fLL,
+                                             0x0f0f0f0f0f0f0f0fLL, 0x0f0f0f0f0f0f0f0fLL); /* low, high, low, high */
     const uint8_t *w = row + k / QK * 144;
     for (int line = 0; line < 144; line += 64) /* (the hardware's prefetch alone left a fifth of the time idle) */
         __builtin_prefetch(w + PREFETCH + line, 0, 0);
     const __m128i head = _mm_loadu_si128((const __m128i *)w); /* d, dmin, then the 12 bytes of scales */
     const __m128i low_bits = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi8(head, take_low), low_shift), low_mask);
     const __m128i high_bits = _mm_srli_epi32(_mm_and_si128(_mm_shuffle_epi8(head, take_high), top_two), 2);
+    const __m128 d = _mm_cvtph_ps(head); /* d, dmin: then d, -dmin, d / 16 */
+    const __m128 ds = _mm_mul_ps(_mm_shuffle_ps(d, d, _MM_SHUFFLE(0, 0, 1, 0)), _mm_setr_ps(1.0f, -1.0f, 0.0625f, 0));
     const vec both = vtimes(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(low_bits, high_bits))),
-                            _mm512_permutexvar_ps(d_then_dmin, _mm512_castps128_ps512(_mm_cvtph_ps(head))));
-    const vec a = _mm512_permutexvar_ps(scale_of_lane, both), b = negated(_mm512_permutexvar_ps(min_of_group, both));
+                            _mm512_permutexvar_ps(times, _mm512_castps128_ps512(ds)));
     const __m512i qa = _mm512_loadu_si512(w + 16), qb = _mm512_loadu_si512(w + 80);
-    __m512i codes[4];
-    for (int c = 0; c < 4; c++) {
-        const __m512i q = _mm512_permutex2var_epi8(qa, gather[c], qb);
-        codes[c] = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xffff0000u, q, 4), low);
-    }
-    spread_rows(codes, a, a, b, x, nr, k, parity, acc);
+    const __m512i codes[4] = {_mm512_and_si512(qa, nibbles),
+                              _mm512_and_si512(_mm512_shuffle_i64x2(qa, qa, _MM_SHUFFLE(2, 3, 0, 1)), nibbles),
+                              _mm512_and_si512(qb, nibbles),
+                              _mm512_and_si512(_mm512_shuffle_i64x2(qb, qb, _MM_SHUFFLE(2, 3, 0, 1)), nibbles)};
+    spread_rows(codes, _mm512_permutexvar_ps(scale_01, both), _mm512_permutexvar_ps(scale_23, both),
+                _mm512_permutexvar_ps(min_of_group, both), x, nr, k, parity, acc);
 }
 
 static inline __attribute__((always_inline)) void fused_q4_K(const uint8_t *row, int64_t in, const q_row *x, int nr,
@@ -699,7 +713,8 @@ static void q_dots_lone(int type, const uint8_t *w, int64_t row_bytes, int64_t i
    4 values; `hsum`'s tree). */
 static void q_dots(int type, const uint8_t *w, const unpacked_row *u, int64_t in, const uint8_t *const *rows, int nr,
                    int64_t padded, float *sums) {
-    (void)type, (void)w, (void)in;
+    (void)w, (void)in;
+    const int layout = layout_of(block_type_of(type));
     for (int r = 0; r < nr; r++) {
         const q_row x = row_at(rows[r], padded, ROW256);
         float acc[2][16] = {{0}};
@@ -715,8 +730,8 @@ static void q_dots(int type, const uint8_t *w, const unpacked_row *u, int64_t in
             for (int l = 0; l < 16; l++) {
                 const float *a = u->a + k / GROUP;
                 float *into = &acc[k / QK & 1][l];
-                float v = (float)(dots[0][l] + dots[1][l]) * a[spread_group(l, 0)];
-                v = fmaf((float)(dots[2][l] + dots[3][l]), a[spread_group(l, 1)], v);
+                float v = (float)(dots[0][l] + dots[1][l]) * a[lane_group(layout, l, 0)];
+                v = fmaf((float)(dots[2][l] + dots[3][l]), a[lane_group(layout, l, 1)], v);
                 v = fmaf(u->b[k / GROUP + l], x.sums[k / GROUP + l], v);
                 *into = fmaf(v, x.scale[k / QK], *into);
             }
