@@ -275,7 +275,7 @@ class ComputeWorker(Waves):
         for job, result in zip(jobs, results):
             if job.chunks is not None:
                 job.chunks.close()
-            self._deliver(job, result)
+            self._deliver((job, result))
         self._delivered(decodes, results[len(jobs):])
 
     def _run_decodes(self, batch: list[_Job]) -> None:
@@ -289,9 +289,9 @@ class ComputeWorker(Waves):
         try:
             result = fn()
         except BaseException as exc:  # delivered to the caller, never lost in the thread
-            self._deliver(job, exc)
+            self._deliver((job, exc))
         else:
-            self._deliver(job, result)
+            self._deliver((job, result))
 
     def _run_chunk(self, job: _Job) -> None:
         """One chunk of a prefill; then back to the end of the queue, or its result delivered."""
@@ -301,10 +301,10 @@ class ComputeWorker(Waves):
         try:
             next(job.chunks)
         except StopIteration as done:
-            self._deliver(job, done.value)
+            self._deliver((job, done.value))
             return
         except BaseException as exc:
-            self._deliver(job, exc)
+            self._deliver((job, exc))
             return
         finally:
             self.chunks += 1
@@ -335,8 +335,8 @@ class ComputeWorker(Waves):
         if sent and self._wave_kept():
             with self._ready:
                 self._in_flight.sent(sent, time.monotonic())
-        for job, result in zip(batch, results):  # hidden states say how many came together (the next shard's wave)
-            self._deliver(job, replace(result, group=len(batch)) if isinstance(result, TensorPayload) else result)
+        self._deliver(*[(job, replace(result, group=len(batch)) if isinstance(result, TensorPayload) else result)
+                        for job, result in zip(batch, results)])  # (hidden states say how many came together)
 
     def _mark(self, computing: bool) -> None:
         """Tell the host's other nodes whether this one computes (`retune` first, or `rest`): idle before a job's first
@@ -346,18 +346,20 @@ class ComputeWorker(Waves):
             self._computing = computing
             self._hint(self.retune if computing else self.rest)
 
-    def _deliver(self, job: _Job, result: Any) -> None:
+    def _deliver(self, *outcomes: tuple[_Job, Any]) -> None:
+        """Results to their callers, a batch's in one turn of their event loop: its rows leave as one (`RowOutbox`)."""
         self._mark(False)
 
         def settle() -> None:
-            if job.future.done():
-                return  # the caller went away (cancelled)
-            if isinstance(result, BaseException):
-                job.future.set_exception(result)
-            else:
-                job.future.set_result(result)
+            for job, result in outcomes:
+                if job.future.done():
+                    continue  # the caller went away (cancelled)
+                if isinstance(result, BaseException):
+                    job.future.set_exception(result)
+                else:
+                    job.future.set_result(result)
 
         try:
-            job.loop.call_soon_threadsafe(settle)
-        except RuntimeError:
-            pass  # the event loop is closed: nobody is waiting
+            outcomes[0][0].loop.call_soon_threadsafe(settle)  # (one event loop calls a worker)
+        except (RuntimeError, IndexError):
+            pass  # the event loop is closed (nobody is waiting), or nothing to deliver

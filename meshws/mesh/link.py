@@ -24,7 +24,9 @@ import aiohttp
 
 from .auth import signed_headers
 from .log_limit import LogLimiter
-from .wire import CacheMiss, ControlMessage, Error, FrameError, Hello, SessionReply, Token, decode_control, encode_control
+from .rows import RowOutbox
+from .wire import (CacheMiss, ControlMessage, DecodeRow, Error, FrameError, Hello, SessionReply, Token, decode_control,
+                   encode_control)
 
 log = logging.getLogger("meshws.link")
 
@@ -77,6 +79,7 @@ class Link:
         self._task: asyncio.Task | None = None
         self._up = asyncio.Event()
         self._send_lock = asyncio.Lock()
+        self._rows = RowOutbox(self._send)  # decode rows of one wave leave as one frame
         self.dial_failures = 0  # dials in a row that found no way to the peer (not one refused: that peer is down)
         self.reversed = False  # the peer dials us (`offer`): it cannot be dialed
         self.relay_via: tuple[str, str] | None = None  # (head, path): neither side can dial, a head relays
@@ -149,6 +152,8 @@ class Link:
             "formed": "reversed: the peer dials this node (it could not be dialed)" if self.reversed else
             f"relayed by {self.relay_via[0]} (neither side can dial the other)" if self.relay_via else "dialed",
             "error": self.last_error,
+            "wave_frames": self._rows.frames,  # frames that carried several sessions' decode steps
+            "wave_rows": self._rows.rows,
         }
 
     # -- sessions -----------------------------------------------------------
@@ -166,10 +171,18 @@ class Link:
         self.last_used = time.monotonic()
 
     async def send_control(self, message: ControlMessage) -> None:
+        await self._rows.flush()  # (rows handed over before it leave before it)
         await self._send(encode_control(message))
 
     async def send_forward(self, data: bytes) -> None:
         await self._send(data)
+
+    async def send_row(self, row: DecodeRow, hidden: int, dtype: str, compress_min_bytes: int) -> int:
+        """A one-position decode step, sent with the other rows handed over in this turn of the event loop
+        (`RowOutbox`). Returns the bytes it took on the wire (its share of its frame)."""
+        if not self.is_up:
+            raise LinkDown(f"link to {self.url} is {self.status()}")
+        return await self._rows.add(row, hidden, dtype, compress_min_bytes)
 
     async def _send(self, data: str | bytes) -> None:
         ws = self._ws

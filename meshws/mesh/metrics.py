@@ -54,7 +54,8 @@ class NodeMetrics:
             registry=self.registry,
         )
         self.frames = Counter(
-            "meshws_frames", "Websocket frames by direction and frame type", ["direction", "type"],
+            "meshws_frames", "Websocket frames by direction and frame type (in: fwd_wave, a frame of a wave's rows; "
+            "out: fwd_decode counts decode steps sent on, alone or as a wave's rows)", ["direction", "type"],
             registry=self.registry,
         )
         self.cache_misses = Counter("meshws_cache_misses", "Steps answered with cache_miss", registry=self.registry)

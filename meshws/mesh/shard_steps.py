@@ -28,9 +28,11 @@ from .inbound import DecodeLogThrottle, InboundLink, InboundSession, ShardLimits
 from .link import LinkDown
 from .log_limit import LogLimiter
 from .metrics import NodeMetrics
+from .rows import travels_in_waves
 from .wire import (
     CacheMiss,
     ControlMessage,
+    DecodeRow,
     Error,
     ForwardFrame,
     ForwardHeader,
@@ -39,7 +41,8 @@ from .wire import (
     Token,
     encode_forward,
     inflate_forward,
-    read_forward_header,
+    inflate_rows,
+    read_forward_headers,
 )
 
 log = logging.getLogger("meshws.shard_service")
@@ -73,15 +76,38 @@ class ShardSteps:
     # -- on the read loop -----------------------------------------------------
 
     async def accept(self, link: InboundLink, data: bytes) -> None:
-        """Check a frame's header and start its step; never waits for compute."""
+        """Check a frame's header and start its step, or each step of a wave's frame; never waits for compute."""
         try:
-            header = read_forward_header(data, self.max_frame_bytes)
+            headers = read_forward_headers(data, self.max_frame_bytes)
         except FrameError as exc:
             self.metrics.frame("in", "fwd_bad", len(data))
             await self._refuse(link, exc.sid if exc.sid in link.owned else None, None, f"bad frame: {exc}",
                                "bad_frame")
             return
-        self.metrics.frame("in", f"fwd_{header.mode}", header.wire_bytes)
+        if headers[0].rows == 1:
+            self.metrics.frame("in", f"fwd_{headers[0].mode}", headers[0].wire_bytes)
+            await self._accept_step(link, headers[0], data, None)
+            return
+        self.metrics.frame("in", "fwd_wave", len(data))
+        try:  # (one body for every row: inflated and checked once)
+            frames = await asyncio.to_thread(inflate_rows, headers, data) if len(data) >= OFF_LOOP_BYTES \
+                else inflate_rows(headers, data)
+        except FrameError as exc:
+            for header in headers:
+                if header.sid in link.owned:
+                    await self._refuse(link, header.sid, header.step, f"bad frame: {exc}", "bad_frame")
+            return
+        del data
+        for header, frame in zip(headers, frames):  # each row as the step it would have been alone
+            if header.problem is not None:
+                if header.sid in link.owned:
+                    await self._refuse(link, header.sid, header.step, f"bad frame: {header.problem}", "bad_frame")
+                continue
+            await self._accept_step(link, header, None, frame)
+
+    async def _accept_step(self, link: InboundLink, header: ForwardHeader, data: bytes | None,
+                           frame: ForwardFrame | None) -> None:
+        """One step: its session must be open on this link and idle, its header fit; then it takes a slot."""
         sid = header.sid
         session = self.sessions.get(sid) if sid in link.owned else None
         if session is None:
@@ -106,7 +132,7 @@ class ShardSteps:
             link.frame_slots.release()
             session.busy = False
             return
-        task = session.step_task = self._spawn(self._step(link, session, header, data))
+        task = session.step_task = self._spawn(self._step(link, session, header, data, frame))
         task.add_done_callback(lambda done: self._step_over(link, session, done))
 
     @staticmethod
@@ -138,19 +164,17 @@ class ShardSteps:
 
     # -- the step, as a task ---------------------------------------------------
 
-    async def _step(self, link: InboundLink, session: InboundSession, header: ForwardHeader, data: bytes) -> None:
+    async def _step(self, link: InboundLink, session: InboundSession, header: ForwardHeader, data: bytes | None,
+                    frame: ForwardFrame | None) -> None:
+        """The step (its frame, or a wave's row `frame` already inflated) computed, and its result sent on."""
         sid, started = session.sid, time.perf_counter()
         try:
             if session.after is not None:
                 await asyncio.wait({session.after})  # an earlier session of this id is released first
-            try:
-                if header.body_bytes >= OFF_LOOP_BYTES or len(data) >= OFF_LOOP_BYTES:
-                    frame = await asyncio.to_thread(inflate_forward, header, data)
-                else:
-                    frame = inflate_forward(header, data)
-            except FrameError as exc:
-                await self._refuse(link, sid, header.step, f"bad frame: {exc}", "bad_frame")
-                return
+            if frame is None:
+                frame = await self._inflated(link, header, data or b"")
+                if frame is None:
+                    return
             del data
             result = await self._compute(session, frame)
         except KVCacheMiss as exc:
@@ -172,6 +196,16 @@ class ShardSteps:
             await self.worker.release(sid)
             return
         await self._deliver(link, session, frame, result)
+
+    async def _inflated(self, link: InboundLink, header: ForwardHeader, data: bytes) -> ForwardFrame | None:
+        """The frame's body inflated and checked (off the event loop when large), or None: refused."""
+        try:
+            if header.body_bytes >= OFF_LOOP_BYTES or len(data) >= OFF_LOOP_BYTES:
+                return await asyncio.to_thread(inflate_forward, header, data)
+            return inflate_forward(header, data)
+        except FrameError as exc:
+            await self._refuse(link, header.sid, header.step, f"bad frame: {exc}", "bad_frame")
+            return None
 
     async def _compute(self, session: InboundSession, frame: ForwardFrame) -> StepResult:
         if frame.ids is not None:  # a prefill, or a conversation's next turn: the token ids so far
@@ -220,17 +254,23 @@ class ShardSteps:
         if problem:
             await self._lost(link, sid, step, problem, next_hop.url)
             return
-        data = encode_forward(sid, step, frame.mode, result.past_len, result.shape, result.dtype, result.body,
-                              ids=list(frame.ids) if frame.ids is not None else None,
-                              compress_min_bytes=self.compress_min_bytes, drafts=frame.drafts, group=result.group)
         try:
             if frame.mode == "decode" and frame.shape[1] == 1:
                 self._expect_answer(link, session, step)
             else:  # a prefill's time grows with its length and the load behind us: the head's timeout judges it
                 self.answered(session)
             session.sent = (step, time.perf_counter())
-            await next_hop.send_forward(data)
-            self.metrics.frame("out", f"fwd_{frame.mode}", len(data))
+            if travels_in_waves(frame.mode, result.shape, frame.ids, frame.drafts):  # with its wave, in one frame
+                row = DecodeRow(sid, step, result.past_len, result.body, result.group)
+                size = await next_hop.send_row(row, result.shape[-1], result.dtype, self.compress_min_bytes)
+            else:
+                data = encode_forward(sid, step, frame.mode, result.past_len, result.shape, result.dtype,
+                                      result.body, ids=list(frame.ids) if frame.ids is not None else None,
+                                      compress_min_bytes=self.compress_min_bytes, drafts=frame.drafts,
+                                      group=result.group)
+                await next_hop.send_forward(data)
+                size = len(data)
+            self.metrics.frame("out", f"fwd_{frame.mode}", size)
         except LinkDown as exc:
             self.answered(session)
             await self._lost(link, sid, step, f"{self.node_name}: next hop unreachable: {exc}", next_hop.url)

@@ -275,3 +275,67 @@ async def test_a_large_body_is_inflated_off_the_event_loop(monkeypatch):
     # (the patch sees every to_thread of the process: the node's own shutdown too)
     assert off_loop.count("inflate_forward") == 1  # the large body off the loop; the one-token step inline
     assert tail.calls[0]["bytes"] == 1024 * 512 * 2
+
+
+def _wave(rows, width=8):
+    from meshws.mesh.wire import DecodeRow, encode_rows
+
+    return encode_rows([DecodeRow(sid, step, past_len, bytes(width * 2), len(rows)) for sid, step, past_len in rows],
+                       width, "bfloat16")
+
+
+async def _replies(ws, sids):
+    """The first reply of each of `sids`, whatever order they come in."""
+    found = {}
+    while set(found) != set(sids):
+        reply = await ws.receive_json(timeout=10)
+        if reply.get("sid") in sids:
+            found.setdefault(reply["sid"], reply)
+    return found
+
+
+class _PoisonedTail(_CountingTail):
+    """A tail whose model fails on one session's row (and, slowed, gives a close time to come mid-wave)."""
+
+    def __init__(self, seconds=0.0):
+        super().__init__()
+        self.seconds = seconds
+
+    def forward_bytes(self, body, shape, *, dtype="bfloat16", session_id=None, cache_mode=None, past_len=None,
+                      sampling=None, history=(), generated_from=None):
+        time.sleep(self.seconds)
+        if session_id == "p":
+            raise RuntimeError("a poisoned row (test)")
+        return _CountingTail.token(past_len)
+
+
+async def test_one_poisoned_row_of_a_wave_frame_fails_only_its_session():
+    async with _shard(_PoisonedTail()) as (node, port):
+        async with _link(port) as ws:
+            for sid in ("a", "b", "p", "c"):
+                await _open(ws, sid)
+            await ws.send_bytes(_wave([("a", 1, 3), ("b", 1, 5000), ("p", 1, 3), ("d", 1, 3), ("c", 1, 6)]))
+            replies = await _replies(ws, ("a", "b", "p", "d", "c"))
+            assert (replies["a"]["type"], replies["a"]["token_id"]) == ("token", 4)
+            assert (replies["c"]["type"], replies["c"]["token_id"]) == ("token", 7)
+            assert replies["b"]["type"] == "error" and "exceed the context" in replies["b"]["message"]
+            assert replies["p"]["type"] == "error" and "poisoned row" in replies["p"]["message"]
+            assert replies["d"]["type"] == "error" and "unknown session" in replies["d"]["message"]
+            await ws.send_bytes(_wave([("a", 2, 4), ("c", 2, 7), ("b", 2, 5)]))  # the link and the sessions go on
+            assert [reply["token_id"] for reply in (await _replies(ws, ("a", "c", "b"))).values()] == [5, 8, 6]
+
+
+async def test_a_session_closed_while_its_wave_computes_leaves_the_others_untouched():
+    tail = _PoisonedTail(seconds=0.2)
+    async with _shard(tail) as (node, port):
+        async with _link(port) as ws:
+            for sid in ("a", "b", "c"):
+                await _open(ws, sid)
+            await ws.send_bytes(_wave([("a", 1, 3), ("b", 1, 3), ("c", 1, 3)]))
+            await ws.send_str(encode_control_close("b"))
+            replies = await _replies(ws, ("a", "c"))
+            assert [replies[sid]["token_id"] for sid in ("a", "c")] == [4, 4]
+            await eventually(lambda: "b" in tail.released and "b" not in node.shard_service.sessions)
+            await ws.send_bytes(_wave([("a", 2, 4), ("c", 2, 4)]))
+            assert [reply["token_id"] for reply in (await _replies(ws, ("a", "c"))).values()] == [5, 5]
+            assert "a" not in tail.released and "c" not in tail.released

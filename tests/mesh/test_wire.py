@@ -112,10 +112,10 @@ def test_frame_above_the_size_limit_is_refused():
         ('{"type": "token", "sid": "a"}', "token_id or a text"),
         ('{"type": "hello", "version": "2", "model": "m"}', "version"),
         ('{"type": "hello", "version": 1, "model": "m"}', "protocol 1"),
-        ('{"type": "hello", "version": 3, "layers": [0, 1], "total_layers": 30}', "model"),
-        ('{"type": "hello", "version": 3, "model": "m", "layers": [5, 2]}', "layers"),
-        ('{"type": "hello", "version": 3, "model": "m", "layers": [0, 40], "total_layers": 30}', "beyond"),
-        ('{"type": "hello", "version": 3, "model": "m", "layers": [0, 3], "total_layers": 30, "role": "head",'
+        ('{"type": "hello", "version": 4, "layers": [0, 1], "total_layers": 30}', "model"),
+        ('{"type": "hello", "version": 4, "model": "m", "layers": [5, 2]}', "layers"),
+        ('{"type": "hello", "version": 4, "model": "m", "layers": [0, 40], "total_layers": 30}', "beyond"),
+        ('{"type": "hello", "version": 4, "model": "m", "layers": [0, 3], "total_layers": 30, "role": "head",'
          ' "node": "n", "chain": [{}]}', "node"),
         ('{"type": "error"}', "message"),
         ('{"type": "error", "message": "x", "lost": "yes"}', "lost"),
@@ -173,3 +173,52 @@ def test_a_bad_field_of_a_known_session_names_the_session():
     with pytest.raises(FrameError) as caught:
         decode_forward(_frame({**GOOD, "sid": "s8", "mode": "sideways"}, b"\x00" * 8))
     assert caught.value.sid == "s8"
+
+
+def test_a_waves_rows_travel_as_one_frame_and_read_back_as_their_own_steps():
+    rows = [wire.DecodeRow(f"s{i}", 10 + i, 20 + i, bytes([i]) * 8, group=3) for i in range(3)]
+    data = wire.encode_rows(rows, 4, "bfloat16")
+    header = orjson.loads(data[4 : 4 + struct.unpack(">I", data[:4])[0]])
+    assert header["shape"] == [3, 1, 4] and len(header["rows"]) == 3 and "sid" not in header
+    frames = wire.decode_rows(data)
+    assert [(f.sid, f.step, f.past_len, f.shape, f.body, f.group) for f in frames] == [
+        (f"s{i}", 10 + i, 20 + i, (1, 1, 4), bytes([i]) * 8, 3) for i in range(3)]
+    assert wire.decode_rows(encode_forward("s", 1, "decode", 2, [1, 1, 4], "bfloat16", bytes(8)))[0].sid == "s"
+    with pytest.raises(FrameError, match="wave"):  # where one step was expected
+        decode_forward(data)
+    quiet = [wire.DecodeRow(f"q{i}", 0, 0, bytes(4096)) for i in range(20)]
+    packed = wire.encode_rows(quiet, 2048, "bfloat16", compress_min_bytes=1024)
+    assert len(packed) < 20 * 4096 // 10 and [f.body for f in wire.decode_rows(packed)] == [bytes(4096)] * 20
+
+
+def test_a_wrong_row_is_refused_alone_and_a_wrong_wave_frame_whole():
+    def wave(rows, **header):
+        fields = {"type": "fwd", "mode": "decode", "rows": rows, "shape": [len(rows), 1, 4], "dtype": "bfloat16",
+                  "enc": None, **header}
+        return _frame(fields, bytes(8 * len(rows)))
+
+    good = {"sid": "a", "step": 1, "past_len": 2}
+    headers = wire.read_forward_headers(wave([good, {"sid": "b", "step": -1, "past_len": 2},
+                                              {"sid": "c", "step": 1, "past_len": 2, "group": 0}, good]))
+    assert [(h.sid, h.problem is None) for h in headers] == [("a", True), ("b", False), ("c", False), ("a", True)]
+    assert "step" in headers[1].problem and "group" in headers[2].problem
+    assert [f.sid for f in wire.decode_rows(wave([good, {"sid": "b", "step": -1, "past_len": 2}]))] == ["a"]
+    for bad, needle in [
+        (wave([good, {"step": 1, "past_len": 2}]), "sid"),  # a row no one could be told about
+        (wave([good], shape=[2, 1, 4]), "shape"),
+        (wave([good, good], mode="prefill"), "shape"),
+        (wave([good, good], ids=[1]), "ids"),
+        (wave([]), "rows"),
+        (wave([good, 3]), "rows"),
+        (wave([good, good], dtype="int3"), "dtype"),
+        (_frame({"type": "fwd", "mode": "decode", "rows": [good] * 2, "shape": [2, 1, 4], "dtype": "bfloat16",
+                 "enc": None}, bytes(12)), "body"),
+        (_frame({"type": "fwd", "mode": "decode", "rows": [good] * 2, "shape": [2, 1, 4], "dtype": "bfloat16",
+                 "enc": "zstd"}, __import__("zstandard").ZstdCompressor().compress(bytes(1 << 20))), "declares"),
+    ]:
+        with pytest.raises(FrameError, match=needle):
+            wire.decode_rows(bad)
+    with pytest.raises(FrameError, match="limit"):
+        wire.read_forward_headers(_frame({"type": "fwd", "mode": "decode", "rows": [good] * 40,
+                                          "shape": [40, 1, 4096], "dtype": "float32", "enc": None}, b""),
+                                  max_frame_bytes=500_000)

@@ -65,3 +65,20 @@ def test_random_control_frames_raise_only_frame_errors(text):
         assert str(exc)
         return
     assert decode_control(encode_control(message)) == message
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)), min_size=1, max_size=6),
+       st.integers(0, 200))
+def test_mutated_wave_frames_raise_only_frame_errors(flips, cut):
+    from meshws.mesh.wire import DecodeRow, decode_rows, encode_rows
+
+    data = bytearray(encode_rows([DecodeRow(f"sid-{i}", i, 7, bytes(16)) for i in range(3)], 8, "bfloat16"))
+    for position, value in flips:
+        data[position % len(data)] = value
+    try:
+        frames = decode_rows(bytes(data[: len(data) - cut % 8]))
+    except FrameError as exc:
+        assert str(exc)
+        return
+    assert all(len(frame.body) == DTYPE_SIZES[frame.dtype] * math.prod(frame.shape) for frame in frames)

@@ -54,6 +54,8 @@ async def test_hand_started_head_and_tail_share_the_cores_and_compute_one_wave_i
         assert list(together) == alone * 2
         steps = [rows for start, _, rows in head.health()["compute"]["recent_steps"] if start >= started]
         assert steps.count(6) >= 10, steps  # the whole wave's decode steps in one batch
+        link = head.health()["links"][0]  # ... which crosses the hop as one frame, not six
+        assert link["wave_frames"] >= 10 and link["wave_rows"] >= 5 * link["wave_frames"], link
         assert head.health()["compute"]["work"]["lingers"] > 0
     finally:
         for node in (head, tail):

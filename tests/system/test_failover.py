@@ -146,6 +146,7 @@ async def test_sixteen_streams_survive_killing_each_replica_tail_in_turn(tokeniz
         conversations = [[{"role": "user", "content": prompt}] for prompt in CHAOS_PROMPTS]
         max_tokens = 128  # (answers that outlast a tail's restart: 64 ended before it, once decoding got faster)
         fault_free = await asyncio.gather(*(stream_text(cluster.head.url, m, max_tokens) for m in conversations))
+        assert sum(link["wave_frames"] for link in cluster.head.health()["links"]) > 0  # waves crossed as frames
 
         progress = [0] * len(conversations)
 

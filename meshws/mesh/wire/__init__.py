@@ -14,7 +14,9 @@ Control frames (`control`) are websocket text frames holding one JSON object:
 
 Tensor frames (`tensors`) are binary: a 4-byte big-endian header length, a JSON header
 `{type: "fwd", sid, step, mode: "prefill"|"decode", past_len, shape, dtype,
-enc: "zstd"|null, ids?}`, then the raw little-endian tensor bytes. Nothing is pickled.
+enc: "zstd"|null, ids?}`, then the raw little-endian tensor bytes; a wave's decode steps for one
+hop share one such frame (`encode_rows`: `rows: [{sid, step, past_len, group?}]`, shape
+[rows, 1, hidden]). Nothing is pickled.
 Every check raises `FrameError` with a message fit to send back in an error frame.
 """
 
@@ -39,17 +41,23 @@ from .tensors import (
     DEFAULT_COMPRESS_MIN_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
     MAX_HEADER_BYTES,
+    DecodeRow,
     ForwardFrame,
     ForwardHeader,
     decode_forward,
+    decode_rows,
     encode_forward,
+    encode_rows,
     inflate_forward,
+    inflate_rows,
     read_forward_header,
+    read_forward_headers,
 )
 
 __all__ = [
     "PROTOCOL_VERSION", "CacheMiss", "ChainHop", "Close", "ControlMessage", "Error", "Hello", "HopReport", "Open", "RouteHop",
     "SessionReply", "Token", "decode_control", "encode_control", "MAX_SID_LENGTH", "FrameError",
-    "DEFAULT_COMPRESS_MIN_BYTES", "DEFAULT_MAX_FRAME_BYTES", "MAX_HEADER_BYTES", "ForwardFrame", "ForwardHeader", "decode_forward",
-    "encode_forward", "inflate_forward", "read_forward_header",
+    "DEFAULT_COMPRESS_MIN_BYTES", "DEFAULT_MAX_FRAME_BYTES", "MAX_HEADER_BYTES", "DecodeRow", "ForwardFrame",
+    "ForwardHeader", "decode_forward", "decode_rows", "encode_forward", "encode_rows", "inflate_forward", "inflate_rows",
+    "read_forward_header", "read_forward_headers",
 ]

@@ -23,7 +23,7 @@ from .fields import (
 )
 from .hops import HopReport
 
-PROTOCOL_VERSION = 3  # 3: `past_len` cuts a longer cache back; `open` may resume a session
+PROTOCOL_VERSION = 4  # 4: a wave's decode steps may share a frame (`rows`); 3: `past_len` cuts a cache back
 MAX_CONTROL_BYTES = 1024 * 1024  # (a prefill's answer may carry 4096 prompt tokens' log-probabilities)
 MAX_TOKEN_IDS = 17  # tokens one step may yield: its drafts (at most 16) and one more
 

@@ -2,20 +2,25 @@
 
 A 4-byte big-endian header length, a JSON header `{type: "fwd", sid, step, mode,
 past_len, shape, dtype, enc, ids?, drafts?, group?}`, then the raw little-endian tensor bytes, zstd
-compressed when `enc` says so. The header is checked and the body's size derived from
-the shape before anything is inflated. `drafts`: the step's last positions carry guessed
-tokens (speculative decoding); the tail answers with every one it agrees with. The
-header is checked and the body's size derived from
-the shape before anything is inflated: `read_forward_header` reads only the header
-(a receiver checks it against its session and its model first), `inflate_forward`
-then inflates and checks the body (off the event loop when it is large).
+compressed when `enc` says so. `drafts`: the step's last positions carry guessed
+tokens (speculative decoding); the tail answers with every one it agrees with.
+
+A wave's decode steps bound for one hop travel as one frame (`encode_rows`): `{type: "fwd",
+mode: "decode", rows: [{sid, step, past_len, group?}, ...], shape: [rows, 1, hidden], dtype,
+enc}`, the rows' hidden states one after another in one body. Each row is its session's
+step, as if it had come alone: a row whose fields are wrong is refused alone (`problem`).
+
+The header is checked and the body's size derived from the shape before anything is
+inflated: `read_forward_headers` reads only the header (a receiver checks each step against
+its session and its model first), `inflate_forward` / `inflate_rows` then inflate and check
+the body (off the event loop when it is large).
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
 
 import orjson
 import zstandard
@@ -52,19 +57,44 @@ def encode_forward(sid: str, step: int, mode: str, past_len: int, shape: list[in
                    body: bytes, ids: list[int] | None = None,
                    compress_min_bytes: int = DEFAULT_COMPRESS_MIN_BYTES, drafts: tuple[int, ...] | list[int] = (),
                    group: int = 1) -> bytes:
-    enc = None
-    if len(body) >= compress_min_bytes:
-        packed = zstandard.ZstdCompressor(level=1).compress(body)
-        if len(packed) < 0.9 * len(body):  # activations barely compress; send raw unless it pays
-            body, enc = packed, "zstd"
     header: dict[str, Any] = {"type": "fwd", "sid": sid, "step": step, "mode": mode, "past_len": past_len,
-                              "shape": list(shape), "dtype": dtype, "enc": enc}
+                              "shape": list(shape), "dtype": dtype}
     if ids is not None:
         header["ids"] = ids
     if drafts:
         header["drafts"] = list(drafts)
     if group > 1:
         header["group"] = group
+    return _packed(header, body, compress_min_bytes)
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One session's decode step of one position, as a wave's frame carries it."""
+
+    sid: str
+    step: int
+    past_len: int
+    body: bytes  # one position's hidden state
+    group: int = 1
+
+
+def encode_rows(rows: Sequence[DecodeRow], hidden: int, dtype: str,
+                compress_min_bytes: int = DEFAULT_COMPRESS_MIN_BYTES) -> bytes:
+    """Decode steps of several sessions, bound for one hop, as one frame (one header, one body)."""
+    listed = [{"sid": row.sid, "step": row.step, "past_len": row.past_len, **({"group": row.group}
+                                                                              if row.group > 1 else {})}
+              for row in rows]
+    header = {"type": "fwd", "mode": "decode", "rows": listed, "shape": [len(rows), 1, hidden], "dtype": dtype}
+    return _packed(header, b"".join(row.body for row in rows), compress_min_bytes)
+
+
+def _packed(header: dict[str, Any], body: bytes, compress_min_bytes: int) -> bytes:
+    header["enc"] = None
+    if len(body) >= compress_min_bytes:
+        packed = zstandard.ZstdCompressor(level=1).compress(body)
+        if len(packed) < 0.9 * len(body):  # activations barely compress; send raw unless it pays
+            body, header["enc"] = packed, "zstd"
     head = orjson.dumps(header)
     return b"".join((_HEADER_LENGTH.pack(len(head)), head, body))
 
@@ -86,6 +116,9 @@ class ForwardHeader:
     wire_bytes: int
     drafts: tuple[int, ...] = ()
     group: int = 1
+    row: int = 0  # in a wave's frame: which of its `rows` (its part of the body)
+    rows: int = 1
+    problem: str | None = None  # a wave's row whose own fields are wrong: refused alone
 
     @property
     def positions(self) -> int:
@@ -95,6 +128,13 @@ class ForwardHeader:
 
 def decode_forward(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> ForwardFrame:
     return inflate_forward(read_forward_header(data, max_frame_bytes), data)
+
+
+def decode_rows(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> list[ForwardFrame]:
+    """Any tensor frame as the steps it carries (one, or a wave's rows), inflated: rows with a `problem` left out."""
+    headers = [header for header in read_forward_headers(data, max_frame_bytes) if header.problem is None]
+    return inflate_rows(headers, data) if headers and headers[0].rows > 1 else \
+        [inflate_forward(header, data) for header in headers]
 
 
 def inflate_forward(header: ForwardHeader, data: bytes) -> ForwardFrame:
@@ -112,8 +152,30 @@ def inflate_forward(header: ForwardHeader, data: bytes) -> ForwardFrame:
                         bytes(body), header.ids, header.wire_bytes, header.drafts, header.group)
 
 
+def inflate_rows(headers: Sequence[ForwardHeader], data: bytes) -> list[ForwardFrame]:
+    """A wave's frame: its body inflated once and checked against the whole shape, then each row's step."""
+    first = headers[0]
+    expected = first.body_bytes * first.rows
+    body = data[first.body_offset :]
+    if first.enc == "zstd":
+        body = _decompress(body, expected)
+    if len(body) != expected:
+        raise FrameError(f"body has {len(body)} bytes but {first.rows} rows of {first.body_bytes} need {expected}")
+    return [ForwardFrame(h.sid, h.step, h.mode, h.past_len, h.shape, h.dtype,
+                         bytes(body[h.row * h.body_bytes : (h.row + 1) * h.body_bytes]), None, h.wire_bytes // h.rows,
+                         (), h.group) for h in headers]
+
+
 def read_forward_header(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> ForwardHeader:
-    """The frame's header, checked; the body is not looked at yet."""
+    """A one-step frame's header, checked; the body is not looked at yet."""
+    headers = read_forward_headers(data, max_frame_bytes)
+    if headers[0].rows > 1:
+        raise FrameError("a wave's frame where one step was expected")
+    return headers[0]
+
+
+def read_forward_headers(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> list[ForwardHeader]:
+    """The frame's steps (one, or a wave's rows), their headers checked; the body is not looked at yet."""
     if len(data) > max_frame_bytes:
         raise FrameError(f"frame of {len(data)} bytes exceeds the limit of {max_frame_bytes}")
     if len(data) < _HEADER_LENGTH.size:
@@ -129,11 +191,40 @@ def read_forward_header(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BY
         raise FrameError("frame header must be a JSON object")
     if header.get("type") != "fwd":
         raise FrameError(f"binary frame of unknown type {header.get('type')!r}")
+    if "rows" in header:
+        return _rows_checked(header, _HEADER_LENGTH.size + header_len, len(data), max_frame_bytes)
     sid = sid_field(header)
     try:
-        return _checked(header, _HEADER_LENGTH.size + header_len, sid, len(data), max_frame_bytes)
+        return [_checked(header, _HEADER_LENGTH.size + header_len, sid, len(data), max_frame_bytes)]
     except FrameError as exc:
         raise FrameError(str(exc), sid) from None
+
+
+def _rows_checked(header: dict[str, Any], offset: int, size: int, max_frame_bytes: int) -> list[ForwardHeader]:
+    """A wave's frame: the frame's own fields must be right; a row's wrong field is that row's `problem`."""
+    rows = header.get("rows")
+    if not isinstance(rows, list) or not 1 <= len(rows) <= MAX_GROUP or not all(isinstance(r, dict) for r in rows):
+        raise FrameError(f"rows must be a list of 1 to {MAX_GROUP} objects")
+    shape = header.get("shape")
+    if header.get("mode") != "decode" or not isinstance(shape, list) or len(shape) != 3 \
+            or shape[:2] != [len(rows), 1] or not is_int(shape[2]) or shape[2] <= 0:
+        raise FrameError(f"a wave's frame carries decode steps of shape [rows, 1, hidden], got {shape!r}")
+    if "ids" in header or "drafts" in header:
+        raise FrameError("a wave's frame carries no ids or drafts (such steps travel alone)")
+    common = {"mode": "decode", "shape": [1, 1, shape[2]], "dtype": header.get("dtype"), "enc": header.get("enc")}
+    one = _checked({**common, "step": 0, "past_len": 0}, offset, "", size, max_frame_bytes)
+    if one.body_bytes * len(rows) > max_frame_bytes:
+        raise FrameError(f"{len(rows)} rows of {one.body_bytes} bytes are above the limit of {max_frame_bytes}")
+    found = []
+    for index, row in enumerate(rows):
+        sid = sid_field(row)  # (a row without a session to answer cannot stand alone: the frame is refused)
+        fields = {name: row[name] for name in ("step", "past_len", "group") if name in row}
+        try:
+            checked = _checked({**common, **fields}, offset, sid, size, max_frame_bytes)
+        except FrameError as exc:
+            checked = replace(one, sid=sid, problem=str(exc))
+        found.append(replace(checked, row=index, rows=len(rows)))
+    return found
 
 
 def _checked(header: dict[str, Any], offset: int, sid: str, size: int, max_frame_bytes: int) -> ForwardHeader:

@@ -1,0 +1,101 @@
+"""A link's outbox of decode rows: the steps of one wave bound for one hop leave as one frame.
+
+A node's worker computes a wave of sessions' decode steps in one batch and hands their results
+back together (`ComputeWorker._delivered`); each session's task then sends its step on. Sent one
+frame each, a wave of 16 crossed a hop as 16 headers, 16 bodies and 16 turns of both event loops.
+Here the rows a link is handed in one turn of the event loop wait for the turn's end and go as one
+frame (`encode_rows`); a lone row goes as the plain frame it always was. The turn lasts while rows
+keep coming, up to the wave they say they belong to (`group`) or a few turns, never on a clock.
+
+Each row keeps its session's semantics: the receiver runs it as the step it would have been alone,
+and a link that fails fails every row waiting on it, each with its own `LinkDown`. A control frame
+sent on the link first sends the rows handed to it before (`flush`): a `close` never overtakes the
+step before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable
+
+from .wire import DecodeRow, encode_forward, encode_rows
+
+TURNS = 4  # event-loop turns a wave's rows may take to come together, at most
+MAX_ROW_BYTES = 4 << 20  # a wave's frame larger than this is split
+
+
+def travels_in_waves(mode: str, shape: tuple[int, ...] | list[int], ids: object, drafts: tuple[int, ...]) -> bool:
+    """Is this step a plain decode row (one position, no ids, no drafts), which may share its wave's frame?"""
+    return mode == "decode" and ids is None and not drafts and len(shape) == 3 and tuple(shape[:2]) == (1, 1)
+
+
+class RowOutbox:
+    """(One per link.) Decode rows waiting for the end of the event loop's turn."""
+
+    def __init__(self, send: Callable[[bytes], Awaitable[None]]) -> None:
+        self._send = send
+        self._waiting: list[tuple[DecodeRow, int, str, int, asyncio.Future]] = []
+        self._turns = 0  # turns the waiting rows have waited
+        self._seen = 0  # rows waiting at the last turn's end
+        self._flushing: set[asyncio.Task] = set()
+        self.frames = 0  # frames sent with several rows
+        self.rows = 0  # rows that went in them
+
+    def add(self, row: DecodeRow, hidden: int, dtype: str, compress_min_bytes: int) -> asyncio.Future:
+        """Queue a row; the future is done once its frame is sent (or holds the link's failure)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        if not self._waiting:
+            self._turns, self._seen = 0, 0
+            loop.call_soon(self._turn_over)
+        self._waiting.append((row, hidden, dtype, compress_min_bytes, done))
+        return done
+
+    def _turn_over(self) -> None:
+        """A turn ended: wait one more while rows still come and the wave they name is not all here."""
+        count = len(self._waiting)
+        if not count:
+            return
+        wave = max(entry[0].group for entry in self._waiting)
+        self._turns += 1
+        if count > self._seen and count < wave and self._turns < TURNS:
+            self._seen = count
+            asyncio.get_running_loop().call_soon(self._turn_over)
+            return
+        task = asyncio.get_running_loop().create_task(self.flush())
+        self._flushing.add(task)
+        task.add_done_callback(self._flushing.discard)
+
+    async def flush(self) -> None:
+        """Send every row waiting: one frame per kind of row (width, dtype), lone rows as plain frames."""
+        waiting, self._waiting = self._waiting, []
+        kinds: dict[tuple[int, str, int], list[tuple[DecodeRow, asyncio.Future]]] = {}
+        for row, hidden, dtype, compress_min_bytes, done in waiting:
+            kinds.setdefault((hidden, dtype, compress_min_bytes), []).append((row, done))
+        for (hidden, dtype, compress_min_bytes), entries in kinds.items():
+            per_frame = max(1, MAX_ROW_BYTES // max(1, len(entries[0][0].body)))
+            for at in range(0, len(entries), per_frame):
+                await self._send_frame(entries[at : at + per_frame], hidden, dtype, compress_min_bytes)
+
+    async def _send_frame(self, entries: list[tuple[DecodeRow, asyncio.Future]], hidden: int, dtype: str,
+                          compress_min_bytes: int) -> None:
+        rows = [row for row, _ in entries]
+        if len(rows) == 1:
+            row = rows[0]
+            data = encode_forward(row.sid, row.step, "decode", row.past_len, (1, 1, hidden), dtype, row.body,
+                                  compress_min_bytes=compress_min_bytes, group=row.group)
+        else:
+            data = encode_rows(rows, hidden, dtype, compress_min_bytes)
+        try:
+            await self._send(data)
+        except Exception as exc:  # (LinkDown): each row's sender hears it
+            for _, done in entries:
+                if not done.done():
+                    done.set_exception(exc)
+            return
+        if len(rows) > 1:
+            self.frames += 1
+            self.rows += len(rows)
+        for _, done in entries:
+            if not done.done():
+                done.set_result(len(data) // len(rows))
