@@ -98,10 +98,15 @@ class ShardSteps:
                     await self._refuse(link, header.sid, header.step, f"bad frame: {exc}", "bad_frame")
             return
         del data
+        strangers = [header.sid for header in headers if header.sid not in link.owned]
+        if strangers:  # one error for them all: a frame's rows never come back as as many error frames
+            await self._refuse(link, None, None, f"{len(strangers)} rows of a wave's frame for sessions not open "
+                               f"on this link (first {strangers[0][:32]}): send open first", "unknown_session")
         for header, frame in zip(headers, frames):  # each row as the step it would have been alone
+            if header.sid not in link.owned:
+                continue
             if header.problem is not None:
-                if header.sid in link.owned:
-                    await self._refuse(link, header.sid, header.step, f"bad frame: {header.problem}", "bad_frame")
+                await self._refuse(link, header.sid, header.step, f"bad frame: {header.problem}", "bad_frame")
                 continue
             await self._accept_step(link, header, None, frame)
 

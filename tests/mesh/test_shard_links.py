@@ -284,13 +284,15 @@ def _wave(rows, width=8):
                        width, "bfloat16")
 
 
-async def _replies(ws, sids):
-    """The first reply of each of `sids`, whatever order they come in."""
+async def _replies(ws, sids, unnamed=None):
+    """The first reply of each of `sids`, whatever order they come in (and into `unnamed`, frames naming no sid)."""
     found = {}
     while set(found) != set(sids):
         reply = await ws.receive_json(timeout=10)
         if reply.get("sid") in sids:
             found.setdefault(reply["sid"], reply)
+        elif "sid" not in reply and unnamed is not None:
+            unnamed.append(reply)
     return found
 
 
@@ -315,12 +317,15 @@ async def test_one_poisoned_row_of_a_wave_frame_fails_only_its_session():
             for sid in ("a", "b", "p", "c"):
                 await _open(ws, sid)
             await ws.send_bytes(_wave([("a", 1, 3), ("b", 1, 5000), ("p", 1, 3), ("d", 1, 3), ("c", 1, 6)]))
-            replies = await _replies(ws, ("a", "b", "p", "d", "c"))
+            unnamed = []
+            replies = await _replies(ws, ("a", "b", "p", "c"), unnamed)
             assert (replies["a"]["type"], replies["a"]["token_id"]) == ("token", 4)
             assert (replies["c"]["type"], replies["c"]["token_id"]) == ("token", 7)
             assert replies["b"]["type"] == "error" and "exceed the context" in replies["b"]["message"]
             assert replies["p"]["type"] == "error" and "poisoned row" in replies["p"]["message"]
-            assert replies["d"]["type"] == "error" and "unknown session" in replies["d"]["message"]
+            assert len(unnamed) == 1 and "1 rows of a wave's frame for sessions not open" in unnamed[0]["message"]
+            await ws.send_bytes(_wave([("x", 1, 3), ("y", 1, 3), ("z", 1, 3)]))  # strangers: one error, not three
+            assert "3 rows of a wave's frame" in (await ws.receive_json(timeout=10))["message"]
             await ws.send_bytes(_wave([("a", 2, 4), ("c", 2, 7), ("b", 2, 5)]))  # the link and the sessions go on
             assert [reply["token_id"] for reply in (await _replies(ws, ("a", "c", "b"))).values()] == [5, 8, 6]
 

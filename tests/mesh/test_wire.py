@@ -197,28 +197,34 @@ def test_a_wrong_row_is_refused_alone_and_a_wrong_wave_frame_whole():
                   "enc": None, **header}
         return _frame(fields, bytes(8 * len(rows)))
 
-    good = {"sid": "a", "step": 1, "past_len": 2}
+    good, other = {"sid": "a", "step": 1, "past_len": 2}, {"sid": "e", "step": 1, "past_len": 2}
     headers = wire.read_forward_headers(wave([good, {"sid": "b", "step": -1, "past_len": 2},
-                                              {"sid": "c", "step": 1, "past_len": 2, "group": 0}, good]))
-    assert [(h.sid, h.problem is None) for h in headers] == [("a", True), ("b", False), ("c", False), ("a", True)]
+                                              {"sid": "c", "step": 1, "past_len": 2, "group": 0}, other]))
+    assert [(h.sid, h.problem is None) for h in headers] == [("a", True), ("b", False), ("c", False), ("e", True)]
     assert "step" in headers[1].problem and "group" in headers[2].problem
     assert [f.sid for f in wire.decode_rows(wave([good, {"sid": "b", "step": -1, "past_len": 2}]))] == ["a"]
     for bad, needle in [
         (wave([good, {"step": 1, "past_len": 2}]), "sid"),  # a row no one could be told about
         (wave([good], shape=[2, 1, 4]), "shape"),
-        (wave([good, good], mode="prefill"), "shape"),
-        (wave([good, good], ids=[1]), "ids"),
+        (wave([good, other], mode="prefill"), "shape"),
+        (wave([good, other], ids=[1]), "ids"),
         (wave([]), "rows"),
         (wave([good, 3]), "rows"),
-        (wave([good, good], dtype="int3"), "dtype"),
-        (_frame({"type": "fwd", "mode": "decode", "rows": [good] * 2, "shape": [2, 1, 4], "dtype": "bfloat16",
+        (wave([good, other], dtype="int3"), "dtype"),
+        (_frame({"type": "fwd", "mode": "decode", "rows": [good, other], "shape": [2, 1, 4], "dtype": "bfloat16",
                  "enc": None}, bytes(12)), "body"),
-        (_frame({"type": "fwd", "mode": "decode", "rows": [good] * 2, "shape": [2, 1, 4], "dtype": "bfloat16",
+        (_frame({"type": "fwd", "mode": "decode", "rows": [good, other], "shape": [2, 1, 4], "dtype": "bfloat16",
                  "enc": "zstd"}, __import__("zstandard").ZstdCompressor().compress(bytes(1 << 20))), "declares"),
     ]:
         with pytest.raises(FrameError, match=needle):
             wire.decode_rows(bad)
     with pytest.raises(FrameError, match="limit"):
-        wire.read_forward_headers(_frame({"type": "fwd", "mode": "decode", "rows": [good] * 40,
+        wire.read_forward_headers(_frame({"type": "fwd", "mode": "decode", "rows": [{**good, "sid": f"s{i}"} for i in range(40)],
                                           "shape": [40, 1, 4096], "dtype": "float32", "enc": None}, b""),
                                   max_frame_bytes=500_000)
+
+
+def test_a_wave_frame_naming_a_session_twice_is_refused_whole():
+    rows = [wire.DecodeRow("a", 1, 2, bytes(8)), wire.DecodeRow("a", 2, 3, bytes(8))]
+    with pytest.raises(FrameError, match="twice"):
+        wire.decode_rows(wire.encode_rows(rows, 4, "bfloat16"))

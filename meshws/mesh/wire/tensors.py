@@ -224,6 +224,8 @@ def _rows_checked(header: dict[str, Any], offset: int, size: int, max_frame_byte
         except FrameError as exc:
             checked = replace(one, sid=sid, problem=str(exc))
         found.append(replace(checked, row=index, rows=len(rows)))
+    if len({header.sid for header in found}) < len(found):  # (one session, one step at a time)
+        raise FrameError("a wave's frame lists a session twice")
     return found
 
 
