@@ -182,7 +182,7 @@ class Link:
         (`RowOutbox`). Returns the bytes it took on the wire (its share of its frame)."""
         if not self.is_up:
             raise LinkDown(f"link to {self.url} is {self.status()}")
-        return await self._rows.add(row, hidden, dtype, compress_min_bytes)
+        return await self._rows.send(row, hidden, dtype, compress_min_bytes)
 
     async def _send(self, data: str | bytes) -> None:
         ws = self._ws

@@ -4,8 +4,9 @@ A node's worker computes a wave of sessions' decode steps in one batch and hands
 back together (`ComputeWorker._delivered`); each session's task then sends its step on. Sent one
 frame each, a wave of 16 crossed a hop as 16 headers, 16 bodies and 16 turns of both event loops.
 Here the rows a link is handed in one turn of the event loop wait for the turn's end and go as one
-frame (`encode_rows`); a lone row goes as the plain frame it always was. The turn lasts while rows
-keep coming, up to the wave they say they belong to (`group`) or a few turns, never on a clock.
+frame (`encode_rows`); a lone row goes as the plain frame it always was, and one computed alone
+(`group` 1) goes at once. The turn lasts while rows keep coming, up to the wave they say they
+belong to (`group`) or a few turns, never on a clock.
 
 Each row keeps its session's semantics: the receiver runs it as the step it would have been alone,
 and a link that fails fails every row waiting on it, each with its own `LinkDown`. A control frame
@@ -40,6 +41,16 @@ class RowOutbox:
         self._flushing: set[asyncio.Task] = set()
         self.frames = 0  # frames sent with several rows
         self.rows = 0  # rows that went in them
+
+    async def send(self, row: DecodeRow, hidden: int, dtype: str, compress_min_bytes: int) -> int:
+        """Send a row: at once if it was computed alone (`group` 1: no wave to wait for) and no rows wait, else
+        with the rows of this turn (`add`). Returns the bytes it took on the wire (its share of its frame)."""
+        if row.group > 1 or self._waiting:
+            return await self.add(row, hidden, dtype, compress_min_bytes)
+        data = encode_forward(row.sid, row.step, "decode", row.past_len, (1, 1, hidden), dtype, row.body,
+                              compress_min_bytes=compress_min_bytes)
+        await self._send(data)
+        return len(data)
 
     def add(self, row: DecodeRow, hidden: int, dtype: str, compress_min_bytes: int) -> asyncio.Future:
         """Queue a row; the future is done once its frame is sent (or holds the link's failure)."""

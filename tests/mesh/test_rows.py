@@ -81,3 +81,16 @@ async def test_a_link_that_fails_fails_every_row_waiting_on_it():
 ])
 def test_only_plain_one_position_decode_steps_travel_in_waves(mode, shape, ids, drafts, rides):
     assert travels_in_waves(mode, shape, ids, drafts) is rides
+
+
+async def test_a_row_computed_alone_goes_at_once_as_a_plain_frame():
+    sent = []
+
+    async def send(data):
+        sent.append(data)
+
+    outbox = RowOutbox(send)
+    size = await outbox.send(_row("alone"), 8, "bfloat16", 1 << 16)  # (no turn waited: nothing else to meet)
+    assert len(sent) == 1 and size == len(sent[0]) and b'"rows"' not in sent[0]
+    await asyncio.gather(*(outbox.send(_row(f"s{i}", group=2), 8, "bfloat16", 1 << 16) for i in range(2)))
+    assert len(decode_rows(sent[1])) == 2
