@@ -79,7 +79,7 @@ class Link:
         self._task: asyncio.Task | None = None
         self._up = asyncio.Event()
         self._send_lock = asyncio.Lock()
-        self._rows = RowOutbox(self._send)  # decode rows of one wave leave as one frame
+        self._rows = RowOutbox(self._send, lambda why: LinkDown(f"link to {self.url}: {why}"))  # a wave: one frame
         self.dial_failures = 0  # dials in a row that found no way to the peer (not one refused: that peer is down)
         self.reversed = False  # the peer dials us (`offer`): it cannot be dialed
         self.relay_via: tuple[str, str] | None = None  # (head, path): neither side can dial, a head relays

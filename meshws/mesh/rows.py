@@ -23,6 +23,7 @@ from .wire import DecodeRow, encode_forward, encode_rows
 
 TURNS = 4  # event-loop turns a wave's rows may take to come together, at most
 MAX_ROW_BYTES = 4 << 20  # a wave's frame larger than this is split
+MAX_FRAME_ROWS = 256  # ... and one of more rows (well inside what a receiver takes: MAX_GROUP, its header limit)
 
 
 def travels_in_waves(mode: str, shape: tuple[int, ...] | list[int], ids: object, drafts: tuple[int, ...]) -> bool:
@@ -33,12 +34,15 @@ def travels_in_waves(mode: str, shape: tuple[int, ...] | list[int], ids: object,
 class RowOutbox:
     """(One per link.) Decode rows waiting for the end of the event loop's turn."""
 
-    def __init__(self, send: Callable[[bytes], Awaitable[None]]) -> None:
+    def __init__(self, send: Callable[[bytes], Awaitable[None]],
+                 lost: Callable[[str], Exception] = ConnectionError) -> None:
         self._send = send
+        self._lost = lost  # the exception a row's sender gets when its frame's sending was cancelled
         self._waiting: list[tuple[DecodeRow, int, str, int, asyncio.Future]] = []
         self._turns = 0  # turns the waiting rows have waited
         self._seen = 0  # rows waiting at the last turn's end
         self._flushing: set[asyncio.Task] = set()
+        self._order = asyncio.Lock()  # one flush at a time: a control frame waits for the rows taken before it
         self.frames = 0  # frames sent with several rows
         self.rows = 0  # rows that went in them
 
@@ -73,36 +77,51 @@ class RowOutbox:
             self._seen = count
             asyncio.get_running_loop().call_soon(self._turn_over)
             return
-        task = asyncio.get_running_loop().create_task(self.flush())
+        self._flush_task()
+
+    def _flush_task(self) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(self._flush())
         self._flushing.add(task)
         task.add_done_callback(self._flushing.discard)
+        return task
 
     async def flush(self) -> None:
-        """Send every row waiting: one frame per kind of row (width, dtype), lone rows as plain frames."""
+        """Send every row waiting, and wait for flushes under way: then nothing handed over before is still to
+        go. (In a task of its own: a caller cancelled meanwhile leaves no row unsent and no sender waiting.)"""
+        await asyncio.shield(self._flush_task())
+
+    async def _flush(self) -> None:
+        """One frame per kind of row (width, dtype), lone rows as plain frames."""
+        async with self._order:
+            await self._flush_waiting()
+
+    async def _flush_waiting(self) -> None:
         waiting, self._waiting = self._waiting, []
         kinds: dict[tuple[int, str, int], list[tuple[DecodeRow, asyncio.Future]]] = {}
         for row, hidden, dtype, compress_min_bytes, done in waiting:
             kinds.setdefault((hidden, dtype, compress_min_bytes), []).append((row, done))
         for (hidden, dtype, compress_min_bytes), entries in kinds.items():
-            per_frame = max(1, MAX_ROW_BYTES // max(1, len(entries[0][0].body)))
+            per_frame = max(1, min(MAX_FRAME_ROWS, MAX_ROW_BYTES // max(1, len(entries[0][0].body))))
             for at in range(0, len(entries), per_frame):
                 await self._send_frame(entries[at : at + per_frame], hidden, dtype, compress_min_bytes)
 
     async def _send_frame(self, entries: list[tuple[DecodeRow, asyncio.Future]], hidden: int, dtype: str,
                           compress_min_bytes: int) -> None:
         rows = [row for row, _ in entries]
-        if len(rows) == 1:
-            row = rows[0]
-            data = encode_forward(row.sid, row.step, "decode", row.past_len, (1, 1, hidden), dtype, row.body,
-                                  compress_min_bytes=compress_min_bytes, group=row.group)
-        else:
-            data = encode_rows(rows, hidden, dtype, compress_min_bytes)
         try:
+            if len(rows) == 1:
+                row = rows[0]
+                data = encode_forward(row.sid, row.step, "decode", row.past_len, (1, 1, hidden), dtype, row.body,
+                                      compress_min_bytes=compress_min_bytes, group=row.group)
+            else:
+                data = encode_rows(rows, hidden, dtype, compress_min_bytes)
             await self._send(data)
-        except Exception as exc:  # (LinkDown): each row's sender hears it
+        except BaseException as exc:  # (LinkDown; or cancelled, the node stopping): each row's sender hears it
             for _, done in entries:
                 if not done.done():
-                    done.set_exception(exc)
+                    done.set_exception(exc if isinstance(exc, Exception) else self._lost("its sending was cancelled"))
+            if not isinstance(exc, Exception):
+                raise
             return
         if len(rows) > 1:
             self.frames += 1

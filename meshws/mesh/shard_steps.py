@@ -89,26 +89,30 @@ class ShardSteps:
             await self._accept_step(link, headers[0], data, None)
             return
         self.metrics.frame("in", "fwd_wave", len(data))
-        try:  # (one body for every row: inflated and checked once)
-            frames = await asyncio.to_thread(inflate_rows, headers, data) if len(data) >= OFF_LOOP_BYTES \
-                else inflate_rows(headers, data)
-        except FrameError as exc:
-            for header in headers:
-                if header.sid in link.owned:
-                    await self._refuse(link, header.sid, header.step, f"bad frame: {exc}", "bad_frame")
-            return
-        del data
         strangers = [header.sid for header in headers if header.sid not in link.owned]
         if strangers:  # one error for them all: a frame's rows never come back as as many error frames
             await self._refuse(link, None, None, f"{len(strangers)} rows of a wave's frame for sessions not open "
                                f"on this link (first {strangers[0][:32]}): send open first", "unknown_session")
-        for header, frame in zip(headers, frames):  # each row as the step it would have been alone
-            if header.sid not in link.owned:
-                continue
-            if header.problem is not None:
-                await self._refuse(link, header.sid, header.step, f"bad frame: {header.problem}", "bad_frame")
-                continue
-            await self._accept_step(link, header, None, frame)
+        taken = []  # rows checked before the body is touched (nothing is inflated for a frame none of it fits)
+        for header in headers:
+            problem = None if header.sid not in link.owned else \
+                f"bad frame: {header.problem}" if header.problem is not None else self.header_problem(header)
+            if problem:
+                await self._refuse(link, header.sid, header.step, problem, "bad_frame")
+            elif header.sid in link.owned:
+                taken.append(header)
+        if not taken:
+            return
+        try:  # (one body for every row: inflated and checked once, off the event loop when large)
+            frames = await asyncio.to_thread(inflate_rows, headers, data) \
+                if headers[0].body_bytes * headers[0].rows >= OFF_LOOP_BYTES else inflate_rows(headers, data)
+        except FrameError as exc:
+            sids = ", ".join(header.sid[:32] for header in taken[:4])
+            await self._refuse(link, None, None, f"bad frame: {exc} (rows of {sids}...)", "bad_frame")
+            return
+        del data
+        for header in taken:  # each row as the step it would have been alone
+            await self._accept_step(link, header, None, frames[header.row])
 
     async def _accept_step(self, link: InboundLink, header: ForwardHeader, data: bytes | None,
                            frame: ForwardFrame | None) -> None:

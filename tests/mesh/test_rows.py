@@ -94,3 +94,20 @@ async def test_a_row_computed_alone_goes_at_once_as_a_plain_frame():
     assert len(sent) == 1 and size == len(sent[0]) and b'"rows"' not in sent[0]
     await asyncio.gather(*(outbox.send(_row(f"s{i}", group=2), 8, "bfloat16", 1 << 16) for i in range(2)))
     assert len(decode_rows(sent[1])) == 2
+
+
+async def test_a_sender_cancelled_mid_flush_leaves_no_row_unsent():
+    gate, sent = asyncio.Event(), []
+
+    async def send(data):
+        await gate.wait()
+        sent.append(data)
+
+    outbox = RowOutbox(send)
+    rows = [outbox.add(_row(f"s{i}"), 8, "bfloat16", 1 << 16) for i in range(2)]
+    caller = asyncio.create_task(outbox.flush())  # (a control frame's sender, cancelled while the rows go)
+    await asyncio.sleep(0)
+    caller.cancel()
+    gate.set()
+    await asyncio.wait_for(asyncio.gather(*rows), 5)
+    assert len(decode_rows(sent[0])) == 2

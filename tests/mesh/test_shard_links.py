@@ -344,3 +344,16 @@ async def test_a_session_closed_while_its_wave_computes_leaves_the_others_untouc
             await ws.send_bytes(_wave([("a", 2, 4), ("c", 2, 4)]))
             assert [reply["token_id"] for reply in (await _replies(ws, ("a", "c"))).values()] == [5, 5]
             assert "a" not in tail.released and "c" not in tail.released
+
+
+async def test_a_wave_frame_none_of_whose_rows_fit_is_refused_before_its_body_is_inflated():
+    async with _shard(_CountingTail()) as (node, port):
+        async with _link(port) as ws:
+            for sid in ("a", "b"):
+                await _open(ws, sid)
+            header = orjson.dumps({"type": "fwd", "mode": "decode", "rows": [{"sid": "a", "step": 1, "past_len": 0},
+                                   {"sid": "b", "step": 1, "past_len": 0}], "shape": [2, 1, 16],
+                                   "dtype": "bfloat16", "enc": "zstd"})
+            await ws.send_bytes(struct.pack(">I", len(header)) + header + b"junk")  # (not zstd at all)
+            replies = await _replies(ws, ("a", "b"))
+            assert all("shape [1, tokens, 8]" in reply["message"] for reply in replies.values()), replies

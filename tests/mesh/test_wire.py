@@ -202,10 +202,12 @@ def test_a_wrong_row_is_refused_alone_and_a_wrong_wave_frame_whole():
                                               {"sid": "c", "step": 1, "past_len": 2, "group": 0}, other]))
     assert [(h.sid, h.problem is None) for h in headers] == [("a", True), ("b", False), ("c", False), ("e", True)]
     assert "step" in headers[1].problem and "group" in headers[2].problem
+    assert headers[2].step == 1  # (refused with its own step, which its sender waits on)
     assert [f.sid for f in wire.decode_rows(wave([good, {"sid": "b", "step": -1, "past_len": 2}]))] == ["a"]
     for bad, needle in [
         (wave([good, {"step": 1, "past_len": 2}]), "sid"),  # a row no one could be told about
-        (wave([good], shape=[2, 1, 4]), "shape"),
+        (wave([good, other], shape=[3, 1, 4]), "shape"),
+        (wave([good]), "rows"),  # one step travels as the one-step frame
         (wave([good, other], mode="prefill"), "shape"),
         (wave([good, other], ids=[1]), "ids"),
         (wave([]), "rows"),

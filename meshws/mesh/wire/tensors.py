@@ -203,8 +203,8 @@ def read_forward_headers(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_B
 def _rows_checked(header: dict[str, Any], offset: int, size: int, max_frame_bytes: int) -> list[ForwardHeader]:
     """A wave's frame: the frame's own fields must be right; a row's wrong field is that row's `problem`."""
     rows = header.get("rows")
-    if not isinstance(rows, list) or not 1 <= len(rows) <= MAX_GROUP or not all(isinstance(r, dict) for r in rows):
-        raise FrameError(f"rows must be a list of 1 to {MAX_GROUP} objects")
+    if not isinstance(rows, list) or not 2 <= len(rows) <= MAX_GROUP or not all(isinstance(r, dict) for r in rows):
+        raise FrameError(f"rows must be a list of 2 to {MAX_GROUP} objects (one step travels alone)")
     shape = header.get("shape")
     if header.get("mode") != "decode" or not isinstance(shape, list) or len(shape) != 3 \
             or shape[:2] != [len(rows), 1] or not is_int(shape[2]) or shape[2] <= 0:
@@ -221,8 +221,9 @@ def _rows_checked(header: dict[str, Any], offset: int, size: int, max_frame_byte
         fields = {name: row[name] for name in ("step", "past_len", "group") if name in row}
         try:
             checked = _checked({**common, **fields}, offset, sid, size, max_frame_bytes)
-        except FrameError as exc:
-            checked = replace(one, sid=sid, problem=str(exc))
+        except FrameError as exc:  # (refused with its own step where it has one, so its sender matches the error)
+            step = row.get("step")
+            checked = replace(one, sid=sid, step=step if is_int(step) and step >= 0 else 0, problem=str(exc))
         found.append(replace(checked, row=index, rows=len(rows)))
     if len({header.sid for header in found}) < len(found):  # (one session, one step at a time)
         raise FrameError("a wave's frame lists a session twice")
