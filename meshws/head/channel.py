@@ -13,8 +13,7 @@ import time
 
 from ..mesh.auth import sign_route
 from ..mesh.link import Link, LinkDown
-from ..mesh.rows import travels_in_waves
-from ..mesh.wire import CacheMiss, Close, DecodeRow, Error, Open, RouteHop, SessionReply, Token, encode_forward
+from ..mesh.wire import CacheMiss, Close, Error, Open, RouteHop, SessionReply, Token
 from ..model.backend import TailTokenResult, TensorPayload
 from ..model.cache_store import KVCacheMiss
 from ..model.sampling import SamplingParams
@@ -61,14 +60,8 @@ class HopChannel:
 
     async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None,
                    drafts: tuple[int, ...] = ()) -> TailTokenResult:
-        try:
-            if travels_in_waves(mode, payload.shape, ids, drafts):  # with the wave's other rows, in one frame
-                row = DecodeRow(self.sid, step, payload.past_len, payload.body, payload.group)
-                await self.link.send_row(row, payload.shape[-1], payload.dtype, self.compress_min_bytes)
-            else:
-                await self.link.send_forward(encode_forward(
-                    self.sid, step, mode, payload.past_len, payload.shape, payload.dtype, payload.body,
-                    ids=ids, compress_min_bytes=self.compress_min_bytes, drafts=drafts, group=payload.group))
+        try:  # (a plain decode row goes with its wave's other rows, in one frame)
+            await self.link.send_step(self.sid, step, mode, payload, ids, drafts, self.compress_min_bytes)
         except LinkDown as exc:
             raise PipelineError(str(exc), lost=True, url=self.link.url) from exc
         deadline = time.monotonic() + self.step_timeout

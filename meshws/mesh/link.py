@@ -24,9 +24,10 @@ import aiohttp
 
 from .auth import signed_headers
 from .log_limit import LogLimiter
-from .rows import RowOutbox
+from ..model.backend import TensorPayload
+from .rows import RowOutbox, travels_in_waves
 from .wire import (CacheMiss, ControlMessage, DecodeRow, Error, FrameError, Hello, SessionReply, Token, decode_control,
-                   encode_control)
+                   encode_control, encode_forward)
 
 log = logging.getLogger("meshws.link")
 
@@ -174,15 +175,19 @@ class Link:
         await self._rows.flush()  # (rows handed over before it leave before it)
         await self._send(encode_control(message))
 
-    async def send_forward(self, data: bytes) -> None:
+    async def send_step(self, sid: str, step: int, mode: str, payload: TensorPayload, ids: list[int] | None,
+                        drafts: tuple[int, ...], compress_min_bytes: int) -> int:
+        """A step's hidden states for the peer: a plain decode row with the rest of its wave (`RowOutbox`), any
+        other step as a frame of its own. Returns the bytes it took on the wire (a row: its share of its frame)."""
+        if travels_in_waves(mode, payload.shape, ids, drafts):
+            if not self.is_up:
+                raise LinkDown(f"link to {self.url} is {self.status()}")
+            row = DecodeRow(sid, step, payload.past_len, payload.body, payload.group)
+            return await self._rows.send(row, payload.shape[-1], payload.dtype, compress_min_bytes)
+        data = encode_forward(sid, step, mode, payload.past_len, payload.shape, payload.dtype, payload.body, ids=ids,
+                              compress_min_bytes=compress_min_bytes, drafts=drafts, group=payload.group)
         await self._send(data)
-
-    async def send_row(self, row: DecodeRow, hidden: int, dtype: str, compress_min_bytes: int) -> int:
-        """A one-position decode step, sent with the other rows handed over in this turn of the event loop
-        (`RowOutbox`). Returns the bytes it took on the wire (its share of its frame)."""
-        if not self.is_up:
-            raise LinkDown(f"link to {self.url} is {self.status()}")
-        return await self._rows.send(row, hidden, dtype, compress_min_bytes)
+        return len(data)
 
     async def _send(self, data: str | bytes) -> None:
         ws = self._ws

@@ -51,8 +51,7 @@ class RowOutbox:
         with the rows of this turn (`add`). Returns the bytes it took on the wire (its share of its frame)."""
         if row.group > 1 or self._waiting:
             return await self.add(row, hidden, dtype, compress_min_bytes)
-        data = encode_forward(row.sid, row.step, "decode", row.past_len, (1, 1, hidden), dtype, row.body,
-                              compress_min_bytes=compress_min_bytes)
+        data = _frame_of([row], hidden, dtype, compress_min_bytes)
         await self._send(data)
         return len(data)
 
@@ -109,12 +108,7 @@ class RowOutbox:
                           compress_min_bytes: int) -> None:
         rows = [row for row, _ in entries]
         try:
-            if len(rows) == 1:
-                row = rows[0]
-                data = encode_forward(row.sid, row.step, "decode", row.past_len, (1, 1, hidden), dtype, row.body,
-                                      compress_min_bytes=compress_min_bytes, group=row.group)
-            else:
-                data = encode_rows(rows, hidden, dtype, compress_min_bytes)
+            data = _frame_of(rows, hidden, dtype, compress_min_bytes)
             await self._send(data)
         except BaseException as exc:  # (LinkDown; or cancelled, the node stopping): each row's sender hears it
             for _, done in entries:
@@ -129,3 +123,12 @@ class RowOutbox:
         for _, done in entries:
             if not done.done():
                 done.set_result(len(data) // len(rows))
+
+
+def _frame_of(rows: list[DecodeRow], hidden: int, dtype: str, compress_min_bytes: int) -> bytes:
+    """Rows as a wave's frame, or one row as the one-step frame it always was."""
+    if len(rows) > 1:
+        return encode_rows(rows, hidden, dtype, compress_min_bytes)
+    row = rows[0]
+    return encode_forward(row.sid, row.step, "decode", row.past_len, (1, 1, hidden), dtype, row.body,
+                          compress_min_bytes=compress_min_bytes, group=row.group)

@@ -28,18 +28,15 @@ from .inbound import DecodeLogThrottle, InboundLink, InboundSession, ShardLimits
 from .link import LinkDown
 from .log_limit import LogLimiter
 from .metrics import NodeMetrics
-from .rows import travels_in_waves
 from .wire import (
     CacheMiss,
     ControlMessage,
-    DecodeRow,
     Error,
     ForwardFrame,
     ForwardHeader,
     FrameError,
     HopReport,
     Token,
-    encode_forward,
     inflate_forward,
     inflate_rows,
     read_forward_headers,
@@ -94,12 +91,11 @@ class ShardSteps:
             await self._refuse(link, None, None, f"{len(strangers)} rows of a wave's frame for sessions not open "
                                f"on this link (first {strangers[0][:32]}): send open first", "unknown_session")
         taken = []  # rows checked before the body is touched (nothing is inflated for a frame none of it fits)
-        for header in headers:
-            problem = None if header.sid not in link.owned else \
-                f"bad frame: {header.problem}" if header.problem is not None else self.header_problem(header)
+        for header in (header for header in headers if header.sid in link.owned):
+            problem = f"bad frame: {header.problem}" if header.problem is not None else self.header_problem(header)
             if problem:
                 await self._refuse(link, header.sid, header.step, problem, "bad_frame")
-            elif header.sid in link.owned:
+            else:
                 taken.append(header)
         if not taken:
             return
@@ -269,16 +265,8 @@ class ShardSteps:
             else:  # a prefill's time grows with its length and the load behind us: the head's timeout judges it
                 self.answered(session)
             session.sent = (step, time.perf_counter())
-            if travels_in_waves(frame.mode, result.shape, frame.ids, frame.drafts):  # with its wave, in one frame
-                row = DecodeRow(sid, step, result.past_len, result.body, result.group)
-                size = await next_hop.send_row(row, result.shape[-1], result.dtype, self.compress_min_bytes)
-            else:
-                data = encode_forward(sid, step, frame.mode, result.past_len, result.shape, result.dtype,
-                                      result.body, ids=list(frame.ids) if frame.ids is not None else None,
-                                      compress_min_bytes=self.compress_min_bytes, drafts=frame.drafts,
-                                      group=result.group)
-                await next_hop.send_forward(data)
-                size = len(data)
+            size = await next_hop.send_step(sid, step, frame.mode, result, list(frame.ids) if frame.ids is not None
+                                            else None, frame.drafts, self.compress_min_bytes)  # (a row: with its wave)
             self.metrics.frame("out", f"fwd_{frame.mode}", size)
         except LinkDown as exc:
             self.answered(session)

@@ -464,6 +464,7 @@ typedef struct {
 
 static void unpack_row(const block_type *t, const uint8_t *w, int64_t in, unpacked_row *u) {
     const int64_t padded = q8_padded(in);
+    const int layout = layout_of(t);
     int8_t natural[QK];
     for (int64_t k = 0; k < padded; k += QK) {
         int n = in - k < QK ? (int)(in - k) : QK;
@@ -480,7 +481,7 @@ static void unpack_row(const block_type *t, const uint8_t *w, int64_t in, unpack
             b[g] = t->has_b ? b[g] : -((float)t->offset * a[g]); /* (as the fused loops make it) */
         }
         for (int p = 0; p < QK; p++)
-            c[p] = (int8_t)(uint8_t)((int)natural[unit_at(layout_of(t), p)] + t->offset);
+            c[p] = (int8_t)(uint8_t)((int)natural[unit_at(layout, p)] + t->offset);
     }
 }
 
