@@ -246,11 +246,11 @@ static void v_direct_q8(const uint8_t *w, int64_t row_bytes, int n, int64_t bloc
         const uint8_t *u = w + o * row_bytes;
         for (int64_t k = 0; k < blocks; k += 8, u += 272) {
             const int count = blocks - k < 8 ? (int)(blocks - k) : 8;
-            __builtin_prefetch(u + PREFETCH, 0, 0);
-            __builtin_prefetch(u + PREFETCH + 64, 0, 0);
-            __builtin_prefetch(u + PREFETCH + 128, 0, 0);
-            __builtin_prefetch(u + PREFETCH + 192, 0, 0);
-            __builtin_prefetch(u + PREFETCH + 256, 0, 0);
+            __builtin_prefetch(u + PREFETCH, 0, 2);
+            __builtin_prefetch(u + PREFETCH + 64, 0, 2);
+            __builtin_prefetch(u + PREFETCH + 128, 0, 2);
+            __builtin_prefetch(u + PREFETCH + 192, 0, 2);
+            __builtin_prefetch(u + PREFETCH + 256, 0, 2);
             __m512i z[4], d[4];
             for (int c = 0; c < 4; c++) {
                 const int64_t left = 34 * count - 64 * c;
