@@ -63,73 +63,87 @@ static void v_lay_any(const block_type *t, const uint8_t *w, int64_t row_bytes, 
 
 #if LANES == 16 && defined(__AVX512VNNI__)
 /* 16 x 16 lanes transposed in place (r[i] lane j <-> r[j] lane i): at each step, within every block of 2s x 2s
-   lanes, the top-right s x s block swaps with the bottom-left one (64 two-register permutes in all). `swaps`:
-   `v_swaps`. */
-static inline __attribute__((always_inline)) void v_transpose(__m512i *r, const __m512i *swaps) {
+   lanes, the top-right s x s block swaps with the bottom-left one (64 two-register permutes in all, unrolled so
+   that the 16 registers stay registers). `swaps`: `v_tables.swaps`. */
+static inline __attribute__((always_inline)) void v_transpose(__m512i *r, const int32_t (*swaps)[16]) {
+#pragma GCC unroll 4
     for (int step = 0, s = 8; s >= 1; step++, s /= 2)
+#pragma GCC unroll 16
         for (int i = 0; i < 16; i++)
             if (!(i & s)) {
                 const __m512i a = r[i], b = r[i + s];
-                r[i] = _mm512_permutex2var_epi32(a, swaps[2 * step], b);
-                r[i + s] = _mm512_permutex2var_epi32(a, swaps[2 * step + 1], b);
+                r[i] = _mm512_permutex2var_epi32(a, _mm512_loadu_si512(swaps[2 * step]), b);
+                r[i + s] = _mm512_permutex2var_epi32(a, _mm512_loadu_si512(swaps[2 * step + 1]), b);
             }
-}
-
-static void v_swaps(__m512i *swaps) {
-    for (int step = 0, s = 8; s >= 1; step++, s /= 2) {
-        int32_t first[16], second[16];
-        for (int j = 0; j < 16; j++) {
-            first[j] = j & s ? 16 + j - s : j;
-            second[j] = j & s ? 16 + j : j + s;
-        }
-        swaps[2 * step] = _mm512_loadu_si512(first);
-        swaps[2 * step + 1] = _mm512_loadu_si512(second);
-    }
 }
 
 static int v_shuffled(int type) { return type == 2 || type == 3 || type == 8; }
 
 static int v_head(const block_type *t) { return t->type == 3 ? 4 : 2; } /* Q4_1's d and m, or a d: codes follow */
 
+/* The permutes `v_lay` takes, made once as the library loads: built on each call, their scalar stores stalled the
+   vector loads that read them, a tenth of laying out a tile (and the unrolled transpose another tenth). */
+static struct {
+    int32_t swaps[8][16];                      /* `v_transpose`'s, two a step */
+    uint8_t take[3][64], heads[3][64];         /* per type (Q4_0, Q4_1, Q8_0): where a pass's codes and heads lie */
+    int32_t pair[16];                          /* lanes 4 o + b of two packed registers: outputs 0-7 */
+} v_tables;
+
+static int v_table(int type) { return type == 2 ? 0 : type == 3 ? 1 : 2; }
+
+__attribute__((constructor)) static void v_make_tables(void) {
+    for (int step = 0, s = 8; s >= 1; step++, s /= 2)
+        for (int j = 0; j < 16; j++) {
+            v_tables.swaps[2 * step][j] = j & s ? 16 + j - s : j;
+            v_tables.swaps[2 * step + 1][j] = j & s ? 16 + j : j + s;
+        }
+    const int types[3] = {2, 3, 8};
+    for (int k = 0; k < 3; k++) {
+        const block_type *t = block_type_of(types[k]);
+        const int q8 = t->type == 8, per = q8 ? 2 : 4, codes_at = v_head(t);
+        for (int i = 0; i < 64; i++) {
+            v_tables.take[k][i] = (uint8_t)(q8 ? i / 32 * t->bytes + codes_at + i % 32 :
+                                                 i / 16 * t->bytes + codes_at + i % 16);
+            v_tables.heads[k][i] = (uint8_t)(i < 4 * per ? i / 4 * t->bytes + i % 4 : 0); /* (a pass's first 64) */
+        }
+    }
+    for (int o = 0; o < 16; o++)
+        v_tables.pair[o] = o < 8 ? 4 * (o % 4) + (o / 4) * 16 : 0;
+}
+
 /* Q4_0, Q4_1 and Q8_0 laid out from plain loads: per output, a pass's codes (4 blocks of 16 bytes of nibbles, or 2
    of 32 codes) gathered into one register with a byte permute, 16 outputs' registers transposed; then the heads
    (d, and Q4_1's m) likewise, four outputs to a register. Nibbles: byte j of a block holds value j (low) and
-   j + 16 (high). */
+   j + 16 (high). Meanwhile `next_bytes` of a later unit's rows (`next`) are fetched into L2. */
 static void v_lay(const block_type *t, const uint8_t *w, int64_t row_bytes, int n, int64_t blocks, v_tile *tile,
                   const uint8_t *next, int64_t next_bytes) {
     if (!v_shuffled(t->type)) {
         v_lay_any(t, w, row_bytes, n, blocks, tile);
         return;
     }
-    const int bytes = t->bytes, q8 = t->type == 8, per = q8 ? 2 : 4, codes_at = v_head(t);
-    uint8_t take[64], heads[64] = {0};
-    for (int i = 0; i < 64; i++)
-        take[i] = (uint8_t)(q8 ? i / 32 * bytes + codes_at + i % 32 : i / 16 * bytes + codes_at + i % 16);
-    for (int i = 0; i < 4 * per; i++) /* (within a pass's first 64 bytes) */
-        heads[i] = (uint8_t)(i / 4 * bytes + i % 4);
-    int32_t half[16];
-    for (int o = 0; o < 16; o++)
-        half[o] = o < 8 ? 4 * (o % 4) + (o / 4) * 16 : 0;
-    __m512i swaps[8];
-    v_swaps(swaps);
-    const __m512i codes_from = _mm512_loadu_si512(take), heads_from = _mm512_loadu_si512(heads);
-    const __m512i pair = _mm512_loadu_si512(half); /* lanes 4 o + b of two packed registers: outputs 0-7 */
+    const int bytes = t->bytes, q8 = t->type == 8, per = q8 ? 2 : 4, k = v_table(t->type);
+    const __m512i codes_from = _mm512_loadu_si512(v_tables.take[k]), heads_from = _mm512_loadu_si512(v_tables.heads[k]);
+    const __m512i pair = _mm512_loadu_si512(v_tables.pair);
     const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     const int64_t lines = (next_bytes + 63) / 64, passes = (blocks + per - 1) / per;
     const int64_t per_pass = (lines + passes - 1) / passes;
     for (int64_t b0 = 0; b0 < blocks; b0 += per) {
         const int count = blocks - b0 < per ? (int)(blocks - b0) : per, span = count * bytes;
         for (int64_t line = b0 / per * per_pass; line < (b0 / per + 1) * per_pass && line < lines; line++)
-            __builtin_prefetch(next + 64 * line, 0, 0); /* (16 rows a pass apart: the hardware's prefetch lags) */
+            __builtin_prefetch(next + 64 * line, 0, 2); /* (16 rows a pass apart: the hardware's prefetch lags) */
         const __mmask64 near = span >= 64 ? ~0ULL : (1ULL << span) - 1, far = span > 64 ? (1ULL << (span - 64)) - 1 : 0;
         const uint8_t *from = w + b0 * bytes;
         __m512i c[16];
+#pragma GCC unroll 16
         for (int o = 0; o < 16; o++)
             c[o] = o < n ? _mm512_permutex2var_epi8(_mm512_maskz_loadu_epi8(near, from + o * row_bytes), codes_from,
                                                     _mm512_maskz_loadu_epi8(far, from + o * row_bytes + 64)) :
                 _mm512_setzero_si512();
-        v_transpose(c, swaps); /* c[j]: dword j of every output's pass */
-        for (int i = 0; i < count; i++) {
+        v_transpose(c, v_tables.swaps); /* c[j]: dword j of every output's pass */
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) { /* (unrolled, with i known: c stays in registers) */
+            if (i >= count)
+                break;
             __m512i *to = (__m512i *)(tile->codes + (b0 + i) * 8 * V_OUT * 4);
             if (q8)
                 for (int g = 0; g < 8; g++)
@@ -147,7 +161,10 @@ static void v_lay(const block_type *t, const uint8_t *w, int64_t row_bytes, int 
                 packed[k] = _mm512_inserti32x4(packed[k], _mm512_castsi512_si128(_mm512_permutexvar_epi8(
                     heads_from, _mm512_maskz_loadu_epi8(near, from + (4 * k + o) * row_bytes))), o);
         }
-        for (int i = 0; i < count; i++) {
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            if (i >= count)
+                break;
             const __m512i at = _mm512_add_epi32(pair, _mm512_set1_epi32(i));
             const __m512i head = _mm512_inserti64x4(_mm512_permutex2var_epi32(packed[0], at, packed[1]),
                                                     _mm512_castsi512_si256(_mm512_permutex2var_epi32(packed[2], at,
@@ -349,6 +366,13 @@ static void v_direct(const block_type *t, const uint8_t *w, int64_t row_bytes, i
 }
 
 /* acc[r] (lane o: output o) = the sums of the panel's rows (`v_panel`) with the tile's outputs. */
+/* sum + u . (*q in every lane), the broadcast folded into the vpdpbusd (GCC otherwise broadcasts with an
+   instruction of its own, one per product: a third more vector work in `v_rows`). */
+static inline __attribute__((always_inline)) __m512i v_dot_broadcast(__m512i sum, __m512i u, const int32_t *q) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sum) : "v"(u), "m"(*q));
+    return sum;
+}
+
 static inline __attribute__((always_inline)) void v_rows(const v_tile *tile, int64_t blocks, const int32_t *panel,
                                                          int nr, __m512 *acc) {
     for (int r = 0; r < nr; r++)
@@ -361,7 +385,7 @@ static inline __attribute__((always_inline)) void v_rows(const v_tile *tile, int
         for (int g = 0; g < 8; g++) {
             const __m512i u = _mm512_load_si512(codes + g);
             for (int r = 0; r < nr; r++)
-                dot[r] = _mm512_dpbusd_epi32(dot[r], u, _mm512_set1_epi32(panel[g * nr + r]));
+                dot[r] = v_dot_broadcast(dot[r], u, panel + g * nr + r);
         }
         const __m512 d = _mm512_load_ps(tile->d + b * V_OUT), m = _mm512_load_ps(tile->m + b * V_OUT);
         const float *scale = (const float *)panel + 9 * nr, *share = scale + nr;
@@ -481,7 +505,11 @@ static void v_units(const void *task, int64_t begin, int64_t end) {
             continue;
         }
 #endif
-        v_lay(j->type, j->w + o0 * j->row_bytes, j->row_bytes, n, blocks, &tile, next, ahead * j->row_bytes);
+        /* a tile's layout fetches the unit after next into L2 (16 rows read a pass at a time outrun the hardware's
+           prefetch; one unit ahead into L1 left a 16-row SmolLM2 wave 7 % slower) */
+        const int64_t later = j->out - o0 - 2 * V_OUT < V_OUT ? j->out - o0 - 2 * V_OUT : V_OUT;
+        v_lay(j->type, j->w + o0 * j->row_bytes, j->row_bytes, n, blocks, &tile, next + V_OUT * j->row_bytes,
+              later > 0 ? later * j->row_bytes : 0);
         const int32_t *panel = j->panels;
         for (int64_t r0 = 0; r0 < j->rows;) {
             const int nr = v_group(j->rows - r0);
