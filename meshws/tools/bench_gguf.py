@@ -11,7 +11,8 @@ default all cores):
   * a split mesh on loopback (`parts`: head + tail by default, or head + middle(s) + tail), the layers shared
     evenly: each node's peak resident memory, and one stream's decode tok/s.
 Decode is the best of ROUNDS runs per side, each meshws run right after one of llama.cpp's (its
-process stays up meanwhile), since such a machine's memory bandwidth drifts between minutes.
+process stays up meanwhile), since such a machine's memory bandwidth drifts between minutes: the full node's
+and the split mesh's ratios each take llama.cpp's best of the runs alternated with theirs.
 Ratios to llama.cpp sit beside each figure, and the targets of issue 42 (decode >= 1.0x, prompt >=
 0.7x, peak memory <= 1.15x for a full node and <= 0.65x of llama.cpp's whole-model memory for each
 half (0.4x for each third), first start within llama.cpp's load + 3 s, disk <= 2 % of the file, mesh decode >= 0.9x).
@@ -133,14 +134,17 @@ def _written(root: str) -> int:
     return sum(path.stat().st_size for path in Path(root).rglob("*") if path.is_file() and path.parent.name != "native")
 
 
-def _decodes(url: str, model_id: str, prompt: list[int], tokens: int, llama: LlamaCpp | None) -> list[float]:
-    """ROUNDS decode runs of one stream, each after one of llama.cpp's (`llama`) if it runs."""
-    runs = []
+def _decodes(url: str, model_id: str, prompt: list[int], tokens: int, llama: LlamaCpp | None) -> dict[str, Any]:
+    """ROUNDS decode runs of one stream, each after one of llama.cpp's (`llama`) if it runs: the best of each side's
+    runs and the runs. A side's best is set beside the other's best of the same minutes, never beside llama.cpp's
+    best of every run (the best of six against the best of three favoured llama.cpp by this machine's drift alone)."""
+    runs, theirs = [], []
     for _ in range(ROUNDS):
         if llama is not None:
-            llama.decode()
+            theirs.append(llama.decode())
         runs.append(round(asyncio.run(stream_once(url, model_id, prompt[:16], tokens + 1))["decode_tok_s"], 2))
-    return runs
+    return {"decode_tok_s": max(runs), "decode_runs": runs,
+            "llama_cpp_decode_tok_s": max(theirs) if theirs else None}
 
 
 def split_roles(layers: int, parts: int) -> list[tuple[str, str]]:
@@ -174,8 +178,8 @@ def measure_meshws_gguf(gguf: Path, threads: int, tokens: int, layers: int, mode
                 health = full.head.health()
             finally:
                 full.stop()
-            results["full"] = {"start_s": round(start, 2), "written_bytes": _written(root),
-                               "decode_tok_s": max(decodes), "decode_runs": decodes, "prompt_s": round(prompt_run["ttft_s"], 3),
+            results["full"] = {"start_s": round(start, 2), "written_bytes": _written(root), **decodes,
+                               "prompt_s": round(prompt_run["ttft_s"], 3),
                                "prompt_tok_s": round(PROMPT_TOKENS / prompt_run["ttft_s"], 1),
                                "peak_bytes": health["peak_resident_bytes"], "path": health["compute"]["path"],
                                "weights": health["weights"]}
@@ -188,8 +192,7 @@ def measure_meshws_gguf(gguf: Path, threads: int, tokens: int, layers: int, mode
             finally:
                 mesh.stop()
             spans = [[int(value) for value in span.split("-")] for _, span in roles]
-            results["mesh"] = {"layers": [[first, last + 1] for first, last in spans], "decode_tok_s": max(decodes),
-                               "decode_runs": decodes, "peak_bytes": peaks}
+            results["mesh"] = {"layers": [[first, last + 1] for first, last in spans], **decodes, "peak_bytes": peaks}
         finally:
             for key, value in old.items():
                 if value is None:
@@ -217,6 +220,11 @@ def measure_gguf(gguf: Path, tokens: int = 64, threads: int | None = None, parts
     return report
 
 
+def _beside(side: dict[str, Any], llama: dict[str, Any]) -> float:
+    """llama.cpp's decode in the minutes `side` ran (its runs alternated with that side's; older reports: its best)."""
+    return side.get("llama_cpp_decode_tok_s") or llama["decode_tok_s"]
+
+
 def gguf_targets(report: dict[str, Any]) -> dict[str, Any]:
     llama, full, mesh = report.get("llama_cpp"), report["full"], report["mesh"]
 
@@ -224,13 +232,13 @@ def gguf_targets(report: dict[str, Any]) -> dict[str, Any]:
         return round(value / base, 3) if base else None
 
     checks = {  # name: (value, limit, at least)
-        "full_decode_ge_1x_llama_cpp": (ratio(full["decode_tok_s"], llama and llama["decode_tok_s"]), 1.0, True),
+        "full_decode_ge_1x_llama_cpp": (ratio(full["decode_tok_s"], llama and _beside(full, llama)), 1.0, True),
         "full_prompt_ge_0_7x_llama_cpp": (ratio(full["prompt_tok_s"], llama and llama["prompt_tok_s"]), 0.7, True),
         "full_peak_le_1_15x_llama_cpp": (ratio(full["peak_bytes"], llama and llama["peak_bytes"]), 1.15, False),
         "full_start_le_llama_cpp_load_plus_3s": (
             round(full["start_s"] - llama["load_s"], 2) if llama else None, 3.0, False),
         "full_written_le_2_percent": (round(full["written_bytes"] / report["size_bytes"], 4), 0.02, False),
-        "mesh_decode_ge_0_9x_llama_cpp": (ratio(mesh["decode_tok_s"], llama and llama["decode_tok_s"]), 0.9, True),
+        "mesh_decode_ge_0_9x_llama_cpp": (ratio(mesh["decode_tok_s"], llama and _beside(mesh, llama)), 0.9, True),
     }
     parts = len(mesh["peak_bytes"])
     share = {2: ("0_65", 0.65), 3: ("0_4", 0.4)}.get(parts)  # (the issue's targets: halves, and thirds of an 8B)
@@ -252,15 +260,17 @@ def print_gguf(report: dict[str, Any]) -> None:
     def cell(value: Any, fmt: str) -> str:
         return format(value, fmt) if value is not None else "-"
 
+    beside = [cell(side.get("llama_cpp_decode_tok_s"), ".1f") for side in (full, mesh)]
     print(f"decode, tok/s      | {full['decode_tok_s']:12.1f} | {cell(cpp.get('decode_tok_s'), '10.1f')} | "
-          f"{mesh['decode_tok_s']:.1f}")
+          f"{mesh['decode_tok_s']:.1f}   (llama.cpp in the same minutes: {beside[0]} beside full, {beside[1]} beside split)")
     print(f"{PROMPT_TOKENS}-token prompt, s | {full['prompt_s']:12.2f} | {cell(cpp.get('prompt_s'), '10.2f')} |")
     print(f"peak memory, MiB   | {full['peak_bytes'] / MIB:12.0f} | {cell(cpp.get('peak_bytes', 0) / MIB or None, '10.0f')}"
           f" | {' / '.join(f'{peak / MIB:.0f}' for peak in mesh['peak_bytes'])}")
     print(f"start, s           | {full['start_s']:12.2f} | {cell(cpp.get('load_s'), '10.2f')} |  (empty model cache)")
     print(f"written to disk    | {full['written_bytes'] / MIB:10.1f} MiB | {'0':>10} |")
     print(f"decode runs, tok/s: full {full['decode_runs']}, llama.cpp {cpp.get('decode_runs', [])}, "
-          f"split {mesh['decode_runs']} (alternating)")
+          f"split {mesh['decode_runs']} (alternating: llama.cpp's first {ROUNDS} with full's, the rest with split's; "
+          f"each side is set beside the llama.cpp runs of its own minutes)")
     print(f"path: {full['path']}")
     for name, check in report["targets"].items():
         state = {True: "met", False: "NOT met", None: "not measured"}[check["met"]]
