@@ -220,7 +220,7 @@ def measure_gguf(gguf: Path, tokens: int = 64, threads: int | None = None, parts
     return report
 
 
-def _beside(side: dict[str, Any], llama: dict[str, Any]) -> float:
+def llama_beside(side: dict[str, Any], llama: dict[str, Any]) -> float:
     """llama.cpp's decode in the minutes `side` ran (its runs alternated with that side's; older reports: its best)."""
     return side.get("llama_cpp_decode_tok_s") or llama["decode_tok_s"]
 
@@ -232,13 +232,13 @@ def gguf_targets(report: dict[str, Any]) -> dict[str, Any]:
         return round(value / base, 3) if base else None
 
     checks = {  # name: (value, limit, at least)
-        "full_decode_ge_1x_llama_cpp": (ratio(full["decode_tok_s"], llama and _beside(full, llama)), 1.0, True),
+        "full_decode_ge_1x_llama_cpp": (ratio(full["decode_tok_s"], llama and llama_beside(full, llama)), 1.0, True),
         "full_prompt_ge_0_7x_llama_cpp": (ratio(full["prompt_tok_s"], llama and llama["prompt_tok_s"]), 0.7, True),
         "full_peak_le_1_15x_llama_cpp": (ratio(full["peak_bytes"], llama and llama["peak_bytes"]), 1.15, False),
         "full_start_le_llama_cpp_load_plus_3s": (
             round(full["start_s"] - llama["load_s"], 2) if llama else None, 3.0, False),
         "full_written_le_2_percent": (round(full["written_bytes"] / report["size_bytes"], 4), 0.02, False),
-        "mesh_decode_ge_0_9x_llama_cpp": (ratio(mesh["decode_tok_s"], llama and _beside(mesh, llama)), 0.9, True),
+        "mesh_decode_ge_0_9x_llama_cpp": (ratio(mesh["decode_tok_s"], llama and llama_beside(mesh, llama)), 0.9, True),
     }
     parts = len(mesh["peak_bytes"])
     share = {2: ("0_65", 0.65), 3: ("0_4", 0.4)}.get(parts)  # (the issue's targets: halves, and thirds of an 8B)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .bench_gguf import llama_beside
+
 SERIES = (("generate_sessions", "generate()"), ("full_node_sessions", "full node"), ("mesh", "head + tail"),
           ("mesh_int8", "head + tail, int8"), ("mesh_pinned", "head + tail, a core each"),
           ("llama_cpp_sessions", "llama.cpp, as many sequences"))
@@ -71,7 +73,7 @@ def write_gguf_plot(sections: list[dict[str, Any]], path: Path) -> Path | None:
     height = 0.8 / len(sections)
     for index, section in enumerate(sections):
         llama, full, mesh = section["llama_cpp"], section["full"], section["mesh"]
-        values = [full["decode_tok_s"] / llama["decode_tok_s"], mesh["decode_tok_s"] / llama["decode_tok_s"],
+        values = [full["decode_tok_s"] / llama_beside(full, llama), mesh["decode_tok_s"] / llama_beside(mesh, llama),
                   llama["prompt_s"] / full["prompt_s"], full["peak_bytes"] / llama["peak_bytes"],
                   max(mesh["peak_bytes"]) / llama["peak_bytes"]]
         rows = [row - 0.4 + height * (index + 0.5) for row in range(len(names))]
