@@ -145,10 +145,10 @@ static void v_lay(const block_type *t, const uint8_t *w, int64_t row_bytes, int 
             if (i >= count)
                 break;
             __m512i *to = (__m512i *)(tile->codes + (b0 + i) * 8 * V_OUT * 4);
-            if (q8)
+            if (q8 && i < 2) /* (a Q8_0 pass holds two blocks) */
                 for (int g = 0; g < 8; g++)
                     _mm512_store_si512(to + g, _mm512_xor_si512(c[8 * i + g], flip));
-            else
+            else if (!q8)
                 for (int g = 0; g < 4; g++) {
                     _mm512_store_si512(to + g, _mm512_and_si512(c[4 * i + g], nibble));
                     _mm512_store_si512(to + 4 + g, _mm512_and_si512(_mm512_srli_epi32(c[4 * i + g], 4), nibble));
@@ -490,9 +490,9 @@ static void v_units(const void *task, int64_t begin, int64_t end) {
         const int n = j->out - o0 < V_OUT ? (int)(j->out - o0) : V_OUT;
         const float *bias = j->bias ? j->bias + o0 : NULL;
         const uint8_t *next = j->w + (o0 + V_OUT) * j->row_bytes; /* the next unit's rows, read soon */
-        const int64_t ahead = unit + 1 < end ? (j->out - o0 - V_OUT < V_OUT ? j->out - o0 - V_OUT : V_OUT) : 0;
 #if LANES == 16 && defined(__AVX512VNNI__)
         if (j->direct) {
+            const int64_t ahead = unit + 1 < end ? (j->out - o0 - V_OUT < V_OUT ? j->out - o0 - V_OUT : V_OUT) : 0;
             for (int64_t r = 0; r < j->rows; r++)
                 if (j->type->type == 8)
                     v_direct_q8(j->w + o0 * j->row_bytes, j->row_bytes, n, blocks, j->codes + r * j->x_bytes,

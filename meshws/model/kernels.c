@@ -878,6 +878,72 @@ typedef struct {
 #define STACK_SCORES 4096 /* floats of scores kept on the stack; longer rows take the heap */
 #define CACHE_AHEAD 8     /* cache rows a key's or value's loop asks for ahead (a hint: past the end, nothing) */
 
+#ifndef GENERIC
+#if LANES == 16
+#define vmul(a, b) _mm512_mul_ps(a, b)
+#define vneg(a) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int)0x80000000u)))
+#define vadd(a, b) _mm512_add_ps(a, b)
+#define vdiv(a, b) _mm512_div_ps(a, b)
+#define vmin(a, b) _mm512_min_ps(a, b)
+#define vmax(a, b) _mm512_max_ps(a, b)
+#define vnearest(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vscale2(y, n) _mm512_scalef_ps(y, n) /* y * 2^n, to 0 or inf past the range */
+#define vround_bf16(v) _mm512_castsi512_ps(round_bits(_mm512_castps_si512(v)))
+static inline __m512i round_bits(__m512i bits) { /* to_bf16 on a vector: the same bits lane by lane */
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    up = _mm512_mask_or_epi32(up, nan, bits, _mm512_set1_epi32(0x00400000));
+    return _mm512_and_si512(up, _mm512_set1_epi32((int)0xffff0000u));
+}
+#else
+#define vmul(a, b) _mm256_mul_ps(a, b)
+#define vneg(a) _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)) /* the sign flipped, as the scalar -a (NaN included) */
+#define vadd(a, b) _mm256_add_ps(a, b)
+#define vdiv(a, b) _mm256_div_ps(a, b)
+#define vmin(a, b) _mm256_min_ps(a, b)
+#define vmax(a, b) _mm256_max_ps(a, b)
+#define vnearest(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vscale2(y, n) scale2(y, n)
+static inline __m256 pow2(__m256i n) { /* 2^n for a normal power: the exponent field built by hand */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
+}
+static inline __m256 scale2(__m256 y, __m256 n) { /* y * 2^n in two halves, each a normal power: 0 or inf past range */
+    __m256i whole = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(whole, 1);
+    return _mm256_mul_ps(_mm256_mul_ps(y, pow2(half)), pow2(_mm256_sub_epi32(whole, half)));
+}
+#define vround_bf16(v) _mm256_castsi256_ps(round_bits(_mm256_castps_si256(v)))
+static inline __m256i round_bits(__m256i bits) {
+    const __m256i sign_off = _mm256_set1_epi32((int)0x80000000u); /* unsigned compare by flipping the sign bit */
+    __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_xor_si256(magnitude, sign_off),
+                                     _mm256_xor_si256(_mm256_set1_epi32(0x7f800000), sign_off));
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    up = _mm256_blendv_epi8(up, _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000)), nan);
+    return _mm256_and_si256(up, _mm256_set1_epi32((int)0xffff0000u));
+}
+#endif
+
+/* exp on vectors: Cephes' expf polynomial, within an ulp of libm's expf (SiLU's and attention's weights). NaN stays
+   NaN: min and max return their second operand on one. */
+static inline vec vexp(vec x) {
+    x = vmax(vset1(-104.0f), vmin(vset1(89.0f), x));
+    vec n = vnearest(vmul(x, vset1(1.44269504088896341f)));
+    x = vfma(n, vset1(-0.693359375f), x);
+    x = vfma(n, vset1(2.12194440e-4f), x);
+    vec p = vset1(1.9875691500e-4f);
+    p = vfma(p, x, vset1(1.3981999507e-3f));
+    p = vfma(p, x, vset1(8.3334519073e-3f));
+    p = vfma(p, x, vset1(4.1665795894e-2f));
+    p = vfma(p, x, vset1(1.6666665459e-1f));
+    p = vfma(p, x, vset1(5.0000001201e-1f));
+    p = vfma(p, vmul(x, x), vadd(x, vset1(1.0f)));
+    return vscale2(p, n);
+}
+#endif
+
 static inline void ahead(const char *p, size_t bytes) { /* a cache row's lines, soon read: 2-3 % of a bf16 step */
     for (size_t b = 0; b < bytes; b += 64)
         __builtin_prefetch(p + b, 0, 3);
@@ -960,6 +1026,25 @@ static void weigh_values(float *value, const float *s, const char *v, int64_t co
     }
 }
 
+/* s[t] = exp(s[t] - top) for t < count: `vexp` on vectors (a call of libm's expf a score, with the running total
+   kept in memory across it, had been a quarter of a long prompt's attention), libm's expf in plain C. */
+static void exp_scores(float *s, int64_t count, float top) {
+#ifndef GENERIC
+    const int64_t whole = count - count % LANES;
+    for (int64_t t = 0; t < whole; t += LANES)
+        vstore(s + t, vexp(vplus(vload(s + t), vset1(-top))));
+    if (whole < count) {
+        float part[LANES] = {0};
+        memcpy(part, s + whole, sizeof(float) * (size_t)(count - whole));
+        vstore(part, vexp(vplus(vload(part), vset1(-top))));
+        memcpy(s + whole, part, sizeof(float) * (size_t)(count - whole));
+    }
+#else
+    for (int64_t t = 0; t < count; t++)
+        s[t] = expf(s[t] - top);
+#endif
+}
+
 static void attend_units(const void *task, int64_t begin, int64_t end) {
     const attend_t *a = task;
     const int64_t dim = a->dim, group = a->heads / a->kv_heads;
@@ -984,10 +1069,9 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
                 s[t] = a->scale * dot(q, keys + (size_t)(low + t) * dim * size, a->kind, dim);
                 top = s[t] > top ? s[t] : top;
             }
-            for (int64_t t = 0; t < count; t++) {
-                s[t] = expf(s[t] - top);
+            exp_scores(s, count, top);
+            for (int64_t t = 0; t < count; t++)
                 total += s[t];
-            }
             weigh_values(value, s, values + (size_t)low * dim * size, count, dim, a->kind);
             float *out = a->out + ((row * a->heads) + head * group + g) * dim;
             for (int64_t d = 0; d < dim; d++)
@@ -1060,68 +1144,6 @@ typedef struct {
    time through scalar expf calls). A row's element i always takes the same lane of the same code, so a
    row's values are the same alone or in any batch; the last `n % LANES` take it through a padded vector. */
 #ifndef GENERIC
-#if LANES == 16
-#define vmul(a, b) _mm512_mul_ps(a, b)
-#define vneg(a) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int)0x80000000u)))
-#define vadd(a, b) _mm512_add_ps(a, b)
-#define vdiv(a, b) _mm512_div_ps(a, b)
-#define vmin(a, b) _mm512_min_ps(a, b)
-#define vmax(a, b) _mm512_max_ps(a, b)
-#define vnearest(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define vscale2(y, n) _mm512_scalef_ps(y, n) /* y * 2^n, to 0 or inf past the range */
-#define vround_bf16(v) _mm512_castsi512_ps(round_bits(_mm512_castps_si512(v)))
-static inline __m512i round_bits(__m512i bits) { /* to_bf16 on a vector: the same bits lane by lane */
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    up = _mm512_mask_or_epi32(up, nan, bits, _mm512_set1_epi32(0x00400000));
-    return _mm512_and_si512(up, _mm512_set1_epi32((int)0xffff0000u));
-}
-#else
-#define vmul(a, b) _mm256_mul_ps(a, b)
-#define vneg(a) _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)) /* the sign flipped, as the scalar -a (NaN included) */
-#define vadd(a, b) _mm256_add_ps(a, b)
-#define vdiv(a, b) _mm256_div_ps(a, b)
-#define vmin(a, b) _mm256_min_ps(a, b)
-#define vmax(a, b) _mm256_max_ps(a, b)
-#define vnearest(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define vscale2(y, n) scale2(y, n)
-static inline __m256 pow2(__m256i n) { /* 2^n for a normal power: the exponent field built by hand */
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
-}
-static inline __m256 scale2(__m256 y, __m256 n) { /* y * 2^n in two halves, each a normal power: 0 or inf past range */
-    __m256i whole = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(whole, 1);
-    return _mm256_mul_ps(_mm256_mul_ps(y, pow2(half)), pow2(_mm256_sub_epi32(whole, half)));
-}
-#define vround_bf16(v) _mm256_castsi256_ps(round_bits(_mm256_castps_si256(v)))
-static inline __m256i round_bits(__m256i bits) {
-    const __m256i sign_off = _mm256_set1_epi32((int)0x80000000u); /* unsigned compare by flipping the sign bit */
-    __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
-    __m256i nan = _mm256_cmpgt_epi32(_mm256_xor_si256(magnitude, sign_off),
-                                     _mm256_xor_si256(_mm256_set1_epi32(0x7f800000), sign_off));
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
-    up = _mm256_blendv_epi8(up, _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000)), nan);
-    return _mm256_and_si256(up, _mm256_set1_epi32((int)0xffff0000u));
-}
-#endif
-
-static inline vec vexp(vec x) { /* NaN stays NaN: min and max return their second operand on one */
-    x = vmax(vset1(-104.0f), vmin(vset1(89.0f), x));
-    vec n = vnearest(vmul(x, vset1(1.44269504088896341f)));
-    x = vfma(n, vset1(-0.693359375f), x);
-    x = vfma(n, vset1(2.12194440e-4f), x);
-    vec p = vset1(1.9875691500e-4f);
-    p = vfma(p, x, vset1(1.3981999507e-3f));
-    p = vfma(p, x, vset1(8.3334519073e-3f));
-    p = vfma(p, x, vset1(4.1665795894e-2f));
-    p = vfma(p, x, vset1(1.6666665459e-1f));
-    p = vfma(p, x, vset1(5.0000001201e-1f));
-    p = vfma(p, vmul(x, x), vadd(x, vset1(1.0f)));
-    return vscale2(p, n);
-}
-
 static inline vec silu_times(vec g, vec u, int round_bf16) { /* g and u as summed: rounded here first */
     if (round_bf16) {
         g = vround_bf16(g);
