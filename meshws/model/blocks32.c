@@ -81,8 +81,9 @@ static int v_shuffled(int type) { return type == 2 || type == 3 || type == 8; }
 
 static int v_head(const block_type *t) { return t->type == 3 ? 4 : 2; } /* Q4_1's d and m, or a d: codes follow */
 
-/* The permutes `v_lay` takes, made once as the library loads: built on each call, their scalar stores stalled the
-   vector loads that read them, a tenth of laying out a tile (and the unrolled transpose another tenth). */
+/* The permutes `v_lay` takes, made once (`v_tables_once`, on first use): built on each call, their scalar stores
+   stalled the vector loads that read them, a tenth of laying out a tile (and the unrolled transpose another tenth).
+   Not made as the library loads: that code is built for this CPU's vectors too. */
 static struct {
     int32_t swaps[8][16];                      /* `v_transpose`'s, two a step */
     uint8_t take[3][64], heads[3][64];         /* per type (Q4_0, Q4_1, Q8_0): where a pass's codes and heads lie */
@@ -91,7 +92,9 @@ static struct {
 
 static int v_table(int type) { return type == 2 ? 0 : type == 3 ? 1 : 2; }
 
-__attribute__((constructor)) static void v_make_tables(void) {
+static pthread_once_t v_tables_once = PTHREAD_ONCE_INIT;
+
+static void v_make_tables(void) {
     for (int step = 0, s = 8; s >= 1; step++, s /= 2)
         for (int j = 0; j < 16; j++) {
             v_tables.swaps[2 * step][j] = j & s ? 16 + j - s : j;
@@ -121,8 +124,10 @@ static void v_lay(const block_type *t, const uint8_t *w, int64_t row_bytes, int 
         v_lay_any(t, w, row_bytes, n, blocks, tile);
         return;
     }
-    const int bytes = t->bytes, q8 = t->type == 8, per = q8 ? 2 : 4, k = v_table(t->type);
-    const __m512i codes_from = _mm512_loadu_si512(v_tables.take[k]), heads_from = _mm512_loadu_si512(v_tables.heads[k]);
+    pthread_once(&v_tables_once, v_make_tables);
+    const int bytes = t->bytes, q8 = t->type == 8, per = q8 ? 2 : 4, table = v_table(t->type);
+    const __m512i codes_from = _mm512_loadu_si512(v_tables.take[table]);
+    const __m512i heads_from = _mm512_loadu_si512(v_tables.heads[table]);
     const __m512i pair = _mm512_loadu_si512(v_tables.pair);
     const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     const int64_t lines = (next_bytes + 63) / 64, passes = (blocks + per - 1) / per;
@@ -365,14 +370,14 @@ static void v_direct(const block_type *t, const uint8_t *w, int64_t row_bytes, i
     _mm512_mask_storeu_ps(y, live, bias ? _mm512_add_ps(acc, _mm512_maskz_loadu_ps(live, bias)) : acc);
 }
 
-/* acc[r] (lane o: output o) = the sums of the panel's rows (`v_panel`) with the tile's outputs. */
 /* sum + u . (*q in every lane), the broadcast folded into the vpdpbusd (GCC otherwise broadcasts with an
    instruction of its own, one per product: a third more vector work in `v_rows`). */
 static inline __attribute__((always_inline)) __m512i v_dot_broadcast(__m512i sum, __m512i u, const int32_t *q) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sum) : "v"(u), "m"(*q));
+    __asm__("vpdpbusd {%2%{1to16%}, %1, %0|%0, %1, %2%{1to16%}}" : "+v"(sum) : "v"(u), "m"(*q)); /* (AT&T|Intel) */
     return sum;
 }
 
+/* acc[r] (lane o: output o) = the sums of the panel's rows (`v_panel`) with the tile's outputs. */
 static inline __attribute__((always_inline)) void v_rows(const v_tile *tile, int64_t blocks, const int32_t *panel,
                                                          int nr, __m512 *acc) {
     for (int r = 0; r < nr; r++)
@@ -509,7 +514,8 @@ static void v_units(const void *task, int64_t begin, int64_t end) {
            prefetch; one unit ahead into L1 left a 16-row SmolLM2 wave 7 % slower) */
         const int64_t later = j->out - o0 - 2 * V_OUT < V_OUT ? j->out - o0 - 2 * V_OUT : V_OUT;
         v_lay(j->type, j->w + o0 * j->row_bytes, j->row_bytes, n, blocks, &tile, next + V_OUT * j->row_bytes,
-              later > 0 ? later * j->row_bytes : 0);
+              later > 0 ? later * j->row_bytes : 0); /* (past this thread's share of units too: the threads take a
+              few at a time, and stopping at the share's end left a 16-row wave 9 % slower) */
         const int32_t *panel = j->panels;
         for (int64_t r0 = 0; r0 < j->rows;) {
             const int nr = v_group(j->rows - r0);

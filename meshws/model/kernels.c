@@ -1034,7 +1034,9 @@ static void exp_scores(float *s, int64_t count, float top) {
     for (int64_t t = 0; t < whole; t += LANES)
         vstore(s + t, vexp(vplus(vload(s + t), vset1(-top))));
     if (whole < count) {
-        float part[LANES] = {0};
+        float part[LANES];
+        for (int l = 0; l < LANES; l++)
+            part[l] = top; /* (lanes past count: exp(0), never an overflow) */
         memcpy(part, s + whole, sizeof(float) * (size_t)(count - whole));
         vstore(part, vexp(vplus(vload(part), vset1(-top))));
         memcpy(s + whole, part, sizeof(float) * (size_t)(count - whole));
@@ -1115,8 +1117,9 @@ int mw_attend(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const 
    exact float32 (`mw_linear`). With `round_bf16` every value torch's bf16 path would
    hold in bfloat16 is rounded to bfloat16 where torch rounds it (each product's output, as its
    reader loads it; each norm, rotary term, activation and sum), so a bf16 model gives its torch
-   tokens up to the order of the sums; otherwise all is float32 (SiLU's exp is `vexp`, within an
-   ulp of libm's expf, as torch's own vectorised exp may differ from it by an ulp). The hidden state `h` [rows, hidden] is float32 in and out. */
+   tokens up to the order of the sums; otherwise all is float32 (SiLU's exp and attention's are `vexp`, within an
+   ulp of libm's expf, as torch's own vectorised exp may differ from it by an ulp). The hidden state `h`
+   [rows, hidden] is float32 in and out. */
 
 typedef struct {
     const void *w;

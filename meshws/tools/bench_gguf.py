@@ -261,16 +261,18 @@ def print_gguf(report: dict[str, Any]) -> None:
         return format(value, fmt) if value is not None else "-"
 
     beside = [cell(side.get("llama_cpp_decode_tok_s"), ".1f") for side in (full, mesh)]
+    same = f"   (llama.cpp in the same minutes: {beside[0]} beside full, {beside[1]} beside split)" if llama else ""
     print(f"decode, tok/s      | {full['decode_tok_s']:12.1f} | {cell(cpp.get('decode_tok_s'), '10.1f')} | "
-          f"{mesh['decode_tok_s']:.1f}   (llama.cpp in the same minutes: {beside[0]} beside full, {beside[1]} beside split)")
+          f"{mesh['decode_tok_s']:.1f}{same}")
     print(f"{PROMPT_TOKENS}-token prompt, s | {full['prompt_s']:12.2f} | {cell(cpp.get('prompt_s'), '10.2f')} |")
     print(f"peak memory, MiB   | {full['peak_bytes'] / MIB:12.0f} | {cell(cpp.get('peak_bytes', 0) / MIB or None, '10.0f')}"
           f" | {' / '.join(f'{peak / MIB:.0f}' for peak in mesh['peak_bytes'])}")
     print(f"start, s           | {full['start_s']:12.2f} | {cell(cpp.get('load_s'), '10.2f')} |  (empty model cache)")
     print(f"written to disk    | {full['written_bytes'] / MIB:10.1f} MiB | {'0':>10} |")
+    pairing = (f" (alternating: llama.cpp's first {ROUNDS} with full's, the rest with split's; each side is set "
+               f"beside the llama.cpp runs of its own minutes)") if llama else ""
     print(f"decode runs, tok/s: full {full['decode_runs']}, llama.cpp {cpp.get('decode_runs', [])}, "
-          f"split {mesh['decode_runs']} (alternating: llama.cpp's first {ROUNDS} with full's, the rest with split's; "
-          f"each side is set beside the llama.cpp runs of its own minutes)")
+          f"split {mesh['decode_runs']}{pairing}")
     print(f"path: {full['path']}")
     for name, check in report["targets"].items():
         state = {True: "met", False: "NOT met", None: "not measured"}[check["met"]]
