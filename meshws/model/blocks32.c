@@ -81,9 +81,9 @@ static int v_shuffled(int type) { return type == 2 || type == 3 || type == 8; }
 
 static int v_head(const block_type *t) { return t->type == 3 ? 4 : 2; } /* Q4_1's d and m, or a d: codes follow */
 
-/* The permutes `v_lay` takes, made once (`v_tables_once`, on first use): built on each call, their scalar stores
-   stalled the vector loads that read them, a tenth of laying out a tile (and the unrolled transpose another tenth).
-   Not made as the library loads: that code is built for this CPU's vectors too. */
+/* The permutes `v_lay` takes, made once (`v_tables_once`, by the first product on tiles: `v_product`): built on
+   each call, their scalar stores stalled the vector loads that read them, a tenth of laying out a tile (and the
+   unrolled transpose another tenth). Not made as the library loads: that code is built for this CPU's vectors. */
 static struct {
     int32_t swaps[8][16];                      /* `v_transpose`'s, two a step */
     uint8_t take[3][64], heads[3][64];         /* per type (Q4_0, Q4_1, Q8_0): where a pass's codes and heads lie */
@@ -124,7 +124,6 @@ static void v_lay(const block_type *t, const uint8_t *w, int64_t row_bytes, int 
         v_lay_any(t, w, row_bytes, n, blocks, tile);
         return;
     }
-    pthread_once(&v_tables_once, v_make_tables);
     const int bytes = t->bytes, q8 = t->type == 8, per = q8 ? 2 : 4, table = v_table(t->type);
     const __m512i codes_from = _mm512_loadu_si512(v_tables.take[table]);
     const __m512i heads_from = _mm512_loadu_si512(v_tables.heads[table]);
@@ -551,6 +550,8 @@ static int v_product(const block_type *t, const uint8_t *x, int64_t rows, int64_
     const int64_t x_bytes = q8_row_bytes(in, ROW32), blocks = in / 32;
 #if LANES == 16 && defined(__AVX512VNNI__)
     const int direct = v_shuffled(t->type) && rows < v_direct_below(t->type);
+    if (!direct)
+        pthread_once(&v_tables_once, v_make_tables); /* (`v_lay`'s, once per process: not on each unit's way) */
 #else
     const int direct = 0;
 #endif
