@@ -526,34 +526,46 @@ static void v_units(const void *task, int64_t begin, int64_t end) {
     free(buffer);
 }
 
+/* Below how many rows a product runs straight from the blocks rather than on tiles (the same bits either way), by
+   type id (Q4_0, Q4_1, Q8_0). A node measures its own at start (`mw_set_direct_rows`, from `paths.choose_paths`);
+   these defaults were measured so with two threads on a Zen 4 (SmolLM2's shapes): Q4_1 1536 x 576, one row 31 us
+   direct and 33 on tiles, two 54 and 38; Q8_0 49152 x 576, one row 0.69 ms direct and 1.06 on tiles, two 1.30 and
+   1.13. (Before the tiles' layout got cheaper, direct won up to two rows of Q4_1 and three of Q8_0.) */
+static int v_below[9] = {[2] = 2, [3] = 2, [8] = 2};
+
+static int v_direct_below(int type) {
 #if LANES == 16 && defined(__AVX512VNNI__)
-/* Below how many rows a product runs straight from the blocks rather than on tiles (the same bits either way),
-   as measured with two threads on a Zen 4 (SmolLM2's shapes): Q4_1 1536 x 576, two rows 47 us direct and 73 on
-   tiles, three 56 and 71; Q8_0 49152 x 576, four rows 3.7 ms direct and 2.9 on tiles. */
-static int v_direct_below(int type) { return type == 8 ? 4 : 3; }
+    return v_shuffled(type) ? v_below[type] : 0;
+#else
+    return (void)type, 0; /* (the lane-by-lane loops have tiles only) */
 #endif
+}
 
 /* How many rows of a 32-value type's product run straight from the blocks (below that, tiles); 0: tiles always
    (another type, or a build without AVX-512 VNNI). For /health. */
 int mw_direct_rows(int type) {
-#if LANES == 16 && defined(__AVX512VNNI__)
-    return v_shuffled(type) ? v_direct_below(type) - 1 : 0;
-#else
-    return (void)type, 0;
-#endif
+    const int below = v_direct_below(type);
+    return below ? below - 1 : 0;
+}
+
+/* Sets how many rows of `type` run straight from the blocks (what a node measured to be faster there); returns
+   what `mw_direct_rows` says now (0 where this build or type has no such path). Set before products run. */
+int mw_set_direct_rows(int type, int rows) {
+    if (v_direct_below(type) && rows >= 0 && rows < 64)
+        v_below[type] = rows + 1;
+    return mw_direct_rows(type);
 }
 
 /* Quantized ROW32 rows times a 32-value block tensor: y[r * ldy + o] = x_r . w_o (+ bias[o]). Returns -1 without
    memory. */
 static int v_product(const block_type *t, const uint8_t *x, int64_t rows, int64_t in, const void *w,
-                     const float *bias, float *y, int64_t ldy, int64_t out, int threads) {
+                     const float *bias, float *y, int64_t ldy, int64_t out, int threads, int path) {
     const int64_t x_bytes = q8_row_bytes(in, ROW32), blocks = in / 32;
+    const int below = v_direct_below(t->type); /* (0: no direct path here) */
+    const int direct = below && (path == PATH_DIRECT || (path == PATH_CHOSEN && rows < below));
 #if LANES == 16 && defined(__AVX512VNNI__)
-    const int direct = v_shuffled(t->type) && rows < v_direct_below(t->type);
     if (!direct)
         pthread_once(&v_tables_once, v_make_tables); /* (`v_lay`'s, once per process: not on each unit's way) */
-#else
-    const int direct = 0;
 #endif
     int32_t *panels = lined(sizeof(int32_t) * (size_t)(rows * blocks * V_PANEL));
     const int spreads = direct && t->type != 8; /* (`v_direct`'s; Q8_0's lone rows read `x` as it is) */

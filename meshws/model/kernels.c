@@ -1261,7 +1261,7 @@ static int product(const mw_weight *parts, int count, float *x, int64_t rows, fl
                 failed = 1;
             else
                 failed = q_product(t, quantized[layout], rows, part->in, part->w, part->bias, y + at, ldy, part->out,
-                                   threads) != 0;
+                                   threads, PATH_CHOSEN) != 0;
         } else
             mw_linear(x, rows, part->in, part->w, part->kind, part->scale, part->bias, y + at, ldy, part->out, threads);
     }

@@ -15,11 +15,12 @@ by operation, so float32 tokens are the transformers path's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from .block_types import BlockTensor
 from .cache_store import KVCacheMiss
 from .fused import FusedDecode
 from .native import AttendRows, Kernels
@@ -119,10 +120,19 @@ class LeanLayers:
                 + (", bf16 products on AMX tiles" if self.fused and self.fused.amx else "")
                 + (", OpenBLAS products" if self.openblas else "") + (", compiled" if self.compiled else ""))
 
-    def products(self) -> dict[str, str]:
-        """/health: how a batch's 8-bit block products run, per block type (none on other weights)."""
-        types = [lin.blocks.type_id for lin in self._linears() if lin.blocks is not None and lin.products == "q8"]
-        return self.kernels.product_paths(types) if types and self.kernels else {}
+    def block_weights(self) -> list[BlockTensor]:
+        """The GGUF block tensors multiplied with 8-bit activations here (the layers', then the LM head's)."""
+        return [lin.blocks for lin in self._linears() if lin.blocks is not None and lin.products == "q8"]
+
+    def facts(self) -> dict[str, Any]:
+        """/health: how a batch's 8-bit block products run, per block type (none on other weights), and what this
+        node measured to choose between two paths (`paths.choose_paths`)."""
+        types = [weight.type_id for weight in self.block_weights()]
+        if not types or not self.kernels:
+            return {"products": {}}
+        names = {self.kernels.block_types.get(type_id) for type_id in types}
+        return {"products": self.kernels.product_paths(types),
+                "paths": {name: facts for name, facts in self.kernels.measured_paths.items() if name in names}}
 
     def _linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head] * (self.lm_head is not None)

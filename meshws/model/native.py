@@ -63,6 +63,7 @@ def threads() -> int:
 # Weights `mw_linear` takes, by dtype, as the kernels number them (ggml's type ids; int8 with scales is meshws's own);
 # caches are float32 or bfloat16. A GGUF's block tensors go by their own type ids (`block_types`).
 KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30, torch.int8: 100}
+PATHS = {"chosen": 0, "tiles": 1, "direct": 2}  # a 32-value block type's product paths (`quants.c`'s PATH_*)
 
 
 class Kernels:
@@ -75,17 +76,24 @@ class Kernels:
         self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_int]
-        self._qlinear = library.mw_qlinear
+        self._qlinear = library.mw_qlinear_on
         self._qlinear.restype = ctypes.c_int
         self._qlinear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                  ctypes.c_int]
         self._widen = library.mw_widen
         self._widen.restype = ctypes.c_int
         self._widen.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         self.block_types = kernel_types(library)  # {ggml id: name} of the quantized types it computes on
         library.mw_direct_rows.restype, library.mw_direct_rows.argtypes = ctypes.c_int, [ctypes.c_int]
+        self._set_direct_rows = library.mw_set_direct_rows
+        self._set_direct_rows.restype, self._set_direct_rows.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int]
+        # rows of a 32-value type's product that run straight from the blocks (more: on tiles); 0: tiles always.
+        # Defaults measured on a Zen 4; a node measures its own (`paths.choose_paths`).
         self.direct_rows = {type_id: library.mw_direct_rows(type_id) for type_id in self.block_types}
+        self.direct_types = frozenset(type_id for type_id, rows in self.direct_rows.items() if rows)  # have the path
+        self.measured_paths: dict[str, Any] = {}  # what `paths.choose_paths` measured, by type name (/health)
         self.decode = library.mw_decode  # called by `fused.FusedDecode`, which checks what it hands over
         self.decode.restype = ctypes.c_int
         self.decode.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_float] * 2 \
@@ -193,10 +201,18 @@ class Kernels:
                          out.data_ptr(), out_features, out_features, threads)
         return out
 
-    def qlinear(self, rows: torch.Tensor, weight: BlockTensor, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
+    def set_direct_rows(self, type_id: int, rows: int) -> int:
+        """How many rows of a 32-value type's product run straight from the blocks (more: on tiles); returns what
+        holds now (0 where the build or type has tiles only). Both paths give the same bits."""
+        self.direct_rows[type_id] = self._set_direct_rows(type_id, rows)
+        return self.direct_rows[type_id]
+
+    def qlinear(self, rows: torch.Tensor, weight: BlockTensor, bias: torch.Tensor | None, threads: int,
+                path: str = "chosen") -> torch.Tensor:
         """`rows @ weight.T + bias` with each row quantized to 8 bits per 32 values and integer dot products with
         the blocks (`quants.c`, as llama.cpp multiplies): float32 rows `[n, in]`, float32 out. (A float tensor
-        multiplies as it is: `linear`.)"""
+        multiplies as it is: `linear`.) `path` "tiles" or "direct" forces a 32-value type's path (to measure it;
+        "direct" where there is none runs tiles); "chosen": what `direct_rows` says for this many rows."""
         if not weight.quantized:
             return self.linear(rows, weight, None, bias, threads)
         kind = self._block_kind(weight)
@@ -211,7 +227,7 @@ class Kernels:
         if rows.shape[0]:
             failed = self._qlinear(rows.data_ptr(), rows.shape[0], width, weight.data.data_ptr(), kind,
                                    None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
-                                   out_features, threads)
+                                   out_features, threads, PATHS[path])
             if failed:
                 raise MemoryError("no memory for a product's quantized rows")
         return out

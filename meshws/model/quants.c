@@ -664,7 +664,7 @@ static inline __attribute__((always_inline)) void dots_of(int type, const uint8_
     case 14: fused_q6_K(w, in, x, width, acc); break;
     default: unpacked_rows(u, padded, x, width, acc); break;
     }
-    for (int r = 0; r < nr; r++)
+    for (int r = 0; r < nr && r < width; r++) /* (nr <= width: said so that GCC sees every acc was set) */
         sums[r] = hsum(vplus(acc[2 * r], acc[2 * r + 1]));
 }
 
@@ -794,14 +794,18 @@ static void qlinear_units(const void *task, int64_t begin, int64_t end) {
     free(buffer);
 }
 
+/* Which of a 32-value type's paths a product takes (the same bits on each): what the node chose for its row count
+   (`mw_set_direct_rows`), or one of them, to measure it. */
+enum { PATH_CHOSEN, PATH_TILES, PATH_DIRECT };
+
 #include "blocks32.c"
 
 /* Quantized rows (`quantize_rows`, in the type's layout) times a block tensor: y[r * ldy + o] = x_r . w_o
    (+ bias[o]). Returns 0, or -1 without memory. */
 static int q_product(const block_type *t, const uint8_t *x, int64_t rows, int64_t in, const void *w, const float *bias,
-                     float *y, int64_t ldy, int64_t out, int threads) {
+                     float *y, int64_t ldy, int64_t out, int threads, int path) {
     if (layout_of(t) == ROW32)
-        return v_product(t, x, rows, in, w, bias, y, ldy, out, threads);
+        return v_product(t, x, rows, in, w, bias, y, ldy, out, threads, path);
     qlinear_job job = {t, w, x, rows, in, out, ldy, in / t->elements * t->bytes, q8_row_bytes(in, layout_of(t)),
                        bias, y, rows <= Q_ROWS ? Q_TILE_ONE_GROUP : Q_TILE};
     const int64_t units = (out + job.tile - 1) / job.tile;
@@ -809,17 +813,22 @@ static int q_product(const block_type *t, const uint8_t *x, int64_t rows, int64_
     return 0;
 }
 
-/* y = x W^T (+ bias) with the 8-bit products, W a block tensor [out, in] of `type`. Returns 0, -1 without memory,
-   -2 for a type this library does not have. */
-int mw_qlinear(const float *x, int64_t rows, int64_t in, const void *w, int type, const float *bias, float *y,
-               int64_t ldy, int64_t out, int threads) {
+/* y = x W^T (+ bias) with the 8-bit products, W a block tensor [out, in] of `type`, on the given path (PATH_*).
+   Returns 0, -1 without memory, -2 for a type this library does not have. */
+int mw_qlinear_on(const float *x, int64_t rows, int64_t in, const void *w, int type, const float *bias, float *y,
+                  int64_t ldy, int64_t out, int threads, int path) {
     const block_type *t = block_type_of(type);
-    if (!t || in % t->elements)
+    if (!t || in % t->elements || path < PATH_CHOSEN || path > PATH_DIRECT)
         return -2;
     uint8_t *q = quantize_rows(x, rows, in, layout_of(t));
     if (!q)
         return -1;
-    const int failed = q_product(t, q, rows, in, w, bias, y, ldy, out, threads);
+    const int failed = q_product(t, q, rows, in, w, bias, y, ldy, out, threads, path);
     free(q);
     return failed;
+}
+
+int mw_qlinear(const float *x, int64_t rows, int64_t in, const void *w, int type, const float *bias, float *y,
+               int64_t ldy, int64_t out, int threads) {
+    return mw_qlinear_on(x, rows, in, w, type, bias, y, ldy, out, threads, PATH_CHOSEN);
 }

@@ -124,7 +124,7 @@ class ModelShard:
         return {"path": self.compute_path, "dtype": self.settings.dtype, "dtype_reason": self.dtype_reason,
                 "matmul": self.matmul, "matmul_reason": self.matmul_reason, "threads": blas.threads(),
                 "attention": self.lean.attention if self.lean is not None else "transformers",
-                "compile_seconds": self.compile_seconds, "products": self.lean.products() if self.lean else {}}
+                "compile_seconds": self.compile_seconds, **(self.lean.facts() if self.lean else {"products": {}})}
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The weights this shard holds in memory (a GGUF's mapped blocks apart: `memory`)."""

@@ -23,7 +23,9 @@ from .gguf_model import Architecture, GgufModel
 from .lean import LeanLayers
 from .lean_weights import embedding_rows, lean_from_gguf, lean_from_modules
 from .native import Kernels, kernels
+from .native import threads as kernel_threads
 from .packed import int8_kernel_runs
+from .paths import choose_paths
 from .settings import ShardLayout, ShardSettings
 from .source import ResolvedModel, model_cache
 from .tensors import TORCH_DTYPES
@@ -96,6 +98,8 @@ def gguf_parts(resolved: ResolvedModel, model: GgufModel, arch: Architecture, la
     eos = [meta[key] for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                  "tokenizer.ggml.eom_token_id") if isinstance(meta.get(key), int)]
     model.prefetch()  # the span's pages, read ahead while the node starts
+    if q8:  # where a type's products have two paths, this CPU's own crossing (`paths`)
+        choose_paths(native, lean.block_weights(), kernel_threads())
     return ShardParts(
         layout=layout, hidden_size=arch.hidden, vocab_size=arch.vocab, context_length=arch.context,
         compute_dtype=lean.dtype, run=lean.run, new_cache=lean.new_cache, rows=lean, embed=embed,

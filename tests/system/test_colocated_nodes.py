@@ -9,6 +9,7 @@ from helpers import CHAT_PROMPTS, chat_ids, complete_ids
 from meshws.cores import usable_cores
 from meshws.model.blas import choose_matmul
 from meshws.model.cpu import choose_dtype
+from meshws.model.paths import direct_rows
 from meshws.tools.launch import NodeProcess, free_port
 
 pytestmark = [pytest.mark.real_model, pytest.mark.processes]
@@ -47,6 +48,17 @@ async def test_hand_started_head_and_tail_share_the_cores_and_compute_one_wave_i
         # Sharing a host's cores, the head keeps its sessions in one wave, which each node computes on every core
         # in turn (`mesh.waves`): a burst of prompts splits it, the head's wait for the rest joins it again.
         assert compute["waves"] == {"groups": 1, "whole": True} and tail.health()["compute"]["waves"]["groups"] == 1
+        # Each node timed the two paths of a few rows on its own weights as it started, and runs what won there:
+        # SmolLM2's layers are Q4_1, its LM head (the tail's) Q8_0.
+        for node, names in ((head, {"Q4_1"}), (tail, {"Q4_1", "Q8_0"})):
+            facts = node.health()["compute"]
+            assert set(facts["paths"]) == names, facts["paths"]
+            for name, measured in facts["paths"].items():
+                timings = {int(count): (pair["direct"], pair["tiles"])
+                           for count, pair in measured["microseconds"].items()}
+                assert measured["direct_rows"] == direct_rows(timings) and min(min(timings.values())) > 0
+                chosen = measured["direct_rows"]
+                assert facts["products"][name].startswith(f"1-{chosen} rows: straight" if chosen else "tiles")
         ids = [chat_ids(tokenizer, CHAT_PROMPTS[index % 3]) for index in range(6)]
         alone = [await complete_ids(head.url, ids[index], 24, ignore_eos=True) for index in range(3)]
         started = time.monotonic()
