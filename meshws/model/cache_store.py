@@ -39,9 +39,11 @@ class SessionCacheStore:
         clock: Callable[[], float] = time.monotonic,
         max_bytes: int | None = None,
         measure: Callable[[Any], int] | None = None,
+        emptied: Callable[[], None] | None = None,
     ) -> None:
         self.max_sessions = max_sessions
         self._measure = measure  # a cache's positions, read from the cache itself
+        self._emptied = emptied  # called (lock released, caches freed) when a release leaves no session here
         self.ttl_seconds = ttl_seconds
         self.max_bytes = max_bytes
         self._clock = clock
@@ -139,19 +141,32 @@ class SessionCacheStore:
 
     def drop(self, session_id: str) -> bool:
         with self._lock:
-            return self._entries.pop(session_id, None) is not None
+            found = self._entries.pop(session_id, None) is not None
+            empty = not self._entries
+        if found and empty:
+            self._on_empty()
+        return found
 
     def clear(self) -> int:
         with self._lock:
             count = len(self._entries)
             self._entries.clear()
-            return count
+        if count:
+            self._on_empty()
+        return count
 
     def purge_expired(self) -> int:
         with self._lock:
             before = len(self._entries)
             self._expire(self._clock())
-            return before - len(self._entries)
+            gone, empty = before - len(self._entries), not self._entries
+        if gone and empty:
+            self._on_empty()
+        return gone
+
+    def _on_empty(self) -> None:
+        if self._emptied is not None:
+            self._emptied()
 
     # -- internals (lock held) -------------------------------------------
 

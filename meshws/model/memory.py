@@ -11,9 +11,11 @@ elsewhere the peak comes from `getrusage` and the resident figure is unknown (0)
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
 import sys
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -33,6 +35,25 @@ def process_memory() -> dict[str, int]:
     except (OSError, KeyError, ValueError):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return {"resident_bytes": 0, "peak_resident_bytes": peak if sys.platform == "darwin" else peak * 1024}
+
+
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim with
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def give_back() -> None:
+    """Hands the heap's free pages back to the system (glibc's `malloc_trim`: under 1 ms here). Caches of
+    different sizes freed among one another leave pages free but resident: 16 new sessions' prompts prefilled in
+    one call, 960 short sessions took a node from 338 to 400 MiB resident, all of it free (a trim: 326 MiB). Called
+    as a shard's last session goes, so an idle node holds what it holds at rest."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 def available_memory(meminfo: str = MEMINFO, cgroup: str = CGROUP) -> int | None:

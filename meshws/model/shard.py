@@ -26,7 +26,7 @@ from .cache_store import KVCacheMiss, SessionCacheStore
 from .compiled import compile_lean
 from .constraints import Grammars
 from .gguf_model import GgufModel
-from .memory import default_cache_budget, process_memory, tensor_bytes
+from .memory import default_cache_budget, give_back, process_memory, tensor_bytes
 from .native import kernels
 from .sampling import DEFAULT as GREEDY, SamplingParams, prompt_token_logprobs, token_logprobs, verify_drafts
 from .session_layers import SessionLayers, fork as fork_cache
@@ -65,7 +65,7 @@ class ModelShard:
                 log.info("KV cache budget %.0f MiB (half the memory free now; --max-cache-bytes sets it)",
                          budget / 2**20)
         self.sessions = SessionCacheStore(max_sessions=self.settings.max_sessions, ttl_seconds=self.settings.cache_ttl,
-                                          max_bytes=budget, measure=cache_length)
+                                          max_bytes=budget, measure=cache_length, emptied=give_back)
         self.layers = SessionLayers(parts.run, parts.new_cache, self.sessions, self.start,
                                     label=f"model {self.model_id}")
         self.rows: Rows = parts.rows

@@ -161,3 +161,32 @@ def test_a_longer_cache_is_returned_for_cutting_back_only_when_asked():
     with pytest.raises(KVCacheMiss):
         store.lookup("s", expected_seq_len=12, longer_ok=True)  # shorter than asked: a miss, and dropped
     assert "s" not in store
+
+
+def test_the_last_session_going_gives_its_memory_back_once_its_cache_is_freed():
+    import weakref
+
+    class Cache:  # (a weak reference tells whether the store still holds it when the call comes)
+        pass
+
+    clock, calls = _Clock(), []
+    store = SessionCacheStore(max_sessions=4, ttl_seconds=10.0, clock=clock,
+                              emptied=lambda: calls.append((len(store.session_ids()), freed())))
+    caches = [Cache(), Cache()]
+    refs = [weakref.ref(cache) for cache in caches]
+
+    def freed():
+        return all(ref() is None for ref in refs)
+
+    store.store("a", cache=caches[0], seq_len=1, effective_start=0)
+    store.store("b", cache=caches[1], seq_len=1, effective_start=0)
+    del caches
+    assert store.drop("a") and calls == []  # "b" is still here
+    assert not store.drop("a") and calls == []
+    assert store.drop("b") and calls == [(0, True)]  # empty, every cache freed before the call
+    store.store("c", cache=object(), seq_len=1, effective_start=0)
+    clock.now = 11.0
+    assert store.purge_expired() == 1 and calls == [(0, True)] * 2
+    assert store.clear() == 0 and len(calls) == 2  # nothing went: no call
+    store.store("d", cache=object(), seq_len=1, effective_start=0)
+    assert store.clear() == 1 and len(calls) == 3
