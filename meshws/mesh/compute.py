@@ -9,7 +9,9 @@ neither starves the other; a long prefill is such work one chunk at a time (`pre
 chunk it goes to the back of the queue), so it delays other sessions' decode steps by one chunk at
 most. New sessions' prompts queued together that the backend can run in one call
 (`prefills_together`, up to a chunk's tokens in all) run as one `prefill_batch`: on a shard bound by
-reading its weights, sixteen sessions joining at once no longer read them sixteen times. A decode
+reading its weights, sixteen sessions joining at once no longer read them sixteen times, and on a GGUF's
+blocks they share one layout of the tiles (and each new session's first token no longer stretches every
+running session's next gap, one prompt after another). A prompt longer than a chunk never joins. A decode
 batch takes such prompts along too (in one call), so the running sessions' steps neither read the
 weights apart nor wait a prompt's turn besides their own. Releases (`release`, `urgent`) jump every
 queue: they wait for the chunk or batch running, never for queued work. A job whose caller has gone
@@ -230,7 +232,8 @@ class ComputeWorker(Waves):
         that may run in one call with it (`ShardBackend.prefills_together`), up to `prefill_chunk` tokens in all:
         taken off the queue. Fewer than `least`: none."""
         try:
-            if first is not None and (first.prefill is None or first.started
+            if first is not None and (first.prefill is None or first.started  # (a prompt past a chunk: chunked)
+                                      or first.prefill.length > self.prefill_chunk
                                       or not self.backend.prefills_together(first.prefill)):
                 return []
             found, tokens = ([], 0) if first is None else ([first], first.prefill.length)  # type: ignore[union-attr]

@@ -516,3 +516,37 @@ async def test_a_decode_batch_takes_new_sessions_prompts_along_in_one_call_and_e
                 assert [sid for _, sid, _ in backend.events] == ["long", "long"]
         finally:
             worker.shutdown()
+
+
+class _AnyLengthTail(_RidingTail):
+    """A backend whose kernel would take a prompt of any length in one call (a GGUF's blocks); a step of session
+    "slow" takes 0.2 s."""
+
+    def prefills_together(self, step):
+        return True
+
+    def forward_bytes(self, body, shape, **kwargs):
+        time.sleep(0.2 if kwargs.get("session_id") == "slow" else 0)
+        return super().forward_bytes(body, shape, **kwargs)
+
+
+async def test_a_prompt_past_a_chunk_never_runs_whole_in_one_call_even_where_the_backend_would_take_it():
+    # Its turn comes with decode steps waiting (they would ride along a prompt that may join): it still runs a
+    # chunk a turn, so the running sessions' next steps wait one chunk at most, not the whole prompt.
+    backend = _AnyLengthTail()
+    worker = ComputeWorker(backend, prefill_chunk=16)
+    try:
+        slow = asyncio.ensure_future(worker.decode(DecodeStep("slow", body=b"", shape=(1, 1, 8))))
+        await asyncio.sleep(0.05)  # the slow step runs; behind it the prompt, then two sessions' steps
+        prompt = asyncio.ensure_future(worker.prefill(_prefill("long", 40)))
+        await asyncio.sleep(0.01)
+        decoded = [asyncio.ensure_future(worker.decode(DecodeStep(f"s{i}", body=b"", shape=(1, 1, 8))))
+                   for i in range(2)]
+        await slow
+        decoded, prompt = await asyncio.gather(*decoded), await prompt
+        assert backend.rides == [] and backend.together == [] and prompt.token_id == 7
+        chunks = [event for event in backend.events if event[0] == "chunk"]
+        assert chunks == [("chunk", "long", index) for index in range(3)] and backend.batches == [["s0", "s1"]]
+        assert [r.token_id for r in decoded] == [2, 2]
+    finally:
+        worker.shutdown()
