@@ -64,6 +64,8 @@ async def test_hand_started_head_and_tail_share_the_cores_and_compute_one_wave_i
         started = time.monotonic()
         together = await asyncio.gather(*(complete_ids(head.url, one, 24, ignore_eos=True) for one in ids))
         assert list(together) == alone * 2
+        for node in (head, tail):  # the prompts that queued behind the first were prefilled in one call
+            assert node.health()["compute"]["work"]["prefill_batches"] >= 1
         steps = [rows for start, _, rows in head.health()["compute"]["recent_steps"] if start >= started]
         assert steps.count(6) >= 10, steps  # the whole wave's decode steps in one batch
         link = head.health()["links"][0]  # ... which crosses the hop as one frame, not six
