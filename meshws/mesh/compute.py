@@ -9,9 +9,8 @@ neither starves the other; a long prefill is such work one chunk at a time (`pre
 chunk it goes to the back of the queue), so it delays other sessions' decode steps by one chunk at
 most. New sessions' prompts queued together that the backend can run in one call
 (`prefills_together`, up to a chunk's tokens in all) run as one `prefill_batch`: on a shard bound by
-reading its weights, sixteen sessions joining at once no longer read them sixteen times, and on a GGUF's
-blocks they share one layout of the tiles (and each new session's first token no longer stretches every
-running session's next gap, one prompt after another). A prompt longer than a chunk never joins. A decode
+reading its weights, sixteen sessions joining at once no longer read them sixteen times (on a GGUF's blocks
+they share a layout of the tiles). A prompt longer than a chunk never joins. A decode
 batch takes such prompts along too (in one call), so the running sessions' steps neither read the
 weights apart nor wait a prompt's turn besides their own. Releases (`release`, `urgent`) jump every
 queue: they wait for the chunk or batch running, never for queued work. A job whose caller has gone
@@ -59,9 +58,8 @@ class ComputeWorker(Waves):
         self.backend = backend
         self.max_batch = max_batch
         self.prefill_chunk = max(1, prefill_chunk)
-        # How many sessions could send a decode step soon. The steps of one round arrive
-        # microseconds apart; lingering a few ms for them when several sessions are live
-        # turns a 1 + 15 split into one batch of 16. A lone session never waits.
+        # How many sessions could send a decode step soon. The steps of one round arrive microseconds apart: with
+        # several sessions live, lingering a few ms for them turns 1 + 15 into one batch of 16 (one alone never waits).
         self.live_sessions = live_sessions
         self.retune = retune  # called on this thread before a job computes: follow the host's core share (`cores`)
         self.rest = rest  # and this once it no longer computes, before its first result goes out (`_mark`)
@@ -75,8 +73,7 @@ class ComputeWorker(Waves):
         self._arrived = 0.0  # when the last decode step was queued
         self.busy_seconds = 0.0  # time spent computing (idle = waiting on the network or on nothing)
         self.recent: deque[tuple[float, float, int]] = deque(maxlen=128)  # (start, end, rows) of recent jobs
-        self.batches = 0  # decode batches of two or more steps run so far
-        self.batched_steps = 0
+        self.batches, self.batched_steps = 0, 0  # decode batches of two or more steps run so far, and their steps
         self.chunks = 0  # prefill chunks run so far
         self.prefill_batches = 0  # calls that prefilled several new sessions at once (or some with decode steps)
         self.rides = 0  # decode batches that rode along new sessions' prompts in one call
@@ -228,15 +225,15 @@ class ComputeWorker(Waves):
             pass
 
     def _together(self, first: _Job | None, least: int) -> list[_Job]:
-        """(Lock held.) `first` (if any: else beside a decode batch) and the new sessions' prefills queued behind it
-        that may run in one call with it (`ShardBackend.prefills_together`), up to `prefill_chunk` tokens in all:
-        taken off the queue. Fewer than `least`: none."""
+        """(Lock held.) `first` (else: beside a decode batch) and the new sessions' prompts queued behind it that
+        may share its call (`prefills_together`), `prefill_chunk` tokens at most, taken off the queue: or none,
+        if fewer than `least`."""
         try:
-            if first is not None and (first.prefill is None or first.started  # (a prompt past a chunk: chunked)
-                                      or first.prefill.length > self.prefill_chunk
-                                      or not self.backend.prefills_together(first.prefill)):
+            lead = None if first is None else first.prefill
+            if first is not None and (lead is None or first.started or lead.length > self.prefill_chunk
+                                      or not self.backend.prefills_together(lead)):
                 return []
-            found, tokens = ([], 0) if first is None else ([first], first.prefill.length)  # type: ignore[union-attr]
+            found, tokens = ([], 0) if first is None or lead is None else ([first], lead.length)
             for job in list(self._others):
                 step = job.prefill
                 if step is not None and not job.started and not job.future.done() \
