@@ -10,9 +10,9 @@ chunk it goes to the back of the queue), so it delays other sessions' decode ste
 most. New sessions' prompts queued together that the backend can run in one call
 (`prefills_together`, up to a chunk's tokens in all) run as one `prefill_batch`: on a shard bound by
 reading its weights, sixteen sessions joining at once no longer read them sixteen times (on a GGUF's blocks
-they share a layout of the tiles). A prompt longer than a chunk never joins. A decode
-batch takes such prompts along too (in one call), so the running sessions' steps neither read the
-weights apart nor wait a prompt's turn besides their own. Releases (`release`, `urgent`) jump every
+they share a layout of the tiles). A prompt longer than a chunk never joins. A decode batch takes such
+prompts along too (in one call; not right after a call that ran prompts, so a step waits one chunk at
+most), and the running sessions' steps neither read the weights apart nor wait a prompt's turn. Releases jump every
 queue: they wait for the chunk or batch running, never for queued work. A job whose caller has gone
 (its future cancelled) is skipped, chunks included. A batch that raises is retried row by row, so
 only the failing row gets the error. Which decode steps a batch takes and how long it waits for them
@@ -74,9 +74,8 @@ class ComputeWorker(Waves):
         self.busy_seconds = 0.0  # time spent computing (idle = waiting on the network or on nothing)
         self.recent: deque[tuple[float, float, int]] = deque(maxlen=128)  # (start, end, rows) of recent jobs
         self.batches, self.batched_steps = 0, 0  # decode batches of two or more steps run so far, and their steps
-        self.chunks = 0  # prefill chunks run so far
-        self.prefill_batches = 0  # calls that prefilled several new sessions at once (or some with decode steps)
-        self.rides = 0  # decode batches that rode along new sessions' prompts in one call
+        self.chunks = self.prefill_batches = self.rides = 0  # prefill chunks; calls of several prompts (rides: +steps)
+        self._carried = False  # the last call ran a prompt's tokens: the next decode batch takes none along
         self._urgent: deque[_Job] = deque()
         self._decodes: deque[_Job] = deque()
         self._others: deque[_Job] = deque()
@@ -185,7 +184,7 @@ class ComputeWorker(Waves):
                     else:
                         self._linger(*((group,) if split else self._wave(group)))
                     batch, job, other_turn = self._take(group, split), None, True
-                    together = self._together(None, 1)  # new sessions' prompts to take along, if any may
+                    together = [] if self._carried else self._together(None, 1)  # (a step waits a chunk at most)
                 else:
                     batch, job = [], self._others.popleft()
                     ride = bool(self._decodes) and not self._wave_out()  # (a wave's part waits for the rest of it)
@@ -193,6 +192,7 @@ class ComputeWorker(Waves):
                     if together and ride:  # the decode steps waiting go along, in the prompts' call
                         batch = self._take(*self._group_size())
                     other_turn = False
+            self._carried = bool(together) or (job is not None and job.prefill is not None)
             batch = [waiting for waiting in batch if not waiting.future.done()]  # callers gone: no work for them
             if job is not None and job.future.done() and not together:
                 if job.chunks is not None:

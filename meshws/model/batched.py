@@ -239,14 +239,15 @@ def _prepare(shard: RowShard, step: DecodeStep) -> tuple[CacheEntry, torch.Tenso
 def prefills_together(shard: Any, step: PrefillStep) -> bool:
     """May `step` join other sessions' prefills in one call (`prefill_rows`)? A new session's prompt that the
     fused kernel takes whole, as the session's prefill alone would run (`LeanLayers.run`), where a call of several
-    prompts costs less than their calls apart: on AMX tiles (the cost is reading the weights, shared by every
-    row), and on a GGUF's blocks, whose tiles are laid out once for all the call's rows. Head + tail of the
-    embedded GGUF, 16 sessions joining at once (39-token prompts, 32 tokens each), alternating runs: 8-bit
-    products 410-422 -> 452-457 tok/s and the p95 gap 41-57 -> 26-30 ms; float32 186-190 -> 212-215 tok/s, p95
-    gap 128-167 -> 49-55 ms (one prompt a call, each new session's first token stretched every running session's
-    next gap, one prompt after another). Elsewhere (float weights without tiles) products are bound by
-    arithmetic: one call of five prompts cost what five calls did, while it held the other sessions' next step for
-    all of that time (fp32, 16 sessions: p95 gap 188 -> 329 ms)."""
+    prompts costs no more than their calls apart: on AMX tiles (the cost is reading the weights, shared by every
+    row), and on a GGUF's blocks. Head + tail of the embedded GGUF (tiles laid out once for all of a call's rows),
+    16 sessions joining at once (39-token prompts, 32 tokens each), alternating runs: 8-bit products 410-422 ->
+    452-463 tok/s and the p95 gap 41-57 -> 25-31 ms; float32 186-190 -> 212-215 tok/s, p95 gap 128-167 -> 49-55
+    ms (one prompt a call, each new session's first token stretched every running session's next gap, one prompt
+    after another). The synthetic 1B Q4_K_M, bound by arithmetic: 52 tok/s either way, p95 gap 423 -> 198 ms,
+    first tokens 3.4 -> 3.9 s (p50). Elsewhere (float weights without tiles) one call of five prompts cost what
+    five calls did, while it held the other sessions' next step for all of that time (fp32, 16 sessions: p95 gap
+    188 -> 329 ms)."""
     lean = shard.lean
     return (lean is not None and lean.fused is not None and (lean.fused.amx or lean.on_blocks)
             and shard.supports_kv_cache and shard.supports_batching  # (off: the batched path cannot run here)

@@ -535,7 +535,7 @@ static int v_below[9] = {[2] = 2, [3] = 2, [8] = 2};
 
 static int v_direct_below(int type) {
 #if LANES == 16 && defined(__AVX512VNNI__)
-    return v_shuffled(type) ? v_below[type] : 0;
+    return v_shuffled(type) ? __atomic_load_n(&v_below[type], __ATOMIC_RELAXED) : 0; /* (set while others run) */
 #else
     return (void)type, 0; /* (the lane-by-lane loops have tiles only) */
 #endif
@@ -552,7 +552,7 @@ int mw_direct_rows(int type) {
    what `mw_direct_rows` says now (0 where this build or type has no such path). Set before products run. */
 int mw_set_direct_rows(int type, int rows) {
     if (v_direct_below(type) && rows >= 0 && rows < 64)
-        v_below[type] = rows + 1;
+        __atomic_store_n(&v_below[type], rows + 1, __ATOMIC_RELAXED);
     return mw_direct_rows(type);
 }
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
 class KVCacheMiss(Exception):
@@ -43,7 +44,7 @@ class SessionCacheStore:
     ) -> None:
         self.max_sessions = max_sessions
         self._measure = measure  # a cache's positions, read from the cache itself
-        self._emptied = emptied  # called (lock released, caches freed) when a release leaves no session here
+        self._emptied = emptied  # called (lock released, caches freed) when a change leaves no session here
         self.ttl_seconds = ttl_seconds
         self.max_bytes = max_bytes
         self._clock = clock
@@ -52,7 +53,7 @@ class SessionCacheStore:
         self.evictions = 0  # entries removed by TTL, LRU or the byte budget
 
     def __len__(self) -> int:
-        with self._lock:
+        with self._changing():
             self._expire(self._clock())
             return len(self._entries)
 
@@ -87,7 +88,7 @@ class SessionCacheStore:
     ) -> CacheEntry:
         """Put (or replace) a session's cache; evicts others to respect the limits."""
         now = self._clock()
-        with self._lock:
+        with self._changing():
             self._entries.pop(session_id, None)
             self._check_fits(session_id, nbytes)
             entry = CacheEntry(cache, seq_len, effective_start, now, nbytes)
@@ -109,7 +110,7 @@ class SessionCacheStore:
         returned as it is: the caller cuts it back.
         """
         now = self._clock()
-        with self._lock:
+        with self._changing():
             self._expire(now)
             entry = self._entries.get(session_id)
             if entry is None:
@@ -131,7 +132,7 @@ class SessionCacheStore:
 
     def resize(self, session_id: str, nbytes: int) -> None:
         """Record a session's new cache size (it grows each decode step)."""
-        with self._lock:
+        with self._changing():
             entry = self._entries.get(session_id)
             if entry is None:
                 return
@@ -140,33 +141,36 @@ class SessionCacheStore:
             self._enforce_limits(keep=session_id)
 
     def drop(self, session_id: str) -> bool:
-        with self._lock:
-            found = self._entries.pop(session_id, None) is not None
-            empty = not self._entries
-        if found and empty:
-            self._on_empty()
-        return found
+        with self._changing():
+            return self._entries.pop(session_id, None) is not None
 
     def clear(self) -> int:
-        with self._lock:
+        with self._changing():
             count = len(self._entries)
             self._entries.clear()
-        if count:
-            self._on_empty()
-        return count
+            return count
 
     def purge_expired(self) -> int:
-        with self._lock:
+        with self._changing():
             before = len(self._entries)
             self._expire(self._clock())
-            gone, empty = before - len(self._entries), not self._entries
-        if gone and empty:
-            self._on_empty()
-        return gone
+            return before - len(self._entries)
 
-    def _on_empty(self) -> None:
-        if self._emptied is not None:
-            self._emptied()
+    @contextmanager
+    def _changing(self) -> Iterator[None]:
+        """The lock, held for a change that may remove entries (a release, an expiry, a mismatch, the budget); if
+        the change left the store empty, `emptied` is called once the lock is released (the caches freed)."""
+        emptied = False
+        try:
+            with self._lock:
+                had = bool(self._entries)
+                try:
+                    yield
+                finally:
+                    emptied = had and not self._entries
+        finally:
+            if emptied and self._emptied is not None:
+                self._emptied()
 
     # -- internals (lock held) -------------------------------------------
 

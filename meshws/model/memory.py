@@ -12,7 +12,6 @@ elsewhere the peak comes from `getrusage` and the resident figure is unknown (0)
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import resource
 import sys
 from typing import Any, Iterable
@@ -39,9 +38,11 @@ def process_memory() -> dict[str, int]:
 
 def _malloc_trim() -> Any:
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        trim = ctypes.CDLL(None).malloc_trim  # (the C library this process runs on)
     except (OSError, AttributeError):  # not glibc: nothing to trim with
         return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 _TRIM = _malloc_trim()

@@ -23,7 +23,7 @@ import torch
 from .block_types import BlockTensor
 from .native import Kernels
 
-MOST_ROWS = 6  # rows measured (the defaults switch at 3 or 4)
+MOST_ROWS = 6  # rows measured (the defaults switch at 2; before the tiles got cheaper, at 3 or 4)
 ROUNDS = 5  # each path's best of this many, the two alternating so that the machine's drift hits both alike
 BUDGET_S = 0.5  # a type's measurement stops early past this (a large LM head on a slow machine)
 
@@ -71,12 +71,12 @@ def measure(kernels: Kernels, weight: BlockTensor, threads: int, most_rows: int 
     kernels.qlinear(rows, weight, None, threads, "tiles")  # (pages the weight in and makes the tiles' tables)
     best: dict[int, list[float]] = {count: [float("inf")] * 2 for count in range(1, most_rows + 1)}
     deadline = time.perf_counter() + budget_s
-    for _ in range(rounds):
-        for count, pair in best.items():
-            for side, path in enumerate(("direct", "tiles")):
-                pair[side] = min(pair[side], _time(kernels, rows[:count], weight, threads, path))
-        if time.perf_counter() > deadline:
+    order = [(count, side) for _ in range(rounds) for count in best for side in (0, 1)]  # (the paths alternate)
+    for number, (count, side) in enumerate(order):
+        if number >= 2 * most_rows and time.perf_counter() > deadline:  # (each count timed once, whatever the budget)
             break
+        path = ("direct", "tiles")[side]
+        best[count][side] = min(best[count][side], _time(kernels, rows[:count], weight, threads, path))
     return {count: (pair[0], pair[1]) for count, pair in best.items()}
 
 

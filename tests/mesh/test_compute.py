@@ -550,3 +550,30 @@ async def test_a_prompt_past_a_chunk_never_runs_whole_in_one_call_even_where_the
         assert [r.token_id for r in decoded] == [2, 2]
     finally:
         worker.shutdown()
+
+
+class _SlowPromptsTail(_RidingTail):
+    """Its calls of several prompts take 0.15 s."""
+
+    def prefill_batch(self, steps, decodes=()):
+        time.sleep(0.15)
+        return super().prefill_batch(steps, decodes)
+
+
+async def test_a_decode_step_waits_one_prompts_call_at_most_never_a_second_in_its_own_batch():
+    # A step that comes while prompts are being prefilled runs in the next turn without more prompts along
+    # (they run in the turn after): else it would wait for the running call and then for another chunk in its own.
+    backend = _SlowPromptsTail()
+    worker = ComputeWorker(backend, prefill_chunk=16)
+    try:
+        blocker = await _busy(worker)
+        first = [asyncio.ensure_future(worker.prefill(_prefill(sid, 4))) for sid in ("a", "b")]
+        await blocker
+        await asyncio.sleep(0.05)  # a and b are being prefilled together: a step and two more prompts come
+        step = asyncio.ensure_future(worker.decode(DecodeStep("s0", body=b"", shape=(1, 1, 8))))
+        later = [asyncio.ensure_future(worker.prefill(_prefill(sid, 4))) for sid in ("c", "d")]
+        await asyncio.gather(*first, step, *later)
+        assert backend.together == [(["a", "b"], []), (["c", "d"], [])] and backend.rides == []
+        assert ("decode", "s0") in backend.events  # alone, between the two calls
+    finally:
+        worker.shutdown()

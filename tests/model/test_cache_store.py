@@ -190,3 +190,12 @@ def test_the_last_session_going_gives_its_memory_back_once_its_cache_is_freed():
     assert store.clear() == 0 and len(calls) == 2  # nothing went: no call
     store.store("d", cache=object(), seq_len=1, effective_start=0)
     assert store.clear() == 1 and len(calls) == 3
+    store.store("e", cache=object(), seq_len=1, effective_start=0)  # a client that vanished: its session
+    clock.now = 30.0  # expires, found so by whatever looks next
+    with pytest.raises(KVCacheMiss):
+        store.lookup("e")
+    assert calls[3:] == [(0, True)]
+    store.store("f", cache=object(), seq_len=2, effective_start=0)
+    with pytest.raises(KVCacheMiss):  # a mismatched entry is dropped: the store is empty again
+        store.lookup("f", expected_seq_len=5)
+    assert len(calls) == 5 and len(store) == 0 and len(calls) == 5

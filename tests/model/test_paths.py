@@ -61,8 +61,14 @@ def test_a_node_times_both_paths_keeps_the_faster_and_the_bits_never_move(restor
     before = {name: KERNELS.qlinear(rows, weight, None, 2, "tiles") for name, weight in
               (("Q4_1", q4_1), ("Q8_0", q8_0))}
     facts = choose_paths(KERNELS, [q4_1, q8_0, q5_0], threads=2)
-    assert set(facts) == {"Q4_1", "Q8_0"}  # (Q5_0 has tiles alone: nothing to choose)
+    have = {KERNELS.block_types[type_id] for type_id in KERNELS.direct_types}  # (none without AVX-512 VNNI)
+    assert set(facts) == {"Q4_1", "Q8_0"} & have  # (Q5_0 has tiles alone: nothing to choose)
     for name, weight in (("Q4_1", q4_1), ("Q8_0", q8_0)):
+        for count in range(1, 10):  # either side of the choice, and either path forced: the same bits
+            for path in ("chosen", "direct", "tiles"):
+                assert torch.equal(KERNELS.qlinear(rows[:count], weight, None, 2, path), before[name][:count])
+        if name not in facts:
+            continue
         measured, type_id = facts[name], weight.type_id
         timings = {int(count): (pair["direct"], pair["tiles"]) for count, pair in measured["microseconds"].items()}
         assert sorted(timings) == [1, 2, 3, 4, 5, 6] and all(0 < t < 1e6 for pair in timings.values() for t in pair)
@@ -72,18 +78,18 @@ def test_a_node_times_both_paths_keeps_the_faster_and_the_bits_never_move(restor
         rows_direct = measured["direct_rows"]
         assert paths.startswith(f"1-{rows_direct} rows: straight from the blocks") if rows_direct else \
             paths.startswith("tiles")
-        for count in range(1, 10):  # either side of the choice, and either path forced: the same bits
-            for path in ("chosen", "direct", "tiles"):
-                assert torch.equal(KERNELS.qlinear(rows[:count], weight, None, 2, path), before[name][:count])
     assert torch.equal(KERNELS.qlinear(rows, q5_0, None, 2, "direct"), KERNELS.qlinear(rows, q5_0, None, 2))
-    assert KERNELS.measured_paths["Q4_1"] is facts["Q4_1"]
-    again = choose_paths(KERNELS, [q4_1], threads=2)  # another shard of this process: not timed twice
-    assert again["Q4_1"] is facts["Q4_1"]
+    if "Q4_1" in facts:
+        assert KERNELS.measured_paths["Q4_1"] is facts["Q4_1"]
+        again = choose_paths(KERNELS, [q4_1], threads=2)  # another shard of this process: not timed twice
+        assert again["Q4_1"] is facts["Q4_1"]
 
 
 def test_a_choice_outside_what_the_library_has_changes_nothing(restored):
     q5_1 = 7
     assert q5_1 not in KERNELS.direct_types and KERNELS.set_direct_rows(q5_1, 4) == 0
+    for type_id in {2, 3, 8} - KERNELS.direct_types:  # (a build without AVX-512 VNNI: tiles only, for every type)
+        assert KERNELS.set_direct_rows(type_id, 3) == 0
     for type_id in KERNELS.direct_types:
         before = KERNELS.direct_rows[type_id]
         assert KERNELS.set_direct_rows(type_id, -1) == before and KERNELS.set_direct_rows(type_id, 1000) == before
