@@ -47,7 +47,8 @@ async def test_hand_started_head_and_tail_share_the_cores_and_compute_one_wave_i
         assert ("OpenBLAS products" in compute["path"]) == (matmul == "openblas" and not fused)
         assert compute["matmul"] == ("torch" if fused else matmul) and compute["matmul_reason"]
         # Sharing a host's cores, the head keeps its sessions in one wave, which each node computes on every core
-        # in turn (`mesh.waves`): a burst of prompts splits it, the head's wait for the rest joins it again.
+        # in turn (`mesh.waves`): a burst of prompts may split it (the head's wait for the rest joins it again:
+        # `test_compute`), or, its prompts prefilled in one call, start it whole.
         assert compute["waves"] == {"groups": 1, "whole": True} and tail.health()["compute"]["waves"]["groups"] == 1
         # Each node timed the two paths of a few rows on its own weights as it started, and runs what won there:
         # SmolLM2's layers are Q4_1, its LM head (the tail's) Q8_0.
@@ -73,7 +74,6 @@ async def test_hand_started_head_and_tail_share_the_cores_and_compute_one_wave_i
         assert steps.count(6) >= 10, steps  # the whole wave's decode steps in one batch
         link = head.health()["links"][0]  # ... which crosses the hop as one frame, not six
         assert link["wave_frames"] >= 10 and link["wave_rows"] >= 5 * link["wave_frames"], link
-        assert head.health()["compute"]["work"]["lingers"] > 0
     finally:
         for node in (head, tail):
             if node is not None:
