@@ -100,7 +100,7 @@ class LeanLayers:
         # On AMX tiles a batch of bf16 rows costs the kernel little more than one row: every batch runs fused; a
         # GGUF's blocks always run on the kernels.
         blocks = any(lin.blocks is not None for layer in layers for lin in layer.linears())
-        self.on_blocks = blocks  # a GGUF's blocks: batches of rows on tiles laid out once for them all
+        self.on_blocks = blocks  # a GGUF's blocks, on the kernels for any rows (prompts may share a call)
         self.fused_rows = ANY_ROWS if blocks else 64 if quant or (self.fused and self.fused.amx) else \
             FUSED_ROWS.get(spec.dtype, 0)
 
