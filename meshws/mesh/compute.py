@@ -1,22 +1,21 @@
 """Where transport meets compute: model calls run on one worker thread, off the event loop.
 
-Every shard call goes through the worker, so websockets, heartbeats and other sessions stay
-responsive while a step runs. Decode steps are batched: when the worker turns to decode work it
-takes every decode step waiting at that moment (different sessions, different past lengths) and runs
-them as one `decode_batch`. Nothing waits for a batch to fill: a lone session's step runs as soon as
-the worker is free, on the single-session path. Other work alternates with decode batches, so
-neither starves the other; a long prefill is such work one chunk at a time (`prefill`: after each
-chunk it goes to the back of the queue), so it delays other sessions' decode steps by one chunk at
-most. New sessions' prompts queued together that the backend can run in one call
-(`prefills_together`, up to a chunk's tokens in all) run as one `prefill_batch`: on a shard bound by
-reading its weights, sixteen sessions joining at once no longer read them sixteen times (on a GGUF's blocks
-they share a layout of the tiles). A prompt longer than a chunk never joins. A decode batch takes such
-prompts along too (in one call; not right after a call that ran prompts, so a step waits one chunk at
-most), and the running sessions' steps neither read the weights apart nor wait a prompt's turn. Releases jump every
-queue: they wait for the chunk or batch running, never for queued work. A job whose caller has gone
-(its future cancelled) is skipped, chunks included. A batch that raises is retried row by row, so
-only the failing row gets the error. Which decode steps a batch takes and how long it waits for them
-(groups in flight, or one wave kept whole where nodes share a host's cores): `waves`.
+Every shard call goes through the worker, so websockets, heartbeats and other sessions stay responsive while a step
+runs. Decode steps are batched: when the worker turns to decode work it takes every decode step waiting at that
+moment (different sessions, different past lengths) and runs them as one `decode_batch`. Nothing waits for a batch
+to fill: a lone session's step runs as soon as the worker is free, on the single-session path. Other work alternates
+with decode batches, so neither starves the other; a long prefill is such work one chunk at a time (`prefill`: after
+each chunk it goes to the back of the queue), so it delays other sessions' decode steps by one chunk at most. New
+sessions' prompts queued together that the backend can run in one call (`prefills_together`, up to a chunk's tokens
+in all) run as one `prefill_batch`: on a shard bound by reading its weights, sixteen sessions joining at once no
+longer read them sixteen times (on a GGUF's blocks they share a layout of the tiles). A prompt longer than a chunk
+never joins. A decode batch takes such prompts along too (in one call; not right after a call that ran prompts, so a
+step waits one chunk at most), and the running sessions' steps neither read the weights apart nor wait a prompt's
+turn. Releases jump every queue: they wait for the chunk or batch running, never for queued work. A job whose caller
+has gone (its future cancelled) is skipped, chunks included. A batch that raises is retried row by row, so only the
+failing row gets the error; a call of prompts that raises runs its steps in a batch, then each prompt alone. Which
+decode steps a batch takes and how long it waits for them (groups in flight, or one wave kept whole where nodes
+share a host's cores): `waves`.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     chunks: Generator[None, None, Any] | None = None  # or a chunked prefill, resumed once per turn
     prefill: PrefillStep | None = None  # (that prefill's step: new sessions' prompts may run together)
-    started: bool = False  # a chunk of it has run
+    started: bool = False  # a chunk of it has run (or it failed beside others: never tried together again)
     queued: float = 0.0  # when it came (`waves`: how long a wave's part that is back waits for the rest)
 
 
@@ -137,8 +136,6 @@ class ComputeWorker(Waves):
             self._closed = True
             self._ready.notify()
         self._thread.join(timeout=30)
-
-    # -- internals ----------------------------------------------------------------
 
     def _future(self) -> tuple[asyncio.Future, asyncio.AbstractEventLoop]:
         loop = asyncio.get_running_loop()
@@ -249,8 +246,8 @@ class ComputeWorker(Waves):
         return found
 
     def _run_prefills(self, jobs: list[_Job], decodes: list[_Job] | None = None) -> None:
-        """New sessions' prefills in one call, with `decodes`' steps if any; if the call fails, each on its own (only
-        a step at fault fails)."""
+        """New sessions' prefills in one call, with `decodes`' steps if any; if the call fails, the steps run in a
+        batch and each prompt later on its own (only a step at fault fails)."""
         for job in [job for job in jobs if job.future.done()]:  # callers gone: no work for them
             jobs.remove(job)
             if job.chunks is not None:
@@ -265,9 +262,11 @@ class ComputeWorker(Waves):
             steps = [job.prefill for job in jobs]
             results: list[Any] = self.backend.prefill_batch(steps, [job.step for job in decodes]) if decodes \
                 else self.backend.prefill_batch(steps)  # type: ignore[arg-type]
-        except Exception:
-            for job in jobs:
-                self._run_chunk(job)  # (whole: a prefill that runs together fits one chunk)
+        except Exception:  # the steps now (they waited one call), then each prompt alone in its own turn
+            with self._ready:
+                for job in reversed(jobs):
+                    job.started = True  # (never tried together again: a prompt at fault fails alone)
+                    self._others.appendleft(job)
             self._run_decodes(decodes)
             return
         self.prefill_batches += 1

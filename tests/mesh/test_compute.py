@@ -486,10 +486,11 @@ class _RidingTail(_TogetherTail):
 
     def __init__(self, fail=False):
         super().__init__(fail)
-        self.batches = []
+        self.batches, self.chunks_before = [], []  # (chunks run before each batch)
 
     def decode_batch(self, steps):
         self.batches.append([step.session_id for step in steps])
+        self.chunks_before.append(len(self.events))
         return [TailTokenResult("", 2) for _ in steps]
 
 
@@ -505,8 +506,10 @@ async def test_a_decode_batch_takes_new_sessions_prompts_along_in_one_call_and_e
                        for sid, tokens in (("a", 8), ("long", 20), ("b", 4))]
             await blocker
             decoded, prompts = await asyncio.gather(*decoded), await asyncio.gather(*prompts)
-            if fail:  # the steps as one decode batch, the prompts each on its own: nothing lost, nothing twice
+            if fail:  # the steps as one decode batch at once (they waited one call), then the prompts each on its
+                # own: nothing lost, nothing twice
                 assert backend.rides == [] and backend.batches == [["s0", "s1"]] and worker.rides == 0
+                assert backend.chunks_before == [0], "the steps waited for the failed call and then for prompts"
                 assert [r.token_id for r in decoded] == [2, 2] and [r.token_id for r in prompts] == [7, 7, 7]
                 assert sorted(sid for _, sid, _ in backend.events) == ["a", "b", "long", "long"]
             else:  # the short prompts ride with the steps; "long" (past a chunk) runs in its own turns
