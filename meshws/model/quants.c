@@ -15,9 +15,9 @@
    The default products (`mw_qlinear`) do what llama.cpp does for its speed: each activation row is quantized to
    signed 8 bits, with one float scale per 32 values for 32-value block types and per 256 for K-quants (round to
    nearest; `quantize_rows`), and a block's codes, made unsigned (u = c + offset), meet it in integer dot products
-   (AVX-512 VNNI's vpdpbusd: 4 products a lane, exact in int32), scaled in float32: K-quants per 16 values (an
-   offset's share is b' times the sum of the 16 activations; below), the 32-value types per block
-   (`blocks32.c`). A row's result is the same alone or in any batch and on any thread count: each (row, output)
+   (AVX-512 VNNI's vpdpbusd: 4 products a lane, exact in int32; AVX2's K-quant loops: `kquants_avx2.c`), scaled
+   in float32: K-quants per 16 values (an offset's share is b' times the sum of the 16 activations; below), the
+   32-value types per block (`blocks32.c`). A row's result is the same alone or in any batch and on any thread count: each (row, output)
    pair sums its parts in one order. */
 
 #define QK 256 /* values an unpacked unit holds */
@@ -506,6 +506,15 @@ static inline int lane_group(int layout, int lane, int pair) {
     return layout == ROW256_Q4K ? Q4K_GROUPS[2 * pair][lane / 4] : 2 * SUB_ORDER[lane / 2] + pair;
 }
 
+/* A type's loop over a row's units calls its unit twice a pass, for units 2i and 2i + 1: `parity` (k / QK & 1) is
+   then a constant in each call, and every accumulator stays in a register. */
+#define UNITS_IN_PAIRS(unit, end, ...)                                                                            \
+    for (int64_t k = 0; k < (end); k += 2 * QK) {                                                                 \
+        unit(k, 0, __VA_ARGS__);                                                                                  \
+        if (k + QK < (end))                                                                                       \
+            unit(k + QK, 1, __VA_ARGS__);                                                                         \
+    }
+
 #if LANES == 16 && defined(__AVX512VNNI__)
 static inline __m512 dots(__m512i codes, const int8_t *x) {
     return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(x)));
@@ -534,15 +543,6 @@ static inline __attribute__((always_inline)) void spread_rows(const __m512i *cod
         acc[2 * r + parity] = vfma(v, vset1(x[r].scale[k / QK]), acc[2 * r + parity]);
     }
 }
-
-/* A type's loop over a row's units calls its unit twice a pass, for units 2i and 2i + 1: `parity` (k / QK & 1) is
-   then a constant in each call, and every accumulator stays in a register. */
-#define UNITS_IN_PAIRS(unit, end, ...)                                                                            \
-    for (int64_t k = 0; k < (end); k += 2 * QK) {                                                                 \
-        unit(k, 0, __VA_ARGS__);                                                                                  \
-        if (k + QK < (end))                                                                                       \
-            unit(k + QK, 1, __VA_ARGS__);                                                                         \
-    }
 
 /* The unpacked row (`unpack_row`), any K-quant: the same sums as a fused loop of that type would make. */
 static inline __attribute__((always_inline)) void unpacked_unit(int64_t k, int parity, const unpacked_row *u,
@@ -648,6 +648,7 @@ static inline __attribute__((always_inline)) void fused_q6_K(const uint8_t *row,
     UNITS_IN_PAIRS(q6_K_unit, in, row, x, nr, acc)
 }
 
+#define FUSED_DOTS 1
 static int has_fused_dots(int type) { return type == 12 || type == 14; }
 
 /* sums[r] = row r . the weight row w (raw blocks, or `u` unpacked for a type without a fused loop), `width` rows (a
@@ -690,6 +691,10 @@ static void q_dots_lone(int type, const uint8_t *w, int64_t row_bytes, int64_t i
         sums[o] = hsum(vplus(acc[2 * o], acc[2 * o + 1]));
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(GENERIC)
+#include "kquants_avx2.c"
+#endif
+#if defined(FUSED_DOTS)
 static void q_dots(int type, const uint8_t *w, const unpacked_row *u, int64_t in, const uint8_t *const *rows, int nr,
                    int64_t padded, float *sums) {
     q_row x[Q_ROWS];

@@ -1,0 +1,201 @@
+/* The K-quants' 8-bit products on AVX2 (no AVX-512 VNNI): the same sums, in the same order, as the fused loops of
+   `quants.c` and its scalar `q_dots` (a row's result is the same bits on every instruction set and in any batch).
+   #included by quants.c.
+
+   A unit's 16 lanes of 4 values live in two 256-bit halves (lanes 0-7, 8-15). With no vpdpbusd, a lane's integer
+   dots are vpmaddubsw (unsigned codes times signed activations, two products summed in 16 bits) and vpmaddwd by
+   ones (two of those in 32 bits). The 16-bit sums cannot saturate: codes are below 64 (Q4_K's high nibbles are
+   shifted down here, not kept at 16 times the code) and activations within +-127, so a pair of chunks' two products
+   per 16-bit lane stays within 4 * 63 * 127 = 32004; in 32 bits the dots are exact, as vpdpbusd's. Q4_K's high
+   nibbles then take the scale a, not a / 16: float(16 i) * (a / 16) and float(i) * a are the same float32. */
+
+typedef struct {
+    __m256 lo, hi; /* lanes 0-7, 8-15 */
+} v16;
+
+static inline float half_fast(const uint8_t *p) { /* (F16C; a NaN's payload may differ from half_to_float's) */
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline v16 v16_zero(void) { return (v16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+
+/* One pair of chunks' exact integer dots, as floats, for one half: codes c0, c1 against activations at q0, q1. */
+static inline __m256 pair_dots(__m256i c0, __m256i c1, const int8_t *q0, const int8_t *q1) {
+    const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(c0, _mm256_loadu_si256((const __m256i *)q0)),
+                                          _mm256_maddubs_epi16(c1, _mm256_loadu_si256((const __m256i *)q1)));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, _mm256_set1_epi16(1)));
+}
+
+/* A ROW256 (or ROW256_Q4K) unit: codes[chunk][half], the lanes' scales a01, a23 and b' per 16 values; every row's
+   share: v = float(i01) * a01 + float(i23) * a23, v += b' * (sum of q), acc[parity] += v * d, lane by lane. */
+static inline __attribute__((always_inline)) void spread_rows2(const __m256i codes[4][2], const v16 a01, const v16 a23,
+                                                               const v16 b, const q_row *x, int nr, int64_t k,
+                                                               int parity, v16 *acc) {
+    for (int r = 0; r < nr; r++) {
+        const int8_t *q = x[r].q + k;
+        const float *sums = x[r].sums + k / GROUP;
+        const __m256 d = _mm256_set1_ps(x[r].scale[k / QK]);
+        v16 *into = &acc[2 * r + parity];
+        __m256 v = _mm256_mul_ps(pair_dots(codes[0][0], codes[1][0], q, q + 64), a01.lo);
+        v = _mm256_fmadd_ps(pair_dots(codes[2][0], codes[3][0], q + 128, q + 192), a23.lo, v);
+        v = _mm256_fmadd_ps(b.lo, _mm256_loadu_ps(sums), v);
+        into->lo = _mm256_fmadd_ps(v, d, into->lo);
+        v = _mm256_mul_ps(pair_dots(codes[0][1], codes[1][1], q + 32, q + 96), a01.hi);
+        v = _mm256_fmadd_ps(pair_dots(codes[2][1], codes[3][1], q + 160, q + 224), a23.hi, v);
+        v = _mm256_fmadd_ps(b.hi, _mm256_loadu_ps(sums + 8), v);
+        into->hi = _mm256_fmadd_ps(v, d, into->hi);
+    }
+}
+
+static inline float hsum16_lanes(v16 v) { /* `hsum`'s tree: lanes l and l + 8, then + 4, + 2, + 1 */
+    const __m256 half = _mm256_add_ps(v.lo, v.hi);
+    const __m128 quarter = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+    const __m128 pair = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter));
+    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+}
+
+static inline v16 v16_plus(v16 a, v16 b) { return (v16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+
+/* Eight floats of `a` (a scale per 16 values) picked for a ROW256 unit's lanes: lane l takes a[2 SUB_ORDER[l / 2]
+   + pair] (groups 0, 4, 8, 12 for lanes 0-7 and 2, 6, 10, 14 for 8-15, plus `pair`). */
+static inline v16 spread_groups(const float *a, int pair) {
+    const float *p = a + pair;
+    return (v16){_mm256_setr_ps(p[0], p[0], p[4], p[4], p[8], p[8], p[12], p[12]),
+                 _mm256_setr_ps(p[2], p[2], p[6], p[6], p[10], p[10], p[14], p[14])};
+}
+
+static inline __attribute__((always_inline)) void unpacked_unit2(int64_t k, int parity, const unpacked_row *u,
+                                                                 const q_row *x, int nr, v16 *acc) {
+    const float *a = u->a + k / GROUP;
+    const v16 b = {_mm256_loadu_ps(u->b + k / GROUP), _mm256_loadu_ps(u->b + k / GROUP + 8)};
+    __m256i codes[4][2];
+    for (int c = 0; c < 4; c++)
+        for (int h = 0; h < 2; h++)
+            codes[c][h] = _mm256_load_si256((const __m256i *)(u->codes + k + 64 * c + 32 * h));
+    spread_rows2(codes, spread_groups(a, 0), spread_groups(a, 1), b, x, nr, k, parity, acc);
+}
+
+/* Q4_K in ROW256_Q4K's order: chunk 0's halves are the low nibbles of bytes 0-15 and the high of 16-31 (groups 0,
+   3), then of bytes 32-47 and 48-63 (groups 4, 7); chunk 1 the same bytes' other nibbles (groups 1, 2, 5, 6); chunks
+   2 and 3 the next 64 bytes. A lane's scale: quarter p of chunks 0 and 1 is sub-block p, of 2 and 3 sub-block 4 + p;
+   a = d * scale, b' = -(dmin * min) of group l's sub-block. */
+static inline __attribute__((always_inline)) void q4_K_unit2(int64_t k, int parity, const uint8_t *row, const q_row *x,
+                                                             int nr, v16 *acc) {
+    const __m128i take_low = _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m128i take_high = _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11);
+    const __m128i low_shift = _mm_setr_epi32(0, 0, 0, 4), top_two = _mm_set1_epi8((char)0xc0);
+    const __m128i low_mask = _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f);
+    const __m256i fifteen = _mm256_set1_epi8(15);
+    const uint8_t *w = row + k / QK * 144;
+    for (int line = 0; line < 144; line += 64)
+        __builtin_prefetch(w + PREFETCH + line, 0, 2);
+    const __m128i head = _mm_loadu_si128((const __m128i *)w); /* d, dmin, then the 12 bytes of scales */
+    const __m128i six = _mm_or_si128(_mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi8(head, take_low), low_shift),
+                                                   low_mask),
+                                     _mm_srli_epi32(_mm_and_si128(_mm_shuffle_epi8(head, take_high), top_two), 2));
+    const __m128 d = _mm_cvtph_ps(head); /* d, dmin */
+    const __m256 scales = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(six)),
+                                        _mm256_broadcastss_ps(d));
+    const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(six, 8))),
+                                      _mm256_broadcastss_ps(_mm_xor_ps(_mm_shuffle_ps(d, d, 1), _mm_set1_ps(-0.0f))));
+    const v16 a01 = {_mm256_permutevar8x32_ps(scales, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)),
+                     _mm256_permutevar8x32_ps(scales, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3))};
+    const v16 a23 = {_mm256_permutevar8x32_ps(scales, _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5)),
+                     _mm256_permutevar8x32_ps(scales, _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7))};
+    const v16 b = {_mm256_permutevar8x32_ps(mins, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)),
+                   _mm256_permutevar8x32_ps(mins, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7))};
+    __m256i codes[4][2];
+    for (int half = 0; half < 4; half++) { /* 32 bytes of nibbles: chunk 2 (half / 2), half half % 2 */
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * half));
+        const __m256i low = _mm256_and_si256(q, fifteen), high = _mm256_and_si256(_mm256_srli_epi16(q, 4), fifteen);
+        codes[2 * (half / 2)][half % 2] = _mm256_blend_epi32(low, high, 0xf0);
+        codes[2 * (half / 2) + 1][half % 2] = _mm256_permute2x128_si256(low, high, 0x21);
+    }
+    spread_rows2(codes, a01, a23, b, x, nr, k, parity, acc);
+}
+
+/* Q6_K in ROW256's order: chunk c's 8-byte group i holds values 8c .. 8c + 7 of sub-block s = SUB_ORDER[i], whose
+   low nibbles are at ql + 64 (s / 4) + 32 (s % 2) + 8c (shifted by 4 for s % 4 >= 2) and high bits at
+   qh + 32 (s / 4) + 8c (shifted by 2 (s % 4)). So one 32-byte load of ql or qh holds every chunk's 8 bytes of a
+   group (8c for c = 0 .. 3); each group's codes are made for all chunks at once, then transposed. a = d * scale,
+   b' = -32 a (the codes' offset). */
+static inline __m256i six_bits(__m256i l, int l_shift, __m256i h, int h_shift) {
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(l, l_shift), _mm256_set1_epi8(15));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(h, h_shift), _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+}
+
+static inline void transposed(__m256i g0, __m256i g1, __m256i g2, __m256i g3, __m256i codes[4][2], int half) {
+    /* g_i's 64-bit element c is chunk c's group i: chunk c's half is (g0[c], g1[c], g2[c], g3[c]) */
+    const __m256i t0 = _mm256_unpacklo_epi64(g0, g1), t1 = _mm256_unpackhi_epi64(g0, g1); /* c 0, 2; 1, 3 */
+    const __m256i t2 = _mm256_unpacklo_epi64(g2, g3), t3 = _mm256_unpackhi_epi64(g2, g3);
+    codes[0][half] = _mm256_permute2x128_si256(t0, t2, 0x20);
+    codes[2][half] = _mm256_permute2x128_si256(t0, t2, 0x31);
+    codes[1][half] = _mm256_permute2x128_si256(t1, t3, 0x20);
+    codes[3][half] = _mm256_permute2x128_si256(t1, t3, 0x31);
+}
+
+static inline __attribute__((always_inline)) void q6_K_unit2(int64_t k, int parity, const uint8_t *row, const q_row *x,
+                                                             int nr, v16 *acc) {
+    /* a lane's scale, as bytes: pair 0's lanes take groups 0 0 4 4 8 8 12 12 | 2 2 6 6 10 10 14 14, pair 1's + 1 */
+    const __m128i pair0 = _mm_setr_epi8(0, 0, 4, 4, 8, 8, 12, 12, 2, 2, 6, 6, 10, 10, 14, 14);
+    const uint8_t *w = row + k / QK * 210;
+    for (int line = 0; line < 210; line += 64)
+        __builtin_prefetch(w + PREFETCH + line, 0, 2);
+    const __m128i scale_bytes = _mm_loadu_si128((const __m128i *)(w + 192));
+    const __m256 d = _mm256_set1_ps(half_fast(w + 208));
+    const __m128i s01 = _mm_shuffle_epi8(scale_bytes, pair0);
+    const __m128i s23 = _mm_shuffle_epi8(scale_bytes, _mm_add_epi8(pair0, _mm_set1_epi8(1)));
+    const v16 a01 = {_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s01)), d),
+                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s01, 8))), d)};
+    const v16 a23 = {_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s23)), d),
+                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s23, 8))), d)};
+    const __m256 minus_32 = _mm256_set1_ps(-32.0f); /* -(32 a), as -(32 * a): the same float32 */
+    const v16 b = {_mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scale_bytes)), d), minus_32),
+                   _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scale_bytes, 8))),
+                                               d), minus_32)};
+    const __m256i ql0 = _mm256_loadu_si256((const __m256i *)w), ql1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+    const __m256i ql2 = _mm256_loadu_si256((const __m256i *)(w + 64)), ql3 = _mm256_loadu_si256((const __m256i *)(w + 96));
+    const __m256i qh0 = _mm256_loadu_si256((const __m256i *)(w + 128)), qh1 = _mm256_loadu_si256((const __m256i *)(w + 160));
+    __m256i codes[4][2];
+    /* lanes 0-7: sub-blocks 0, 2, 4, 6; lanes 8-15: 1, 3, 5, 7 */
+    transposed(six_bits(ql0, 0, qh0, 0), six_bits(ql0, 4, qh0, 4), six_bits(ql2, 0, qh1, 0), six_bits(ql2, 4, qh1, 4),
+               codes, 0);
+    transposed(six_bits(ql1, 0, qh0, 2), six_bits(ql1, 4, qh0, 6), six_bits(ql3, 0, qh1, 2), six_bits(ql3, 4, qh1, 6),
+               codes, 1);
+    spread_rows2(codes, a01, a23, b, x, nr, k, parity, acc);
+}
+
+#define FUSED_DOTS 1
+static int has_fused_dots(int type) { return type == 12 || type == 14; }
+
+static inline __attribute__((always_inline)) void dots_of(int type, const uint8_t *w, const unpacked_row *u, int64_t in,
+                                                          const q_row *x, int width, int nr, int64_t padded,
+                                                          float *sums) {
+    v16 acc[2 * Q_ROWS];
+    for (int r = 0; r < 2 * width; r++)
+        acc[r] = v16_zero();
+    switch (type) {
+    case 12: UNITS_IN_PAIRS(q4_K_unit2, in, w, x, width, acc) break;
+    case 14: UNITS_IN_PAIRS(q6_K_unit2, in, w, x, width, acc) break;
+    default: UNITS_IN_PAIRS(unpacked_unit2, padded, u, x, width, acc) break;
+    }
+    for (int r = 0; r < nr && r < width; r++)
+        sums[r] = hsum16_lanes(v16_plus(acc[2 * r], acc[2 * r + 1]));
+}
+
+#define LONE_OUTPUTS 4
+static void q_dots_lone(int type, const uint8_t *w, int64_t row_bytes, int64_t in, const uint8_t *row, int64_t padded,
+                        float *sums) {
+    const q_row x = row_at(row, padded, ROW256);
+    for (int o = 0; o < LONE_OUTPUTS; o++) {
+        v16 acc[2] = {v16_zero(), v16_zero()};
+        if (type == 12)
+            UNITS_IN_PAIRS(q4_K_unit2, in, w + o * row_bytes, &x, 1, acc)
+        else
+            UNITS_IN_PAIRS(q6_K_unit2, in, w + o * row_bytes, &x, 1, acc)
+        sums[o] = hsum16_lanes(v16_plus(acc[0], acc[1]));
+    }
+}
