@@ -11,12 +11,12 @@
 
 from __future__ import annotations
 
-import hmac
 import ssl
 
 from aiohttp import web
 
 from .config import NodeSettings
+from .api.errors import key_matches
 from .api.guards import host_name
 from .mesh.addresses import is_loopback
 from .mesh.auth import HEADER, Verifier, listener_proof
@@ -47,7 +47,7 @@ class NodeAccess:
             return True
         key = self.settings.api_key
         given = request.headers.get("Authorization", "")
-        if key and given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode()):
+        if key and given.startswith("Bearer ") and key_matches(given[7:], key):
             return True
         return bool(self.settings.secret) and HEADER in request.headers and self.authorize(request, b"") is None
 

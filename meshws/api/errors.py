@@ -76,6 +76,12 @@ def is_api_path(path: str) -> bool:
     return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
 
 
+def key_matches(given: str, key: str) -> bool:
+    """`given` (a header's or query's text: bytes that are not UTF-8 arrive as surrogates) is the API key, compared
+    in constant time; any text at all is an answer, never an exception."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode("utf-8", "surrogateescape"))
+
+
 def error_middleware(api_key: Callable[[], str | None]) -> Any:
     """OpenAI-shaped 401/404/405 for the API routes; the API key check."""
 
@@ -87,7 +93,7 @@ def error_middleware(api_key: Callable[[], str | None]) -> Any:
         if guarded and key:
             given = request.headers.get("Authorization", "")
             token = given[7:] if given.startswith("Bearer ") else request.query.get("api_key", "")
-            if not hmac.compare_digest(token.encode(), key.encode()):
+            if not key_matches(token, key):
                 return ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                                 code="invalid_api_key").response()
         try:

@@ -35,6 +35,14 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     return plain
 
 
+def message_chars(message: dict[str, Any]) -> int:
+    """A parsed message's characters the template will render: its content, tool calls and tool call id."""
+    calls = message.get("tool_calls") or []
+    return len(message["content"]) + len(message.get("tool_call_id") or "") + sum(
+        len(call["function"]["name"]) + len(call["function"].get("arguments", "")) + len(str(call.get("id", "")))
+        for call in calls)
+
+
 def _tool_fields(message: dict[str, Any], where: str) -> dict[str, Any]:
     """An assistant's earlier `tool_calls`, or a tool result's `tool_call_id` (required on a `tool` message)."""
     role, calls, call_id = message.get("role"), message.get("tool_calls"), message.get("tool_call_id")

@@ -13,7 +13,7 @@ from ..model.constraints import GrammarError, json_grammar
 from ..model.sampling import MAX_PROMPT_LOGPROBS, MAX_PROMPT_TOP_LOGPROBS, MAX_TOP_LOGPROBS, SamplingParams
 from .errors import ApiError, shown
 from .fields import check_fields
-from .messages import parse_messages
+from .messages import message_chars, parse_messages
 from .tools import ToolSpec, check_schema_size, parse_tools, plain_messages
 
 MAX_MESSAGES = 1024
@@ -21,6 +21,8 @@ MAX_CHOICES = 8  # `n`
 CHARS_PER_TOKEN_CAP = 16  # a prompt longer than context x this many characters cannot fit: refused unread
 DEFAULT_MAX_TOKENS = 1024
 MAX_STOP_STRINGS = 16
+MAX_USER_CHARS = 256  # 'user' (an end user's id: part of a warm session's owner, echoed by /v1/responses)
+MAX_STOP_CHARS = 256  # each (the text held back for stop strings, checked on every token, stays small)
 MAX_BATCH = 64  # a completion's prompts times `n`: each is a generation, queued for a slot of its own
 BATCH_CONTEXTS = 8  # all of a batch's prompts together: at most this many context windows of tokens
 
@@ -141,6 +143,9 @@ def parse_stop(body: dict[str, Any]) -> list[str]:
         raise ApiError(400, "'stop' must be a string or a list of strings", param="stop", code="invalid_type")
     if len(stop) > MAX_STOP_STRINGS:
         raise ApiError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings", param="stop", code="invalid_value")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise ApiError(400, f"each 'stop' string takes at most {MAX_STOP_CHARS} characters", param="stop",
+                       code="invalid_value")
     return [s for s in stop if s]
 
 
@@ -149,6 +154,12 @@ def check_common(body: dict[str, Any], chat: bool) -> None:
     for name in ("stream", "return_token_ids", "ignore_eos", "cache_prompt", "echo"):
         if body.get(name) is not None and not isinstance(body.get(name), bool):
             raise ApiError(400, f"'{name}' must be a boolean", param=name, code="invalid_type")
+    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
+        raise ApiError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls", code="invalid_type")
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+        raise ApiError(400, f"'user' must be a string of at most {MAX_USER_CHARS} characters", param="user",
+                       code="invalid_value")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)):
         raise ApiError(400, "'stream_options' must be an object with a boolean include_usage",
@@ -196,7 +207,7 @@ def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> Reques
     draft = RequestDraft(body, chat, sampling, parse_stop(body), tools=tools)
     if chat:
         draft.messages = parse_messages(body)
-        _check_size(sum(len(m["content"]) for m in draft.messages), len(draft.messages), head.context_length)
+        _check_size(sum(message_chars(m) for m in draft.messages), len(draft.messages), head.context_length)
     else:
         prompts = _completion_prompts(body)
         for text, ids in prompts:

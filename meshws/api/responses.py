@@ -168,7 +168,7 @@ def response_object(body: dict[str, Any], response_id: str, created: int, status
         "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
         "model": body.get("model"), "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "previous_response_id": None, "store": False, "temperature": body.get("temperature", 1.0),
-        "top_p": body.get("top_p", 1.0), "text": body.get("text") or {"format": {"type": "text"}},
+        "top_p": body.get("top_p", 1.0), "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
         "tool_choice": body.get("tool_choice", "auto"), "tools": tools, "truncation": "disabled",
         "metadata": {}, "user": body.get("user"), "usage": None,
     }

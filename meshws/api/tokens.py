@@ -16,8 +16,8 @@ from typing import Any
 from aiohttp import web
 
 from ..head.service import HeadService
-from .errors import ApiError, json_response, read_json
-from .messages import parse_messages
+from .errors import ApiError, json_response, read_json, shown
+from .messages import message_chars, parse_messages
 from .requests import CHARS_PER_TOKEN_CAP
 from .tools import plain_messages
 
@@ -65,8 +65,8 @@ class TokenRoutes:
     def _body(self, body: dict[str, Any], fields: set[str]) -> dict[str, Any]:
         for name in body:
             if name not in fields:
-                raise ApiError(400, f"unknown field '{name}'; this endpoint reads {', '.join(sorted(fields))}",
-                               param=name, code="unknown_parameter")
+                raise ApiError(400, f"unknown field {shown(name)}; this endpoint reads {', '.join(sorted(fields))}",
+                               param=name[:64], code="unknown_parameter")
         model = body.get("model")
         if model is not None and model not in self.head.served_names:
             raise ApiError(404, f"the model '{str(model)[:200]}' does not exist", param="model",
@@ -81,7 +81,7 @@ class TokenRoutes:
         limit = self.head.context_length * CHARS_PER_TOKEN_CAP
         if body.get("messages") is not None:
             messages = parse_messages(body)
-            if sum(len(message["content"]) for message in messages) > limit:
+            if sum(message_chars(message) for message in messages) > limit:
                 raise ApiError(400, "the messages are longer than the context could hold", param="messages",
                                code="context_length_exceeded")
             try:

@@ -77,13 +77,16 @@ class TextStream:
         return min(found) if found else None
 
     def _held_back(self) -> int:
-        """Length of the longest end of the pending text that starts some stop string."""
-        longest = 0
+        """Length of the longest end of the pending text that starts some stop string (shorter than it). Only ends
+        that begin with the stop string's first character are tried, each once."""
+        longest, pending = 0, self._pending
         for stop in self._stop:
-            for size in range(min(len(stop) - 1, len(self._pending)), longest, -1):
-                if stop.startswith(self._pending[-size:]):
-                    longest = size
+            at = pending.find(stop[0], max(0, len(pending) - len(stop) + 1))
+            while at >= 0 and len(pending) - at > longest:
+                if stop.startswith(pending[at:]):
+                    longest = len(pending) - at
                     break
+                at = pending.find(stop[0], at + 1)
         return longest
 
 

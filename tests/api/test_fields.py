@@ -52,3 +52,44 @@ def test_message_fields_beyond_role_and_content_are_refused_unless_empty():
     with pytest.raises(ApiError) as caught:
         check_message_fields({"role": "user", "content": "x", "contents": "y"}, "messages[0]")
     assert caught.value.code == "unknown_parameter"
+
+
+def test_stop_strings_are_bounded_in_number_and_length():
+    from meshws.api.requests import MAX_STOP_CHARS, parse_stop
+
+    assert parse_stop({"stop": ["x" * MAX_STOP_CHARS, ""]}) == ["x" * MAX_STOP_CHARS]
+    with pytest.raises(ApiError) as caught:
+        parse_stop({"stop": ["ok", "x" * (MAX_STOP_CHARS + 1)]})
+    assert caught.value.status == 400 and caught.value.param == "stop" and "256 characters" in caught.value.message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("user", "u" * 257), ("user", {"id": 1}), ("parallel_tool_calls", "yes"),
+])
+def test_fields_echoed_back_or_kept_are_typed_and_bounded(field, value):
+    from meshws.api.requests import check_common
+
+    check_common({**CHAT, "user": "u" * 256, "parallel_tool_calls": False}, chat=True)
+    with pytest.raises(ApiError) as caught:
+        check_common({**CHAT, field: value}, chat=True)
+    assert caught.value.status == 400 and caught.value.param == field
+
+
+def test_a_response_echoes_its_text_format_only():
+    from meshws.api.responses import response_object
+
+    body = {"model": "m", "input": "hi", "text": {"format": {"type": "text"}, "padding": "x" * 10000}}
+    echoed = response_object(body, "resp_1", 0, "completed", [], None)
+    assert echoed["text"] == {"format": {"type": "text"}}
+    assert response_object({"model": "m", "input": "hi"}, "resp_1", 0, "completed", [], None)["text"] \
+        == {"format": {"type": "text"}}
+
+
+def test_tool_calls_and_ids_count_toward_a_prompts_size():
+    from meshws.api.messages import message_chars, parse_messages
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "x" * 5000}}
+    messages = parse_messages({"messages": [{"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": "", "tool_calls": [call]},
+                                            {"role": "tool", "content": "ok", "tool_call_id": "call_1"}]})
+    assert [message_chars(m) for m in messages] == [2, 1 + 5000 + 6, 2 + 6]

@@ -54,3 +54,29 @@ def test_legacy_text_goes_through_the_same_stop_logic():
     assert stream.push_text("hi </") == "hi "
     assert stream.push_text("s> tail") == ""
     assert stream.stopped
+
+
+def _held_back_by_every_end(pending: str, stops: list[str]) -> int:
+    """The rule, tried end by end: the longest end of `pending` that starts a stop string (and is shorter than it)."""
+    return max([size for stop in stops for size in range(1, min(len(stop) - 1, len(pending)) + 1)
+                if stop.startswith(pending[-size:])], default=0)
+
+
+def test_text_held_back_for_stop_strings_is_the_longest_end_that_starts_one():
+    import random
+
+    chooser = random.Random(7)
+    for _ in range(3000):
+        stops = ["".join(chooser.choice("ab") for _ in range(chooser.randint(1, 6))) for _ in range(3)]
+        stream = TextStream(decode, stop=stops)
+        stream._pending = "".join(chooser.choice("abc") for _ in range(chooser.randint(0, 8)))
+        assert stream._held_back() == _held_back_by_every_end(stream._pending, stops), (stream._pending, stops)
+
+
+def test_a_long_partial_match_is_held_back_whole_and_its_stop_string_ends_the_answer():
+    stops = ["Z" * 255] * 15 + ["ab" * 127 + "!"]  # (the longest allowed: a check per token of its few ends)
+    stream = TextStream(decode, stop=stops)
+    for _ in range(127):
+        assert push_all(stream, b"ab") == ["", ""]
+    assert len(stream._pending) == 254 and stream.push_token(ord("!")) == "" and stream.stopped
+    assert stream.text == ""

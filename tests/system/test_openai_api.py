@@ -547,6 +547,14 @@ async def test_api_key_guards_the_api_but_not_health():
                     assert response.status == 401, path
             async with session.get(f"{url}/health") as response:
                 assert response.status == 200
+        # a key that is not UTF-8 (raw bytes on the wire) is a wrong key: 401, not a 500 and a logged traceback
+        for path, status in ((b"/v1/models", b"401"), (b"/health", b"200")):  # (/health: the plain view)
+            reader, writer = await asyncio.open_connection("127.0.0.1", fake.head_port)
+            writer.write(b"GET " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer \xff\xfe\r\n"
+                         b"X-Forwarded-For: 203.0.113.9\r\nConnection: close\r\n\r\n")
+            answer = await reader.read()
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 " + status), answer[:200]
         keyed = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="sekrit", max_retries=0)
         answer = await keyed.chat.completions.create(model="fake-model", messages=body["messages"])
         assert answer.choices[0].message.content == " a"
