@@ -15,8 +15,23 @@ Decode = Callable[[Sequence[int]], str]
 Entries = Sequence[tuple[int, TokenLogprob]]  # (token id, (its logprob, alternatives))
 
 
+def _remembered(decode: Decode) -> Callable[[list[int]], str]:
+    """`decode` of one token id, each id decoded once (an answer's alternatives repeat the same few tokens)."""
+    texts: dict[int, str] = {}
+
+    def one(ids: list[int]) -> str:
+        if len(ids) != 1:
+            return decode(ids)
+        if ids[0] not in texts:
+            texts[ids[0]] = decode(ids)
+        return texts[ids[0]]
+
+    return one
+
+
 def chat_logprobs(entries: Entries, decode: Decode) -> dict[str, Any]:
     """`choice.logprobs` of a chat answer (or of one streamed chunk)."""
+    decode = _remembered(decode)
 
     def one(token: int, logprob: float) -> dict[str, Any]:
         text = decode([token])
@@ -28,6 +43,7 @@ def chat_logprobs(entries: Entries, decode: Decode) -> dict[str, Any]:
 
 def completion_logprobs(entries: Entries, decode: Decode, offset: int = 0) -> dict[str, Any]:
     """`choice.logprobs` of a completion (or of one streamed chunk); `offset`: where its text starts."""
+    decode = _remembered(decode)
     tokens, offsets = [], []
     for token, _ in entries:
         tokens.append(decode([token]))

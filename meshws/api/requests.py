@@ -20,6 +20,7 @@ MAX_MESSAGES = 1024
 MAX_CHOICES = 8  # `n`
 CHARS_PER_TOKEN_CAP = 16  # a prompt longer than context x this many characters cannot fit: refused unread
 DEFAULT_MAX_TOKENS = 1024
+MAX_LOGPROB_ENTRIES = 1 << 17  # in a whole (not streamed) answer: each a token's text, decoded on the loop
 MAX_STOP_STRINGS = 16
 MAX_USER_CHARS = 256  # 'user' (an end user's id: part of a warm session's owner, echoed by /v1/responses)
 MAX_STOP_CHARS = 256  # each (the text held back for stop strings, checked on every token, stays small)
@@ -224,6 +225,11 @@ def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> Reques
     if len(draft.batch) * n > MAX_BATCH:
         raise ApiError(400, f"at most {MAX_BATCH} prompts times 'n' per request, got {len(draft.batch)} x {n}",
                        param="prompt", code="invalid_value")
+    wanted = _integer(body, "max_completion_tokens", 1, None) or _integer(body, "max_tokens", 1, None)
+    if logprobs is not None and not body.get("stream") and max(1, len(draft.batch)) * n * (logprobs + 1) * min(
+            wanted or DEFAULT_MAX_TOKENS, head.context_length) > MAX_LOGPROB_ENTRIES:  # (a whole answer: built at once)
+        raise ApiError(400, f"a whole answer carries at most {MAX_LOGPROB_ENTRIES} log-probabilities (prompts x 'n' x "
+                       "tokens x (1 + alternatives)): ask for fewer, or stream", param="logprobs", code="invalid_value")
     if (n > 1 or draft.batch) and body.get("stream") and streamed_extras:
         raise ApiError(400, "with 'n' > 1 or several prompts a stream carries text only: ask without stream for "
                        "log-probabilities, echo or tool calls", param="n" if n > 1 else "prompt",

@@ -11,7 +11,7 @@ guarded like `/v1/*` (API key, Host, Origin) and bounded like a completion's pro
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
@@ -25,11 +25,32 @@ TOKENIZE_FIELDS = {"model", "prompt", "content", "messages", "with_pieces", "ret
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
+MAX_TOKENIZING = 4  # /tokenize and /detokenize requests at work at once (they share the compute worker and threads)
+
+
 class TokenRoutes:
     def __init__(self, head: HeadService) -> None:
         self.head = head
+        self.working = 0  # requests of these routes at work now (past this bound: 429, nothing queued)
 
     async def tokenize(self, request: web.Request) -> web.Response:
+        return await self._bounded(self._tokenize, request)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return await self._bounded(self._detokenize, request)
+
+    async def _bounded(self, handler: Callable[[web.Request], Awaitable[web.Response]],
+                       request: web.Request) -> web.Response:
+        if self.working >= MAX_TOKENIZING:
+            return ApiError(429, f"more than {MAX_TOKENIZING} tokenize requests at once; retry shortly",
+                            code="rate_limit_exceeded", kind="rate_limit_error").response()
+        self.working += 1
+        try:
+            return await handler(request)
+        finally:
+            self.working -= 1
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
         try:
             body = self._body(await read_json(request), TOKENIZE_FIELDS)
             ids = await self._ids(body)
@@ -45,7 +66,7 @@ class TokenRoutes:
             answer["pieces"] = [{"id": token, "piece": piece} for token, piece in zip(ids, pieces)]
         return json_response(answer)
 
-    async def detokenize(self, request: web.Request) -> web.Response:
+    async def _detokenize(self, request: web.Request) -> web.Response:
         try:
             body = self._body(await read_json(request), DETOKENIZE_FIELDS)
             tokens = body.get("tokens")

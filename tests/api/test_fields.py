@@ -93,3 +93,22 @@ def test_tool_calls_and_ids_count_toward_a_prompts_size():
                                             {"role": "assistant", "content": "", "tool_calls": [call]},
                                             {"role": "tool", "content": "ok", "tool_call_id": "call_1"}]})
     assert [message_chars(m) for m in messages] == [2, 1 + 5000 + 6, 2 + 6]
+
+
+def test_a_whole_answer_bounds_its_log_probabilities():
+    from types import SimpleNamespace
+
+    from meshws.api.requests import MAX_LOGPROB_ENTRIES, check_request
+
+    head = SimpleNamespace(served_names=["m"], context_length=8192)
+    base = {"model": "m", "prompt": ["a"] * 8, "logprobs": 20, "max_tokens": 64}
+    check_request(base, chat=False, head=head)  # 8 x 64 x 21: fine
+    check_request({**base, "max_tokens": 8192, "stream": True, "prompt": "a"}, chat=False, head=head)  # streamed
+    with pytest.raises(ApiError) as caught:
+        check_request({**base, "max_tokens": MAX_LOGPROB_ENTRIES // (8 * 21) + 1}, chat=False, head=head)
+    assert caught.value.status == 400 and caught.value.param == "logprobs"
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 20,
+            "n": 8}
+    check_request({**chat, "max_tokens": 256}, chat=True, head=head)
+    with pytest.raises(ApiError):  # the default of 1024 tokens: 8 x 1024 x 21 entries
+        check_request(chat, chat=True, head=head)
