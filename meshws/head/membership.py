@@ -23,6 +23,7 @@ log = logging.getLogger("meshws.membership")
 
 MAX_NODES = 256  # joined nodes a head keeps at once
 MAX_BODY_BYTES = 64 * 1024  # a join is a few hundred bytes
+BODY_SECONDS = 10.0  # for a /mesh body to arrive whole
 MAX_LOAD = 1_000_000  # load and capacity above this are clamped
 Authorize = Callable[[web.Request, bytes], "str | None"]  # None, or why the request may not do this
 
@@ -64,7 +65,10 @@ class RegistryEndpoints:
         refusal = self.precheck(request)
         if not refusal and (request.content_length or 0) > MAX_BODY_BYTES:
             return None, web.json_response({"error": f"a /mesh body is at most {MAX_BODY_BYTES} bytes"}, status=413)
-        body = b"" if refusal else await request.content.read(MAX_BODY_BYTES + 1)
+        try:
+            body = b"" if refusal else await _read_capped(request, MAX_BODY_BYTES + 1)
+        except TimeoutError:
+            return None, web.json_response({"error": f"the body took over {BODY_SECONDS:g} s to arrive"}, status=408)
         if len(body) > MAX_BODY_BYTES:
             return None, web.json_response({"error": f"a /mesh body is at most {MAX_BODY_BYTES} bytes"}, status=413)
         refusal = refusal or self.authorize(request, body)
@@ -185,3 +189,15 @@ def _count(data: dict[str, Any], name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite number >= 0")
     return min(int(value), MAX_LOAD)
+
+
+async def _read_capped(request: web.Request, limit: int) -> bytes:
+    """The body, to its end or `limit` bytes (one read returns only what has arrived: a body in several segments)."""
+    body = bytearray()
+    async with asyncio.timeout(BODY_SECONDS):  # (a sender that stalls does not hold the handler)
+        while len(body) < limit:
+            chunk = await request.content.read(limit - len(body))
+            if not chunk:
+                break
+            body += chunk
+    return bytes(body)

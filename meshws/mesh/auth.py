@@ -130,9 +130,10 @@ async def signed_headers(client: Any, base: str, secret: str | None, method: str
                          body: bytes = b"", ssl: Any = True) -> dict[str, str]:
     """Ask the node at `base` for a nonce (and its proof of the secret) and sign one request to it.
 
-    {} without a secret. A node that cannot prove the secret gets nothing: an impostor at a
-    peer's address learns no header and receives no hidden states (only TLS also stops a
-    relay that forwards everything to the real node).
+    {} without a secret. A node that cannot prove the secret gets nothing. The proof does not name the node that
+    made it, so an impostor at a peer's address that can reach a real node may pass the challenge on to it and answer
+    with that node's proof (and then relay or read what follows): only TLS, whose certificates name the peer, stops
+    that (docs/operating.md, "What the secret does not guard").
     """
     if not secret:
         return {}

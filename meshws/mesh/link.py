@@ -8,7 +8,9 @@ drops, every subscriber is told so with an `error` frame marked `lost`.
 
 A peer nobody can dial (behind NAT) dials us instead (`mesh.reverse`): the websocket it
 opens is `offer`ed to its link, which from then on waits for such offers rather than
-dialing. Hellos, frames, MACs and losses are the same either way; only who dialed differs.
+dialing. Hellos, frames, signed routes and losses are the same either way; only who dialed differs.
+The secret authenticates each dial; frames themselves carry no MAC of their own, so across a network that
+is not trusted only TLS keeps them from being read or altered (docs/operating.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ way: the head itself, and the joined middles whose layers end where the node's b
 each one's `/mesh/reverse/<its own URL, hex>` (signed with the mesh secret like any mesh request, the URL inside the
 signed path) and serves that socket exactly as it serves an inbound `/ws/shard`; the dialed side hands the socket
 to its link for that URL (`Link.offer`), which from then on waits for the node's dials instead of dialing. Hellos,
-sessions, MACs, losses and failover are those of a dialed link; only who opened the TCP connection differs.
+sessions, signed routes, losses and failover are those of a dialed link; only who opened the TCP connection differs.
 Where neither side of a hop can dial the other, the head relays it (`mesh.relay`).
 """
 

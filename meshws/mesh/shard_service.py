@@ -205,12 +205,12 @@ class ShardService:
                 and not earlier.busy:
             self._resume(earlier, message, route)
             return
-        if earlier is not None:  # a re-open (a new route after a failure), on this link or another: start clean
-            self._end(earlier, reason="re-opened" if earlier.link is link else "re-opened on another link")
-        if len(link.owned) >= self.limits.link_sessions:
+        if len(link.owned) - (earlier is not None and earlier.link is link) >= self.limits.link_sessions:
             await self._error(link, sid, None, f"{self.node_name}: this link already carries "
                               f"{self.limits.link_sessions} sessions, the limit", "link_busy")
-            return
+            return  # (before ending an earlier session of this id: a refused open changes nothing)
+        if earlier is not None:  # a re-open (a new route after a failure), on this link or another: start clean
+            self._end(earlier, reason="re-opened" if earlier.link is link else "re-opened on another link")
         session = InboundSession(sid, message.sampling, message.prompt_tokens, next_hop, route, link=link)
         session.after = self.lanes.last(sid)  # the release of an earlier session of this id goes first
         if message.fork is not None and message.fork[0] in link.owned:  # (never another link's session)

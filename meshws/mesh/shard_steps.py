@@ -46,6 +46,8 @@ log = logging.getLogger("meshws.shard_service")
 
 SLOT_WAIT = 1.0  # seconds the read loop waits for a free in-flight slot before refusing a frame
 OFF_LOOP_BYTES = 1 << 20  # bodies at least this large are inflated and copied off the event loop
+INFLATED_BUDGET = 512 << 20  # bytes the compressed frames of steps in flight may hold inflated, node-wide (a few KB
+# of zstd can declare 64 MiB: a peer holding the secret could otherwise make a node hold GBs; prefill chunks need ~1 MiB)
 
 Send = Callable[[InboundLink, ControlMessage], Coroutine[Any, Any, None]]
 Refuse = Callable[[InboundLink, str | None, int | None, str, str], Coroutine[Any, Any, None]]
@@ -68,6 +70,7 @@ class ShardSteps:
         self._refuse = refuse
         self._spawn = spawn
         self.decode_log = DecodeLogThrottle()
+        self.inflated_bytes = 0  # what the compressed frames of steps in flight hold once inflated (all links)
         self.log_limit = LogLimiter(log)
 
     # -- on the read loop -----------------------------------------------------
@@ -173,6 +176,12 @@ class ShardSteps:
                     frame: ForwardFrame | None) -> None:
         """The step (its frame, or a wave's row `frame` already inflated) computed, and its result sent on."""
         sid, started = session.sid, time.perf_counter()
+        charge = header.body_bytes if frame is None and header.enc else 0  # (a small body inflating to a big one)
+        if charge and self.inflated_bytes + charge > INFLATED_BUDGET:
+            await self._refuse(link, sid, header.step, f"{self.node_name}: compressed frames in flight would hold "
+                               f"over {INFLATED_BUDGET >> 20} MiB inflated; try again", "link_busy")
+            return
+        self.inflated_bytes += charge
         try:
             if session.after is not None:
                 await asyncio.wait({session.after})  # an earlier session of this id is released first
@@ -196,6 +205,7 @@ class ShardSteps:
             return
         finally:
             session.busy = False  # (the slot is freed when the task ends: `_step_over`)
+            self.inflated_bytes -= charge
         self._count_step(session, frame, time.perf_counter() - started)
         if self.sessions.get(sid) is not session:  # closed while the step ran: drop what it stored
             await self.worker.release(sid)

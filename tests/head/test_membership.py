@@ -1,5 +1,6 @@
 """Joining a head: records are checked and clamped, the registry is bounded, and a link must confirm its record."""
 
+import asyncio
 import json
 
 import aiohttp
@@ -51,6 +52,17 @@ async def test_joins_over_http_are_checked_bounded_and_never_500(monkeypatch):
             async with client.post(url, json={**GOOD, "url": "ws://127.0.0.1:99"}) as response:
                 assert response.status == 503 and "full" in (await response.json())["error"]
         assert len(mesh.head.registry.nodes()) == 3
+        # a body that arrives in two segments is read whole (a join with a secret is checked on all of it)
+        body = orjson.dumps({**GOOD, "url": "ws://127.0.0.1:1"})
+        reader, writer = await asyncio.open_connection("127.0.0.1", mesh.head_port)
+        writer.write(b"POST /mesh/join HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:10])
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.write(body[10:])
+        answer = await reader.read()
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
 
 
 def test_a_link_that_contradicts_its_record_drops_it():

@@ -87,6 +87,12 @@ async def test_too_many_sessions_on_one_link_get_an_error_and_the_node_serves_on
             assert "unknown session" in (await _reply(ws, "c"))["message"]
             await ws.send_bytes(_fwd("a", 1))
             assert (await _reply(ws, "a"))["type"] == "token"
+            async with _link(port) as full:  # another link, full: its refused open of "a" leaves "a" alone
+                for sid in ("x", "y", "a"):
+                    await _open(full, sid)
+                assert "2 sessions" in (await _reply(full, "a"))["message"]
+            await ws.send_bytes(_fwd("a", 2))
+            assert (await _reply(ws, "a"))["type"] == "token"
             await ws.send_str(encode_control_close("a"))
             await _open(ws, "c")  # a closed session frees its place
             await ws.send_bytes(_fwd("c", 2))
@@ -357,3 +363,19 @@ async def test_a_wave_frame_none_of_whose_rows_fit_is_refused_before_its_body_is
             await ws.send_bytes(struct.pack(">I", len(header)) + header + b"junk")  # (not zstd at all)
             replies = await _replies(ws, ("a", "b"))
             assert all("shape [1, tokens, 8]" in reply["message"] for reply in replies.values()), replies
+
+
+async def test_compressed_frames_beyond_the_nodes_inflation_budget_are_refused_and_the_link_goes_on(monkeypatch):
+    from meshws.mesh import shard_steps
+
+    monkeypatch.setattr(shard_steps, "INFLATED_BUDGET", 16)  # bytes: below one 2-position body (32)
+    tail = _CountingTail()
+    async with _shard(tail) as (node, port):
+        async with _link(port) as ws:
+            await _open(ws, "s")
+            body = zstandard.ZstdCompressor().compress(bytes(2 * 8 * 2))
+            await ws.send_bytes(_fwd("s", 1, positions=2, body=body, enc="zstd"))
+            refused = await _reply(ws, "s")
+            assert refused["type"] == "error" and "inflated" in refused["message"], refused
+            await ws.send_bytes(_fwd("s", 2, positions=2))  # plain bodies cost their sender as much: not counted
+            assert (await _reply(ws, "s"))["type"] == "token"
