@@ -18,9 +18,9 @@
    * Straight from the blocks, for a lone row or a few (`v_direct`, `v_direct_q8`): laying out a tile costs one
      row more than its products. The rows' blocks are read as they lie and each output's block sums brought into
      lanes afterwards, so a lone SmolLM2 step is no slower than before (9.5-11.6 -> 8.4-9.8 ms).
-   `v_direct_below` says where one gives way to the other. Other builds (AVX2, plain C) run the same sums lane by
-   lane in scalar code: the same bits on every instruction set, for a row alone or in any batch, on any thread
-   count. */
+   `v_direct_below` says where one gives way to the other. AVX2 builds run the same sums with eight outputs to the
+   lanes, straight from the blocks (`blocks32_avx2.c`); plain C builds lane by lane in scalar code: the same bits
+   on every instruction set, for a row alone or in any batch, on any thread count. */
 
 #define V_OUT 16  /* outputs a tile holds: one per lane */
 #define V_ROWS 8  /* rows that pass over a tile's block together (their accumulators stay in registers) */
@@ -448,6 +448,12 @@ static void v_block_rows(const v_tile *tile, int64_t blocks, const int32_t *pane
 }
 #endif
 
+#if !(LANES == 16 && defined(__AVX512VNNI__)) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) \
+    && !defined(GENERIC)
+#define V2_PRODUCT 1 /* eight outputs to the lanes, straight from the blocks, for any number of rows */
+#include "blocks32_avx2.c"
+#endif
+
 /* A group of nr rows (8, 4, 2 or 1) as the loops read them, block after block: each 4 codes of the block for every
    row in turn (8 x nr lanes), then -offset * (sum of its codes), d and d * (sum of its codes) of each row. */
 static void v_panel(const uint8_t *rows, int64_t x_bytes, int nr, int64_t in, int offset, int32_t *panel) {
@@ -560,6 +566,10 @@ int mw_set_direct_rows(int type, int rows) {
    memory. */
 static int v_product(const block_type *t, const uint8_t *x, int64_t rows, int64_t in, const void *w,
                      const float *bias, float *y, int64_t ldy, int64_t out, int threads, int path) {
+#ifdef V2_PRODUCT
+    (void)path;
+    return v2_product(t, x, rows, in, w, bias, y, ldy, out, threads);
+#endif
     const int64_t x_bytes = q8_row_bytes(in, ROW32), blocks = in / 32;
     const int below = v_direct_below(t->type); /* (0: no direct path here) */
     const int direct = below && (path == PATH_DIRECT || (path == PATH_CHOSEN && rows < below));

@@ -25,7 +25,8 @@ from .source import default_cache_dir
 log = logging.getLogger("meshws.shard")
 
 SOURCE = Path(__file__).with_name("kernels.c")
-SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in ("quants.c", "blocks32.c", "kquants_avx2.c")))  # (included)
+INCLUDED = ("quants.c", "blocks32.c", "kquants_avx2.c", "blocks32_avx2.c")  # by kernels.c, one way or another
+SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in INCLUDED))
 FLAGS = ["-O3", "-march=native", "-std=c11", "-ffp-contract=off", "-shared", "-fPIC", "-pthread"]  # fmaf by hand
 
 _started: threading.Thread | None = None

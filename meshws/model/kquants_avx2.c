@@ -156,9 +156,9 @@ static inline __attribute__((always_inline)) void q6_K_unit2(int64_t k, int pari
     const v16 b = {_mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scale_bytes)), d), minus_32),
                    _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scale_bytes, 8))),
                                                d), minus_32)};
-    const __m256i ql0 = _mm256_loadu_si256((const __m256i *)w), ql1 = _mm256_loadu_si256((const __m256i *)(w + 32));
-    const __m256i ql2 = _mm256_loadu_si256((const __m256i *)(w + 64)), ql3 = _mm256_loadu_si256((const __m256i *)(w + 96));
-    const __m256i qh0 = _mm256_loadu_si256((const __m256i *)(w + 128)), qh1 = _mm256_loadu_si256((const __m256i *)(w + 160));
+    const __m256i *at = (const __m256i *)w; /* ql: 4 x 32 bytes, then qh: 2 x 32 */
+    const __m256i ql0 = _mm256_loadu_si256(at), ql1 = _mm256_loadu_si256(at + 1), ql2 = _mm256_loadu_si256(at + 2);
+    const __m256i ql3 = _mm256_loadu_si256(at + 3), qh0 = _mm256_loadu_si256(at + 4), qh1 = _mm256_loadu_si256(at + 5);
     __m256i codes[4][2];
     /* lanes 0-7: sub-blocks 0, 2, 4, 6; lanes 8-15: 1, 3, 5, 7 */
     transposed(six_bits(ql0, 0, qh0, 0), six_bits(ql0, 4, qh0, 4), six_bits(ql2, 0, qh1, 0), six_bits(ql2, 4, qh1, 4),

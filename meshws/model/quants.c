@@ -17,8 +17,8 @@
    nearest; `quantize_rows`), and a block's codes, made unsigned (u = c + offset), meet it in integer dot products
    (AVX-512 VNNI's vpdpbusd: 4 products a lane, exact in int32; AVX2's K-quant loops: `kquants_avx2.c`), scaled
    in float32: K-quants per 16 values (an offset's share is b' times the sum of the 16 activations; below), the
-   32-value types per block (`blocks32.c`). A row's result is the same alone or in any batch and on any thread count: each (row, output)
-   pair sums its parts in one order. */
+   32-value types per block (`blocks32.c`). A row's result is the same alone or in any batch and on any thread
+   count: each (row, output) pair sums its parts in one order. */
 
 #define QK 256 /* values an unpacked unit holds */
 #define GROUP 16 /* values sharing a scale in an unpacked unit */
@@ -364,6 +364,19 @@ static float largest(const float *x, int64_t n) {
     if (finite != 0xffff)
         return NAN;
     top = _mm512_reduce_max_ps(tops);
+#elif !defined(GENERIC)
+    __m256 tops = _mm256_setzero_ps();
+    int finite = 0xff;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_and_ps(_mm256_loadu_ps(x + i), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+        finite &= _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ));
+        tops = _mm256_max_ps(tops, v);
+    }
+    if (finite != 0xff)
+        return NAN;
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(tops), _mm256_extractf128_ps(tops, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    top = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 #endif
     for (; i < n; i++) {
         float v = fabsf(x[i]);
@@ -388,6 +401,25 @@ static void quantize_block(const float *x, int64_t n, int64_t size, float top, i
                                                           _mm512_set1_epi32(127))); /* (past n: 0, as below) */
         _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(c));
         group_sums[i / GROUP] = _mm512_reduce_add_epi32(c);
+    }
+#elif !defined(GENERIC) /* the same, 8 values at a time */
+    for (int64_t i = 0; i < size; i += GROUP) {
+        __m256i sum = _mm256_setzero_si256();
+        for (int64_t h = i; h < i + GROUP; h += 8) {
+            const int64_t live = n - h >= 8 ? 8 : n - h > 0 ? n - h : 0;
+            const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)live),
+                                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            const __m256 v = _mm256_mul_ps(_mm256_maskload_ps(x + (live ? h : 0), lanes), _mm256_set1_ps(inverse));
+            __m256i c = _mm256_cvttps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            c = _mm256_and_si256(lanes, _mm256_min_epi32(_mm256_max_epi32(c, _mm256_set1_epi32(-127)),
+                                                          _mm256_set1_epi32(127))); /* (past n: 0, as below) */
+            const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+            _mm_storel_epi64((__m128i *)(q + h), _mm_packs_epi16(words, words));
+            sum = _mm256_add_epi32(sum, c);
+        }
+        __m128i total = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        total = _mm_add_epi32(total, _mm_shuffle_epi32(total, _MM_SHUFFLE(1, 0, 3, 2)));
+        group_sums[i / GROUP] = _mm_cvtsi128_si32(_mm_add_epi32(total, _mm_shuffle_epi32(total, 1)));
     }
 #else
     for (int64_t g = 0; g < size / GROUP; g++)

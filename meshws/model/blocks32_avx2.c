@@ -1,0 +1,130 @@
+/* The 32-value block types' 8-bit products on AVX2 (no AVX-512 VNNI): `blocks32.c`'s sums, in its order, with
+   eight outputs to the lanes and the blocks read as they lie (no tiles). #included by blocks32.c.
+
+   Per block and output, the exact integer i: vpmaddubsw of the block's unsigned codes (Q4_0 ... Q5_1: below 32, so
+   a pair of products stays within 16 bits) with the row's codes, vpmaddwd by ones, the 8 partial sums of each of
+   eight outputs added into one lane each, plus -offset * (sum of the row's codes); Q8_0's codes are signed bytes,
+   so its dot is taken as |c| times q with c's sign (|c| <= 128: within 16 bits too), which is that same integer.
+   Then, lane by lane, t = float(i) * (d_w * d_x), t = fmaf(m_w, d_x * (sum of q), t), acc += t: `v_block_rows`'s
+   float steps (m_w = 0 for the types without a minimum), so every row gets the bits of the scalar loop. */
+
+#define V2_ROWS 4 /* rows that share one read of eight outputs' blocks */
+
+/* A block's 32 codes in order (value j at byte j), unsigned (c + offset), or Q8_0's signed c. */
+static inline __m256i v2_codes(int type, const uint8_t *block) {
+    if (type == 8)
+        return _mm256_loadu_si256((const __m256i *)(block + 2));
+    const int at = type == 2 ? 2 : type == 3 ? 4 : type == 6 ? 6 : 8; /* where the nibbles start */
+    const __m128i nibbles = _mm_loadu_si128((const __m128i *)(block + at)), fifteen = _mm_set1_epi8(15);
+    __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(nibbles, 4), fifteen), _mm_and_si128(nibbles, fifteen));
+    if (type == 6 || type == 7) { /* Q5: bit j of the 32-bit word before the nibbles is value j's fifth bit */
+        uint32_t high;
+        memcpy(&high, block + at - 4, 4);
+        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)high),
+                                                   _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                                                      0x0303030303030303LL));
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
+    return u;
+}
+
+/* The 8 partial sums (32-bit lanes) of one block's products with the row's 32 codes q. */
+static inline __m256i v2_dot(int type, __m256i codes, __m256i q) {
+    const __m256i pairs = type == 8 ? _mm256_maddubs_epi16(_mm256_abs_epi8(codes), _mm256_sign_epi8(q, codes))
+                                    : _mm256_maddubs_epi16(codes, q);
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+/* Lane o: the sum of p[o]'s eight lanes (exact in int32, whatever the order). */
+static inline __m256i v2_sum8(const __m256i *p) {
+    const __m256i b0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    const __m256i b1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+static inline __m256 v2_heads(const uint8_t *const *from, int64_t at) { /* eight blocks' float16 at `at`, widened */
+    return _mm256_cvtph_ps(_mm_setr_epi16(*(const short *)(from[0] + at), *(const short *)(from[1] + at),
+                                          *(const short *)(from[2] + at), *(const short *)(from[3] + at),
+                                          *(const short *)(from[4] + at), *(const short *)(from[5] + at),
+                                          *(const short *)(from[6] + at), *(const short *)(from[7] + at)));
+}
+
+/* Eight outputs (rows `from`) times nr quantized rows (ROW32, `x`): acc[r], lane o. */
+static inline __attribute__((always_inline)) void v2_rows(const block_type *t, const uint8_t *const *from,
+                                                          int64_t blocks, const q_row *x, int nr, __m256 *acc) {
+    const int type = t->type, bytes = t->bytes;
+    for (int r = 0; r < nr; r++)
+        acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t at = b * bytes;
+        if (!(b & 1))
+            for (int o = 0; o < 8; o++)
+                __builtin_prefetch(from[o] + at + PREFETCH, 0, 2);
+        __m256i codes[8];
+        for (int o = 0; o < 8; o++)
+            codes[o] = v2_codes(type, from[o] + at);
+        const __m256 d = v2_heads(from, at), m = type == 3 || type == 7 ? v2_heads(from, at + 2) : _mm256_setzero_ps();
+        for (int r = 0; r < nr; r++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(x[r].q + 32 * b));
+            __m256i parts[8];
+            for (int o = 0; o < 8; o++)
+                parts[o] = v2_dot(type, codes[o], q);
+            __m256i dot = v2_sum8(parts);
+            if (type != 8)
+                dot = _mm256_add_epi32(dot, _mm256_set1_epi32(-t->offset * x[r].totals[b]));
+            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(x[r].scale[b])));
+            v = _mm256_fmadd_ps(m, _mm256_set1_ps(x[r].sums[b]), v);
+            acc[r] = _mm256_add_ps(acc[r], v);
+        }
+    }
+}
+
+typedef struct {
+    const block_type *type;
+    const uint8_t *w, *x;
+    int64_t rows, in, out, ldy, row_bytes, x_bytes;
+    const float *bias;
+    float *y;
+} v2_job;
+
+/* Units of 8 outputs: every group of rows against them, their blocks read once a group. */
+static void v2_units(const void *task, int64_t begin, int64_t end) {
+    const v2_job *j = task;
+    const int64_t blocks = j->in / 32, padded = q8_padded(j->in);
+    for (int64_t unit = begin; unit < end; unit++) {
+        const int64_t o0 = unit * 8;
+        const int n = j->out - o0 < 8 ? (int)(j->out - o0) : 8;
+        const uint8_t *from[8];
+        for (int o = 0; o < 8; o++) /* (outputs past n read output n - 1 again; their lanes are not stored) */
+            from[o] = j->w + (o0 + (o < n ? o : n - 1)) * j->row_bytes;
+        float lanes[8];
+        for (int64_t r0 = 0; r0 < j->rows; r0 += V2_ROWS) {
+            const int nr = j->rows - r0 < V2_ROWS ? (int)(j->rows - r0) : V2_ROWS;
+            q_row x[V2_ROWS];
+            __m256 acc[V2_ROWS];
+            for (int r = 0; r < nr; r++)
+                x[r] = row_at(j->x + (r0 + r) * j->x_bytes, padded, ROW32);
+            switch (nr) {
+            case 4: v2_rows(j->type, from, blocks, x, 4, acc); break;
+            case 3: v2_rows(j->type, from, blocks, x, 3, acc); break;
+            case 2: v2_rows(j->type, from, blocks, x, 2, acc); break;
+            default: v2_rows(j->type, from, blocks, x, 1, acc); break;
+            }
+            for (int r = 0; r < nr; r++) {
+                _mm256_storeu_ps(lanes, acc[r]);
+                float *y = j->y + (r0 + r) * j->ldy + o0;
+                for (int o = 0; o < n; o++)
+                    y[o] = j->bias ? lanes[o] + j->bias[o0 + o] : lanes[o];
+            }
+        }
+    }
+}
+
+static int v2_product(const block_type *t, const uint8_t *x, int64_t rows, int64_t in, const void *w,
+                      const float *bias, float *y, int64_t ldy, int64_t out, int threads) {
+    v2_job job = {t, w, x, rows, in, out, ldy, in / 32 * t->bytes, q8_row_bytes(in, ROW32), bias, y};
+    parallel(v2_units, &job, (out + 7) / 8, rows * in * out < THREAD_WORK ? 1 : threads);
+    return 0;
+}
