@@ -37,11 +37,17 @@ static inline __m256i v2_dot(int type, __m256i codes, __m256i q) {
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-/* Lane o: the sum of p[o]'s eight lanes (exact in int32, whatever the order). */
+/* Lane o: the sum of p[o]'s eight lanes (exact in int32, whatever the order): pairs of registers interleaved and
+   added, twice, then the 128-bit halves (vphaddd's three micro-ops each made a lone row a tenth slower). */
 static inline __m256i v2_sum8(const __m256i *p) {
-    const __m256i b0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-    const __m256i b1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+    __m256i a[4], b[2];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(p[2 * i], p[2 * i + 1]),
+                                _mm256_unpackhi_epi32(p[2 * i], p[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        b[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(a[2 * i], a[2 * i + 1]),
+                                _mm256_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b[0], b[1], 0x20), _mm256_permute2x128_si256(b[0], b[1], 0x31));
 }
 
 static inline __m256 v2_heads(const uint8_t *const *from, int64_t at) { /* eight blocks' float16 at `at`, widened */
@@ -58,10 +64,7 @@ static inline __attribute__((always_inline)) void v2_rows(const block_type *t, c
     for (int r = 0; r < nr; r++)
         acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t at = b * bytes;
-        if (!(b & 1))
-            for (int o = 0; o < 8; o++)
-                __builtin_prefetch(from[o] + at + PREFETCH, 0, 2);
+        const int64_t at = b * bytes; /* (no software prefetch: eight rows read in order, the hardware's keeps up) */
         __m256i codes[8];
         for (int o = 0; o < 8; o++)
             codes[o] = v2_codes(type, from[o] + at);
