@@ -156,7 +156,8 @@ def check_common(body: dict[str, Any], chat: bool) -> None:
         if body.get(name) is not None and not isinstance(body.get(name), bool):
             raise ApiError(400, f"'{name}' must be a boolean", param=name, code="invalid_type")
     if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
-        raise ApiError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls", code="invalid_type")
+        raise ApiError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls",
+                       code="invalid_type")
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
         raise ApiError(400, f"'user' must be a string of at most {MAX_USER_CHARS} characters", param="user",
@@ -218,16 +219,14 @@ def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> Reques
                            param="prompt", code="context_length_exceeded")
         draft.prompt, draft.prompt_ids = prompts[0]
         draft.batch = prompts if len(prompts) > 1 else []
-    for name in ("max_completion_tokens", "max_tokens"):
-        _integer(body, name, 1, None)
+    wanted = [_integer(body, name, 1, None) for name in ("max_completion_tokens", "max_tokens")]  # (checked now)
     streamed_extras = logprobs is not None or body.get("echo") or (tools is not None and tools.choice != "none")
     n = _integer(body, "n", 1, 1, high=MAX_CHOICES) or 1
     if len(draft.batch) * n > MAX_BATCH:
         raise ApiError(400, f"at most {MAX_BATCH} prompts times 'n' per request, got {len(draft.batch)} x {n}",
                        param="prompt", code="invalid_value")
-    wanted = _integer(body, "max_completion_tokens", 1, None) or _integer(body, "max_tokens", 1, None)
     if logprobs is not None and not body.get("stream") and max(1, len(draft.batch)) * n * (logprobs + 1) * min(
-            wanted or DEFAULT_MAX_TOKENS, head.context_length) > MAX_LOGPROB_ENTRIES:  # (a whole answer: built at once)
+            wanted[0] or wanted[1] or DEFAULT_MAX_TOKENS, head.context_length) > MAX_LOGPROB_ENTRIES:  # (built at once)
         raise ApiError(400, f"a whole answer carries at most {MAX_LOGPROB_ENTRIES} log-probabilities (prompts x 'n' x "
                        "tokens x (1 + alternatives)): ask for fewer, or stream", param="logprobs", code="invalid_value")
     if (n > 1 or draft.batch) and body.get("stream") and streamed_extras:

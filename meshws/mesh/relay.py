@@ -3,10 +3,10 @@
 The tail keeps a socket dialed to the head for each such middle (`/mesh/reverse/<tail>/<middle>`: a relay-back,
 waiting); the middle's link to the tail dials the head's `/mesh/relay/<tail>/<middle>` instead of the tail
 (`Link.relay_via`), and the head pipes the two sockets together message by message. The middle and the tail trade
-hellos and session frames end to end (routes signed by the head included); the head reads only their sizes (`meshws_frame_bytes` with
-direction `relayed`). What it costs the head is in the open and capped: RELAYS pipes at once, WAITING relay-back
-sockets per pair, one message in flight each way, and only between joined nodes it could not dial itself. It
-dials nobody for a relay, so a relay cannot be pointed at any other address.
+hellos and session frames end to end (routes signed by the head included); the head reads only their sizes
+(`meshws_frame_bytes` with direction `relayed`). What it costs the head is in the open and capped: RELAYS pipes at
+once, WAITING relay-back sockets per pair, one message in flight each way, and only between joined nodes it could not
+dial itself. It dials nobody for a relay, so a relay cannot be pointed at any other address.
 """
 
 from __future__ import annotations

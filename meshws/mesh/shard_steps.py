@@ -46,8 +46,9 @@ log = logging.getLogger("meshws.shard_service")
 
 SLOT_WAIT = 1.0  # seconds the read loop waits for a free in-flight slot before refusing a frame
 OFF_LOOP_BYTES = 1 << 20  # bodies at least this large are inflated and copied off the event loop
-INFLATED_BUDGET = 512 << 20  # bytes the compressed frames of steps in flight may hold inflated, node-wide (a few KB
-# of zstd can declare 64 MiB: a peer holding the secret could otherwise make a node hold GBs; prefill chunks need ~1 MiB)
+# Bytes the compressed frames of steps in flight may hold inflated, node-wide: a few KB of zstd can declare 64 MiB, so a
+# peer holding the secret could otherwise make a node hold GBs (a prefill chunk needs about 1 MiB)
+INFLATED_BUDGET = 512 << 20
 
 Send = Callable[[InboundLink, ControlMessage], Coroutine[Any, Any, None]]
 Refuse = Callable[[InboundLink, str | None, int | None, str, str], Coroutine[Any, Any, None]]
