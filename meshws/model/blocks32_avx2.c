@@ -57,14 +57,20 @@ static inline __m256 v2_heads(const uint8_t *const *from, int64_t at) { /* eight
                                           *(const short *)(from[6] + at), *(const short *)(from[7] + at)));
 }
 
-/* Eight outputs (rows `from`) times nr quantized rows (ROW32, `x`): acc[r], lane o. */
+/* Eight outputs (rows `from`) times nr quantized rows (ROW32, `x`): acc[r], lane o. With `ahead` (the next unit's
+   eight rows, which lie together), each block step asks for that unit's next eight blocks' bytes in order: read as
+   eight short streams of a few KB, the rows outran the hardware's prefetcher (Q8_0 2048x2048 from memory, one row, 2
+   threads: 23 -> 29 GB/s; 8192x2048 23 -> 31). */
 static inline __attribute__((always_inline)) void v2_rows(const block_type *t, const uint8_t *const *from,
-                                                          int64_t blocks, const q_row *x, int nr, __m256 *acc) {
+                                                          int64_t blocks, const q_row *x, int nr, __m256 *acc,
+                                                          const uint8_t *ahead) {
     const int type = t->type, bytes = t->bytes;
     for (int r = 0; r < nr; r++)
         acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t at = b * bytes; /* (no software prefetch: eight rows read in order, the hardware's keeps up) */
+        const int64_t at = b * bytes;
+        for (int line = 0; ahead && line < 8 * bytes; line += 64)
+            _mm_prefetch((const char *)ahead + 8 * at + line, _MM_HINT_T0);
         __m256i codes[8];
         for (int o = 0; o < 8; o++)
             codes[o] = v2_codes(type, from[o] + at);
@@ -109,11 +115,13 @@ static void v2_units(const void *task, int64_t begin, int64_t end) {
             __m256 acc[V2_ROWS];
             for (int r = 0; r < nr; r++)
                 x[r] = row_at(j->x + (r0 + r) * j->x_bytes, padded, ROW32);
+            const int first = r0 == 0 && unit + 1 < end && o0 + 16 <= j->out; /* (the next unit is this thread's) */
+            const uint8_t *ahead = first ? from[0] + 8 * j->row_bytes : NULL;
             switch (nr) {
-            case 4: v2_rows(j->type, from, blocks, x, 4, acc); break;
-            case 3: v2_rows(j->type, from, blocks, x, 3, acc); break;
-            case 2: v2_rows(j->type, from, blocks, x, 2, acc); break;
-            default: v2_rows(j->type, from, blocks, x, 1, acc); break;
+            case 4: v2_rows(j->type, from, blocks, x, 4, acc, ahead); break;
+            case 3: v2_rows(j->type, from, blocks, x, 3, acc, ahead); break;
+            case 2: v2_rows(j->type, from, blocks, x, 2, acc, ahead); break;
+            default: v2_rows(j->type, from, blocks, x, 1, acc, ahead); break;
             }
             for (int r = 0; r < nr; r++) {
                 _mm256_storeu_ps(lanes, acc[r]);
