@@ -86,6 +86,7 @@ typedef struct {
     float *y;
     int64_t rows, in, out, o_begin, o_end, ldy;
     int kind;
+    atomic_int *failed; /* set when a block tensor's tile found no memory to be widened into */
 } job_t;
 
 struct block_type;
@@ -306,6 +307,10 @@ static void run(const job_t *j) {
     /* A tile's weights widened once per block of rows; float32 weights are read where they are (their rows
        [o, o + no) are that tile already: a copy cost a float32 batch as much time as its products). */
     float *scratch = j->kind == KIND_F32 ? NULL : lined(sizeof(float) * OUT_TILE * in), *wf = scratch;
+    if (!scratch && is_block_kind(j->kind)) { /* (`tile` widens only element kinds in registers) */
+        atomic_store(j->failed, 1);
+        return;
+    }
     for (int64_t block = 0; block < j->rows; block += ROW_BLOCK) {
         int64_t block_end = block + ROW_BLOCK < j->rows ? block + ROW_BLOCK : j->rows;
         for (int64_t o = j->o_begin; o < j->o_end; o += OUT_TILE) {
@@ -600,10 +605,12 @@ static void linear_tiles(const void *task, int64_t begin, int64_t end) {
 
 #include "quants.c"
 
-/* threads: how many may compute (the caller's share of the cores). */
-void mw_linear(const float *x, int64_t rows, int64_t in, const void *w, int kind, const float *scale,
-               const float *bias, float *y, int64_t ldy, int64_t out, int threads) {
-    job_t whole = {x, w, scale, bias, y, rows, in, out, 0, out, ldy, kind};
+/* threads: how many may compute (the caller's share of the cores). Returns 0, or -1 when a block tensor's tiles
+   found no memory to be widened into (y is then not all written). */
+int mw_linear(const float *x, int64_t rows, int64_t in, const void *w, int kind, const float *scale, const float *bias,
+              float *y, int64_t ldy, int64_t out, int threads) {
+    atomic_int failed = 0;
+    job_t whole = {x, w, scale, bias, y, rows, in, out, 0, out, ldy, kind, &failed};
 #ifdef PANEL
     if (rows >= LANES && in >= LANES) { /* a batch: rows in vectors, weights broadcast (`panel_tile`) */
         panel_job p = {whole, NULL, rows / (2 * LANES) * 2 * LANES, rows % (2 * LANES) >= LANES};
@@ -615,11 +622,12 @@ void mw_linear(const float *x, int64_t rows, int64_t in, const void *w, int kind
             p.xl = xl;
             parallel(panel_rows, &p, (out + PANEL - 1) / PANEL, rows * in * out < THREAD_WORK ? 1 : threads);
             free(xl);
-            return;
+            return atomic_load(&failed) ? -1 : 0;
         }
     }
 #endif
     parallel(linear_tiles, &whole, (out + OUT_TILE - 1) / OUT_TILE, rows * in * out < THREAD_WORK ? 1 : threads);
+    return atomic_load(&failed) ? -1 : 0;
 }
 
 static inline float to_bf16(float x) { /* round to nearest even, as torch's .to(bfloat16) (NaN kept NaN) */
@@ -1252,7 +1260,8 @@ static int product(const mw_weight *parts, int count, float *x, int64_t rows, fl
         ldy += parts[p].out;
     uint8_t *quantized[3] = {NULL, NULL, NULL}; /* x in each layout the parts need, quantized once */
     int failed = 0;
-    for (int p = 0, at = 0; p < count && !failed; at += (int)parts[p].out, p++) {
+    int64_t at = 0; /* where part p's outputs start in a row of y */
+    for (int p = 0; p < count && !failed; at += parts[p].out, p++) {
         const mw_weight *part = parts + p;
         if (q8 && is_block_kind(part->kind)) { /* the 8-bit products */
             const block_type *t = block_type_of(part->kind);
@@ -1263,7 +1272,8 @@ static int product(const mw_weight *parts, int count, float *x, int64_t rows, fl
                 failed = q_product(t, quantized[layout], rows, part->in, part->w, part->bias, y + at, ldy, part->out,
                                    threads, PATH_CHOSEN) != 0;
         } else
-            mw_linear(x, rows, part->in, part->w, part->kind, part->scale, part->bias, y + at, ldy, part->out, threads);
+            failed = mw_linear(x, rows, part->in, part->w, part->kind, part->scale, part->bias, y + at, ldy, part->out,
+                               threads) != 0;
     }
     for (int layout = 0; layout < 3; layout++)
         free(quantized[layout]);

@@ -72,7 +72,7 @@ class Kernels:
     def __init__(self, path: Path) -> None:
         library = ctypes.CDLL(str(path))
         self._linear = library.mw_linear
-        self._linear.restype = None
+        self._linear.restype = ctypes.c_int
         self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_int]
@@ -196,9 +196,10 @@ class Kernels:
         rows = rows.contiguous()
         out = torch.empty(rows.shape[0], out_features)
         if rows.shape[0]:
-            self._linear(rows.data_ptr(), rows.shape[0], rows.shape[1], data.data_ptr(), kind,
-                         None if scales is None else scales.data_ptr(), None if bias is None else bias.data_ptr(),
-                         out.data_ptr(), out_features, out_features, threads)
+            if self._linear(rows.data_ptr(), rows.shape[0], rows.shape[1], data.data_ptr(), kind,
+                            None if scales is None else scales.data_ptr(), None if bias is None else bias.data_ptr(),
+                            out.data_ptr(), out_features, out_features, threads):
+                raise MemoryError("no memory to widen a product's weights into")
         return out
 
     def set_direct_rows(self, type_id: int, rows: int) -> int:

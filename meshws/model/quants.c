@@ -280,17 +280,23 @@ typedef struct {
 
 static void bf16_bits(uint16_t *to, const float *from, int64_t count);
 
+#define WIDEN_PIECE (8 * QK) /* values of a bf16 row widened at a time, on the stack (no allocation to fail) */
+
 static void widen_units(const void *task, int64_t begin, int64_t end) { /* units: rows */
     const widen_job *j = task;
-    float *row = j->out_bf16 ? lined(sizeof(float) * j->cols) : NULL;
+    float piece[WIDEN_PIECE] __attribute__((aligned(64)));
     for (int64_t r = begin; r < end; r++) {
-        const int64_t source = j->ids ? j->ids[r] : r;
-        float *to = j->out_bf16 ? row : j->out + r * j->cols;
-        widen_values(j->type, j->w + source * j->row_bytes, 0, j->cols, to);
-        if (j->out_bf16)
-            bf16_bits(j->out_bf16 + r * j->cols, row, j->cols);
+        const uint8_t *row = j->w + (j->ids ? j->ids[r] : r) * j->row_bytes;
+        if (!j->out_bf16) {
+            widen_values(j->type, row, 0, j->cols, j->out + r * j->cols);
+            continue;
+        }
+        for (int64_t at = 0; at < j->cols; at += WIDEN_PIECE) { /* (QK is a multiple of every type's block) */
+            const int64_t n = j->cols - at < WIDEN_PIECE ? j->cols - at : WIDEN_PIECE;
+            widen_values(j->type, row, at, n, piece);
+            bf16_bits(j->out_bf16 + r * j->cols + at, piece, n);
+        }
     }
-    free(row);
 }
 
 /* Rows of a block tensor of `cols` values a row, as float32 (`out`) or bfloat16 (`out_bf16`): rows `ids[0..rows)`,

@@ -10,6 +10,7 @@ the thread count, or on the instruction set the library was built for.
 import os
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -54,7 +55,8 @@ def test_the_kernels_table_is_ggufs():
 @pytest.mark.parametrize("type_id", TYPES, ids=TYPES.values())
 @pytest.mark.parametrize("special", [False, True], ids=["random", "edge-scales"])
 def test_widening_is_gguf_dequantize_bit_for_bit(type_id, special):
-    columns = 512
+    # rows longer than the 2048 values bfloat16 widening takes at a time, and a last piece shorter than 256 values
+    columns = 2304 if GGML_QUANT_SIZES[GGMLQuantizationType(type_id)][0] == 256 else 2144
     raw = _blocks(type_id, 24, columns, seed=type_id, special=special)
     with np.errstate(all="ignore"):
         want = dequantize(raw, GGMLQuantizationType(type_id)).reshape(24, columns)
@@ -122,6 +124,32 @@ def test_what_the_kernels_are_handed_is_checked():
     q2_k = BlockTensor("blk.0.ffn_up.weight", 10, (4, 256), torch.zeros(4, 84, dtype=torch.uint8))
     with pytest.raises(ValueError, match="Q2_K; the kernels compute on F32, F16, BF16, Q4_0"):
         KERNELS.linear(torch.randn(1, 256), q2_k, None, None, 1)
+
+
+NO_MEMORY = r"""
+import resource, sys, torch
+from meshws.model import native
+from meshws.model.block_types import BlockTensor
+kernels, columns = native.kernels(), 1 << 26  # a float32 product widens 4 outputs at a time: 1 GiB for this width
+blocks = BlockTensor("w", 2, (4, columns), torch.zeros(4, columns // 32 * 18, dtype=torch.uint8))  # Q4_0
+rows = torch.ones(1, columns)
+status = open("/proc/self/status").read()
+mapped = int(status.split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (256 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+try:
+    kernels.linear(rows, blocks, None, None, 1)
+except MemoryError as exc:
+    print("MemoryError:", exc)
+"""
+
+
+def test_a_float32_product_with_no_memory_to_widen_into_raises_memory_error():
+    """With no memory for a tile of widened weights, a product on block weights read the blocks as float32 values
+    past their end; now the product fails (MemoryError: a shard undoes the step), in a process whose address space is
+    capped (run apart: a crash must not take pytest with it)."""
+    done = subprocess.run([sys.executable, "-c", NO_MEMORY], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "MemoryError: no memory to widen a product's weights into"
 
 
 HARNESS = r"""
