@@ -25,6 +25,8 @@ import numpy as np
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+MAX_NESTING = 4  # arrays of arrays deeper than this are refused (a file could nest them until Python's stack ends)
 # Metadata value types of fixed size: type id -> struct format.
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
@@ -78,6 +80,8 @@ def read_table(path: Path, arrays: Iterable[str] = ()) -> GgufTable:
         for _ in range(tensor_count):
             name, pos = _string(blob, pos)
             (dims,) = struct.unpack_from("<I", blob, pos)
+            if not 1 <= dims <= MAX_DIMS:
+                raise ValueError(f"{path}: tensor {name} has {dims} dimensions (1 to {MAX_DIMS} are read)")
             shape = tuple(reversed(struct.unpack_from(f"<{dims}Q", blob, pos + 4)))
             ggml_type, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * dims)
             pos += 4 + 8 * dims + 12
@@ -86,7 +90,9 @@ def read_table(path: Path, arrays: Iterable[str] = ()) -> GgufTable:
         raise ValueError(f"{path} is truncated in its header") from None
     finally:
         blob.close()
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"{path}: general.alignment must be a power of two, not {alignment!r}")
     data_start = (pos + alignment - 1) // alignment * alignment
     tensors = {}
     for name, shape, ggml_type, offset in entries:
@@ -94,6 +100,9 @@ def read_table(path: Path, arrays: Iterable[str] = ()) -> GgufTable:
             block_elements, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
         except (ValueError, KeyError):
             raise ValueError(f"{path}: tensor {name} has ggml type {ggml_type}, which gguf does not know") from None
+        if shape[-1] % block_elements:
+            raise ValueError(f"{path}: tensor {name}'s rows of {shape[-1]} values are not whole blocks of "
+                             f"{block_elements}")
         nbytes = prod(shape) // block_elements * block_bytes
         tensors[name] = GgufTensor(name, shape, ggml_type, data_start + offset, nbytes)
     end = max((t.offset + t.nbytes for t in tensors.values()), default=data_start)
@@ -102,6 +111,24 @@ def read_table(path: Path, arrays: Iterable[str] = ()) -> GgufTable:
     if "general.architecture" not in metadata:
         raise ValueError(f"{path} names no general.architecture")
     return GgufTable(Path(path), metadata, tensors)
+
+
+def geometry(table: GgufTable) -> tuple[int, int, int, int]:
+    """The architecture's layers, hidden size, attention heads and key-value heads, each checked to be a positive
+    integer (and the heads a multiple of the key-value heads): ValueError naming the key, not a ZeroDivisionError
+    later."""
+    arch, meta = table.architecture, table.metadata
+    heads = meta.get(f"{arch}.attention.head_count")
+    values = {key: meta.get(f"{arch}.{key}", default) for key, default in (
+        ("block_count", None), ("embedding_length", None), ("attention.head_count", None),
+        ("attention.head_count_kv", heads))}
+    for key, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{table.path.name}: {arch}.{key} must be a positive integer, not {value!r}")
+    layers, hidden, heads, kv_heads = values.values()
+    if heads % kv_heads:
+        raise ValueError(f"{table.path.name}: {heads} attention heads cannot share {kv_heads} key-value heads")
+    return layers, hidden, heads, kv_heads
 
 
 def dequantize(table: GgufTable, name: str) -> np.ndarray:
@@ -134,7 +161,7 @@ def _string(blob: Any, pos: int) -> tuple[str, int]:
     return blob[start : start + length].decode("utf-8", errors="replace"), start + length
 
 
-def _value(blob: Any, pos: int, value_type: int, whole: bool = False) -> tuple[Any, int]:
+def _value(blob: Any, pos: int, value_type: int, whole: bool = False, depth: int = 0) -> tuple[Any, int]:
     if value_type in SCALARS:
         fmt = SCALARS[value_type]
         return struct.unpack_from(fmt, blob, pos)[0], pos + struct.calcsize(fmt)
@@ -143,8 +170,12 @@ def _value(blob: Any, pos: int, value_type: int, whole: bool = False) -> tuple[A
     if value_type == ARRAY:
         element_type, count = struct.unpack_from("<IQ", blob, pos)
         pos += 12
+        if element_type == ARRAY and depth >= MAX_NESTING:
+            raise ValueError(f"GGUF metadata arrays nested deeper than {MAX_NESTING}")
         if element_type in SCALARS:
             width = struct.calcsize(SCALARS[element_type])
+            if pos + count * width > len(blob):
+                raise struct.error("an array runs past the end")
             if not whole:
                 return count, pos + count * width
             return list(struct.unpack_from(f"<{count}{SCALARS[element_type][1]}", blob, pos)), pos + count * width
@@ -153,7 +184,7 @@ def _value(blob: Any, pos: int, value_type: int, whole: bool = False) -> tuple[A
             if element_type == STRING and not whole:
                 pos += 8 + struct.unpack_from("<Q", blob, pos)[0]
                 continue
-            value, pos = _value(blob, pos, element_type, whole)
+            value, pos = _value(blob, pos, element_type, whole, depth + 1)
             values.append(value)
         return (values if whole else count), pos
     raise ValueError(f"unknown GGUF metadata value type {value_type}")

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .block_types import BlockTensor, block_size
-from .gguf_file import GgufTable, read_table
+from .gguf_file import GgufTable, geometry, read_table
 
 LEAN_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 LAYER = re.compile(r"^blk\.(\d+)\.")
@@ -168,12 +168,10 @@ def lean_architecture(model: GgufModel) -> Architecture | None:
     scaling_type = value("rope.scaling.type", "none")
     if scaling_type not in ("none", "linear") or value("attention.layer_norm_epsilon") is not None:
         return None  # (YaRN and other rope scalings, LayerNorm models: the transformers path)
-    hidden, heads = int(value("embedding_length")), int(value("attention.head_count"))
-    kv_heads = int(value("attention.head_count_kv", heads))
+    layers, hidden, heads, kv_heads = geometry(model.table)
     head_dim = int(value("attention.key_length", hidden // heads))
     if int(value("attention.value_length", head_dim)) != head_dim or not isinstance(value("feed_forward_length"), int):
         return None
-    layers = int(value("block_count"))
     tokens = model.table.tensors.get("token_embd.weight")
     vocab = int(value("vocab_size", 0)) or (int(tokens.shape[0]) if tokens is not None else 0)
     rope_freqs = None

@@ -12,6 +12,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy (argmax)
@@ -27,7 +30,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        """Argmax below GREEDY_BELOW, as vLLM (logits over a temperature of 1e-38 overflow to infinities, whose
+        softmax is NaN: sampling would fail where its limit is the greedy choice)."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def needs_history(self) -> bool:

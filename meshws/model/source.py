@@ -92,14 +92,13 @@ def model_shape(resolved: ResolvedModel) -> dict[str, int]:
     """The model's size: layers, hidden, heads, kv_heads, head_dim, intermediate and vocab (a GGUF's metadata, else
     its config.json), without loading it."""
     if resolved.gguf is not None:
-        from .gguf_file import read_table
+        from .gguf_file import geometry, read_table
 
         table = read_table(resolved.gguf)
         meta, arch = table.metadata, table.architecture
-        hidden, heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
+        layers, hidden, heads, kv_heads = geometry(table)
         tokens = table.tensors.get("token_embd.weight")
-        return {"layers": int(meta[f"{arch}.block_count"]), "hidden": hidden, "heads": heads,
-                "kv_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        return {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
                 "head_dim": int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
                 "intermediate": int(meta.get(f"{arch}.feed_forward_length", 4 * hidden)),
                 "vocab": int(meta.get(f"{arch}.vocab_size") or (tokens.shape[0] if tokens else 0))}

@@ -3,12 +3,23 @@
 import pytest
 import torch
 
-from meshws.model.sampling import SamplingParams, greedy_choice, sample_token
+from meshws.model.sampling import SamplingParams, greedy_choice, sample_token, token_logprobs
 
 
 def test_greedy_is_argmax():
     logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
     assert sample_token(logits, SamplingParams(), position=0) == 1
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-20, 9e-6])
+def test_a_temperature_too_small_to_divide_by_decodes_greedily(temperature):
+    """Logits over 1e-38 overflow to infinities and their softmax is NaN: below 1e-5 the choice is argmax's (as
+    vLLM's), where sampling used to raise; the log-probabilities reported are the model's own (temperature 1)."""
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    params = SamplingParams(temperature=temperature, seed=3)
+    assert [sample_token(logits, params, position=p) for p in range(5)] == [1] * 5
+    (logprob, _), = token_logprobs(logits.unsqueeze(0), params, [1])
+    assert logprob == pytest.approx(float(torch.log_softmax(logits, -1)[1]))
 
 
 def test_seeded_sampling_is_reproducible_per_position():
