@@ -26,6 +26,7 @@ MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+HEAD_COUNTS = (".attention.head_count", ".attention.head_count_kv")
 MAX_NESTING = 4  # arrays of arrays deeper than this are refused (a file could nest them until Python's stack ends)
 # Metadata value types of fixed size: type id -> struct format.
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -75,13 +76,14 @@ def read_table(path: Path, arrays: Iterable[str] = ()) -> GgufTable:
         for _ in range(metadata_count):
             key, pos = _string(blob, pos)
             (value_type,) = struct.unpack_from("<I", blob, pos)
-            metadata[key], pos = _value(blob, pos + 4, value_type, key in wanted)
+            whole = key in wanted or key.endswith(HEAD_COUNTS)  # (hybrid models give these per layer: a list)
+            metadata[key], pos = _value(blob, pos + 4, value_type, whole)
         entries = []
         for _ in range(tensor_count):
             name, pos = _string(blob, pos)
             (dims,) = struct.unpack_from("<I", blob, pos)
-            if not 1 <= dims <= MAX_DIMS:
-                raise ValueError(f"{path}: tensor {name} has {dims} dimensions (1 to {MAX_DIMS} are read)")
+            if dims > MAX_DIMS:  # (0: a scalar, as ggml reads it)
+                raise ValueError(f"{path}: tensor {name} has {dims} dimensions (at most {MAX_DIMS} are read)")
             shape = tuple(reversed(struct.unpack_from(f"<{dims}Q", blob, pos + 4)))
             ggml_type, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * dims)
             pos += 4 + 8 * dims + 12
@@ -100,9 +102,9 @@ def read_table(path: Path, arrays: Iterable[str] = ()) -> GgufTable:
             block_elements, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
         except (ValueError, KeyError):
             raise ValueError(f"{path}: tensor {name} has ggml type {ggml_type}, which gguf does not know") from None
-        if shape[-1] % block_elements:
-            raise ValueError(f"{path}: tensor {name}'s rows of {shape[-1]} values are not whole blocks of "
-                             f"{block_elements}")
+        row = shape[-1] if shape else 1
+        if row % block_elements:
+            raise ValueError(f"{path}: tensor {name}'s rows of {row} values are not whole blocks of {block_elements}")
         nbytes = prod(shape) // block_elements * block_bytes
         tensors[name] = GgufTensor(name, shape, ggml_type, data_start + offset, nbytes)
     end = max((t.offset + t.nbytes for t in tensors.values()), default=data_start)
@@ -119,10 +121,14 @@ def geometry(table: GgufTable) -> tuple[int, int, int, int]:
     later."""
     arch, meta = table.architecture, table.metadata
     heads = meta.get(f"{arch}.attention.head_count")
+    if isinstance(heads, list):  # one count per layer (hybrid models): the largest
+        heads = max(heads, default=None)
     values = {key: meta.get(f"{arch}.{key}", default) for key, default in (
         ("block_count", None), ("embedding_length", None), ("attention.head_count", None),
         ("attention.head_count_kv", heads))}
     for key, value in values.items():
+        if isinstance(value, list):  # per layer: the largest (a layer without attention has 0)
+            value = values[key] = max(value, default=None)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{table.path.name}: {arch}.{key} must be a positive integer, not {value!r}")
     layers, hidden, heads, kv_heads = values.values()

@@ -414,7 +414,7 @@ static void panel_rows(const void *task, int64_t begin, int64_t end) {
     const int64_t in = j->in, o_end = end * PANEL < j->out ? end * PANEL : j->out, whole = in / LANES * LANES;
     float *scratch = j->kind == KIND_F32 ? NULL : malloc(sizeof(float) * PANEL * in);
     int64_t o = begin * PANEL;
-    if (j->kind != KIND_F32 && !scratch) { /* no memory to widen weights into: `run` widens them in registers */
+    if (j->kind != KIND_F32 && !scratch) { /* no memory for a panel: `run` (a smaller scratch, or it fails) */
         job_t all = *j;
         all.o_begin = o;
         all.o_end = o_end;

@@ -15,7 +15,7 @@ def test_greedy_is_argmax():
 def test_a_temperature_too_small_to_divide_by_decodes_greedily(temperature):
     """Logits over 1e-38 overflow to infinities and their softmax is NaN: below 1e-5 the choice is argmax's (as
     vLLM's), where sampling used to raise; the log-probabilities reported are the model's own (temperature 1)."""
-    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    logits = torch.tensor([0.1, 30.0, 29.0, -1.0])  # (30 / 1e-38 overflows float32)
     params = SamplingParams(temperature=temperature, seed=3)
     assert [sample_token(logits, params, position=p) for p in range(5)] == [1] * 5
     (logprob, _), = token_logprobs(logits.unsqueeze(0), params, [1])

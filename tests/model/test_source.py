@@ -78,7 +78,7 @@ def _nested(depth):  # an array of arrays ... of one uint32
     ([("general.alignment", 4, _u32(0))], [], "general.alignment must be a power of two, not 0"),
     ([("general.alignment", 4, _u32(48))], [], "general.alignment must be a power of two, not 48"),
     ([], [("w", [32] * 9, 0)], "tensor w has 9 dimensions"),
-    ([], [("w", [], 0)], "tensor w has 0 dimensions"),
+    ([], [("w", [], 2)], "rows of 1 values are not whole blocks of 32"),
     ([], [("w", [33, 2], 2)], "rows of 33 values are not whole blocks of 32"),
     ([("deep", 9, _nested(2000)[12:])], [], "nested deeper than 4"),
     ([("many", 9, __import__("struct").pack("<IQ", 4, 1 << 60))], [], "truncated in its header"),
@@ -100,9 +100,27 @@ def test_a_malformed_gguf_header_is_a_value_error_naming_its_fault(tmp_path, met
     ([("llama.block_count", 4, _u32(2)), ("llama.embedding_length", 4, _u32(64)),
       ("llama.attention.head_count", 4, _u32(4)), ("llama.attention.head_count_kv", 4, _u32(3))],
      "4 attention heads cannot share 3 key-value heads"),
+    ([("llama.block_count", 4, _u32(3)), ("llama.embedding_length", 4, _u32(64)),
+      ("llama.attention.head_count", 4, _u32(8)),
+      ("llama.attention.head_count_kv", 9, __import__("struct").pack("<IQ", 4, 3) + _u32(2) + _u32(0) + _u32(3))],
+     "8 attention heads cannot share 3 key-value heads"),
 ])
 def test_a_gguf_geometry_that_cannot_be_is_a_value_error(tmp_path, metadata, needle):
+    """(Per-layer head counts, as hybrid models give them, count as their largest: 3 here, not the list's length.)"""
     from meshws.model.gguf_file import geometry, read_table
 
     with pytest.raises(ValueError, match=needle):
         geometry(read_table(_gguf(tmp_path / "bad.gguf", metadata)))
+
+
+def test_per_layer_head_counts_count_as_their_largest(tmp_path):
+    """Hybrid models (jamba, granitehybrid...) give a head count per layer, 0 for a layer without attention."""
+    import struct
+
+    from meshws.model.gguf_file import geometry, read_table
+
+    per_layer = struct.pack("<IQ", 4, 3) + _u32(2) + _u32(0) + _u32(2)
+    path = _gguf(tmp_path / "hybrid.gguf", [("llama.block_count", 4, _u32(3)), ("llama.embedding_length", 4, _u32(64)),
+                                            ("llama.attention.head_count", 4, _u32(8)),
+                                            ("llama.attention.head_count_kv", 9, per_layer)])
+    assert geometry(read_table(path)) == (3, 64, 8, 2)
