@@ -120,9 +120,7 @@ def geometry(table: GgufTable) -> tuple[int, int, int, int]:
     integer (and the heads a multiple of the key-value heads): ValueError naming the key, not a ZeroDivisionError
     later."""
     arch, meta = table.architecture, table.metadata
-    heads = meta.get(f"{arch}.attention.head_count")
-    if isinstance(heads, list):  # one count per layer (hybrid models): the largest
-        heads = max(heads, default=None)
+    heads = meta.get(f"{arch}.attention.head_count")  # (the key-value heads' default; a list is reduced below)
     values = {key: meta.get(f"{arch}.{key}", default) for key, default in (
         ("block_count", None), ("embedding_length", None), ("attention.head_count", None),
         ("attention.head_count_kv", heads))}
