@@ -124,8 +124,8 @@ static inline __attribute__((always_inline)) void q4_K_unit2(int64_t k, int pari
    b' = -32 a (the codes' offset). */
 static inline __m256i six_bits(__m256i l, int l_shift, __m256i h, int h_shift) {
     const __m256i low = _mm256_and_si256(_mm256_srli_epi16(l, l_shift), _mm256_set1_epi8(15));
-    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(h, h_shift), _mm256_set1_epi8(3));
-    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+    const __m256i at_4 = h_shift < 4 ? _mm256_slli_epi16(h, 4 - h_shift) : _mm256_srli_epi16(h, h_shift - 4);
+    return _mm256_or_si256(low, _mm256_and_si256(at_4, _mm256_set1_epi8(0x30))); /* the 2 high bits, in bits 4-5 */
 }
 
 static inline void transposed(__m256i g0, __m256i g1, __m256i g2, __m256i g3, __m256i codes[4][2], int half) {
