@@ -58,12 +58,17 @@ static inline float hsum16_lanes(v16 v) { /* `hsum`'s tree: lanes l and l + 8, t
 
 static inline v16 v16_plus(v16 a, v16 b) { return (v16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 
-/* Eight floats of `a` (a scale per 16 values) picked for a ROW256 unit's lanes: lane l takes a[2 SUB_ORDER[l / 2]
-   + pair] (groups 0, 4, 8, 12 for lanes 0-7 and 2, 6, 10, 14 for 8-15, plus `pair`). */
-static inline v16 spread_groups(const float *a, int pair) {
-    const float *p = a + pair;
-    return (v16){_mm256_setr_ps(p[0], p[0], p[4], p[4], p[8], p[8], p[12], p[12]),
-                 _mm256_setr_ps(p[2], p[2], p[6], p[6], p[10], p[10], p[14], p[14])};
+/* A ROW256 unit's lane scales from its 16 scales (group g's a) held as lo = g0 g2 g1 g3 | g8 g10 g9 g11 and
+   hi = g4 g6 g5 g7 | g12 g14 g13 g15: lane l takes group 2 SUB_ORDER[l / 2] + pair (a01: groups 0 0 4 4 8 8 12 12 |
+   2 2 6 6 10 10 14 14; a23: those + 1), each picked within its 128-bit half (lane-crossing picks cost more). */
+static inline void spread_groups(__m256 lo, __m256 hi, v16 *a01, v16 *a23) {
+    *a01 = (v16){_mm256_shuffle_ps(lo, hi, 0x00), _mm256_shuffle_ps(lo, hi, 0x55)};
+    *a23 = (v16){_mm256_shuffle_ps(lo, hi, 0xaa), _mm256_shuffle_ps(lo, hi, 0xff)};
+}
+
+/* Groups 0-7 (`half` 0) or 8-15 (1) in order, from `spread_groups`'s lo and hi, and back: the same swap. */
+static inline __m256 groups_in_order(__m256 lo, __m256 hi, int half) {
+    return _mm256_permute_ps(_mm256_permute2f128_ps(lo, hi, half ? 0x31 : 0x20), 0xd8);
 }
 
 static inline __attribute__((always_inline)) void unpacked_unit2(int64_t k, int parity, const unpacked_row *u,
@@ -74,7 +79,30 @@ static inline __attribute__((always_inline)) void unpacked_unit2(int64_t k, int 
     for (int c = 0; c < 4; c++)
         for (int h = 0; h < 2; h++)
             codes[c][h] = _mm256_load_si256((const __m256i *)(u->codes + k + 64 * c + 32 * h));
-    spread_rows2(codes, spread_groups(a, 0), spread_groups(a, 1), b, x, nr, k, parity, acc);
+    const __m256 first = _mm256_loadu_ps(a), second = _mm256_loadu_ps(a + 8);
+    v16 a01, a23;
+    spread_groups(groups_in_order(first, second, 0), groups_in_order(first, second, 1), &a01, &a23);
+    spread_rows2(codes, a01, a23, b, x, nr, k, parity, acc);
+}
+
+/* A Q4_K or Q5_K block's a = d * scale (the first 8 of `order`'s bytes) and b' = -(dmin * min) (the last 8), each
+   as `order` picks them from scales s0 .. s7, mins m0 .. m7 (bytes 0-7, 8-15): the 6-bit scales and mins of the 12
+   bytes after d and dmin, as `scales_and_mins` unpacks them, then one byte shuffle. */
+static inline __attribute__((always_inline)) void k_scales2(const uint8_t *w, __m128i order, __m256 *scales,
+                                                            __m256 *mins) {
+    const __m128i take_low = _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m128i take_high = _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11);
+    const __m128i low_shift = _mm_setr_epi32(0, 0, 0, 4), top_two = _mm_set1_epi8((char)0xc0);
+    const __m128i low_mask = _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f);
+    const __m128i head = _mm_loadu_si128((const __m128i *)w); /* d, dmin, then the 12 bytes of scales */
+    const __m128i six = _mm_or_si128(_mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi8(head, take_low), low_shift),
+                                                   low_mask),
+                                     _mm_srli_epi32(_mm_and_si128(_mm_shuffle_epi8(head, take_high), top_two), 2));
+    const __m128 d = _mm_cvtph_ps(head); /* d, dmin */
+    const __m128i picked = _mm_shuffle_epi8(six, order);
+    *scales = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(picked)), _mm256_broadcastss_ps(d));
+    *mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(picked, 8))),
+                          _mm256_broadcastss_ps(_mm_xor_ps(_mm_shuffle_ps(d, d, 1), _mm_set1_ps(-0.0f))));
 }
 
 /* Q4_K in ROW256_Q4K's order: chunk 0's halves are the low nibbles of bytes 0-15 and the high of 16-31 (groups 0,
@@ -83,27 +111,15 @@ static inline __attribute__((always_inline)) void unpacked_unit2(int64_t k, int 
    a = d * scale, b' = -(dmin * min) of group l's sub-block. */
 static inline __attribute__((always_inline)) void q4_K_unit2(int64_t k, int parity, const uint8_t *row, const q_row *x,
                                                              int nr, v16 *acc) {
-    const __m128i take_low = _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m128i take_high = _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11);
-    const __m128i low_shift = _mm_setr_epi32(0, 0, 0, 4), top_two = _mm_set1_epi8((char)0xc0);
-    const __m128i low_mask = _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f);
     const __m256i fifteen = _mm256_set1_epi8(15);
     const uint8_t *w = row + k / QK * 144;
     for (int line = 0; line < 144; line += 64)
         __builtin_prefetch(w + PREFETCH + line, 0, 2);
-    const __m128i head = _mm_loadu_si128((const __m128i *)w); /* d, dmin, then the 12 bytes of scales */
-    const __m128i six = _mm_or_si128(_mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi8(head, take_low), low_shift),
-                                                   low_mask),
-                                     _mm_srli_epi32(_mm_and_si128(_mm_shuffle_epi8(head, take_high), top_two), 2));
-    const __m128 d = _mm_cvtph_ps(head); /* d, dmin */
     /* The scales as s0 s2 s4 s6 | s1 s3 s5 s7 and the mins as m0 m1 m4 m5 | m2 m3 m6 m7, so that each lane's scale
        is picked within its 128-bit half (the six lane-crossing vpermps this replaced took a sixth of a lone row's
        time on a Zen 3) */
-    const __m128i order = _mm_shuffle_epi8(six, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 12, 13, 10, 11, 14, 15));
-    const __m256 scales = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(order)),
-                                        _mm256_broadcastss_ps(d));
-    const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(order, 8))),
-                                      _mm256_broadcastss_ps(_mm_xor_ps(_mm_shuffle_ps(d, d, 1), _mm_set1_ps(-0.0f))));
+    __m256 scales, mins;
+    k_scales2(w, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 12, 13, 10, 11, 14, 15), &scales, &mins);
     const v16 a01 = {_mm256_permute_ps(scales, 0x00), _mm256_permute_ps(scales, 0x55)};
     const v16 a23 = {_mm256_permute_ps(scales, 0xaa), _mm256_permute_ps(scales, 0xff)};
     const v16 b = {_mm256_unpacklo_ps(mins, mins), _mm256_unpackhi_ps(mins, mins)};
@@ -122,10 +138,12 @@ static inline __attribute__((always_inline)) void q4_K_unit2(int64_t k, int pari
    qh + 32 (s / 4) + 8c (shifted by 2 (s % 4)). So one 32-byte load of ql or qh holds every chunk's 8 bytes of a
    group (8c for c = 0 .. 3); each group's codes are made for all chunks at once, then transposed. a = d * scale,
    b' = -32 a (the codes' offset). */
-static inline __m256i six_bits(__m256i l, int l_shift, __m256i h, int h_shift) {
+/* Codes below 16 << high bits: the nibbles of l (shifted down by l_shift), plus h's bits from bit h_from up, moved to
+   bit 4 and kept by `high` (0x30: Q6_K's two, 0x10: Q5_K's one); one shift and one AND each, byte by byte. */
+static inline __m256i code_bits(__m256i l, int l_shift, __m256i h, int h_from, char high) {
     const __m256i low = _mm256_and_si256(_mm256_srli_epi16(l, l_shift), _mm256_set1_epi8(15));
-    const __m256i at_4 = h_shift < 4 ? _mm256_slli_epi16(h, 4 - h_shift) : _mm256_srli_epi16(h, h_shift - 4);
-    return _mm256_or_si256(low, _mm256_and_si256(at_4, _mm256_set1_epi8(0x30))); /* the 2 high bits, in bits 4-5 */
+    const __m256i at_4 = h_from < 4 ? _mm256_slli_epi16(h, 4 - h_from) : _mm256_srli_epi16(h, h_from - 4);
+    return _mm256_or_si256(low, _mm256_and_si256(at_4, _mm256_set1_epi8(high)));
 }
 
 static inline void transposed(__m256i g0, __m256i g1, __m256i g2, __m256i g3, __m256i codes[4][2], int half) {
@@ -145,32 +163,54 @@ static inline __attribute__((always_inline)) void q6_K_unit2(int64_t k, int pari
         __builtin_prefetch(w + PREFETCH + line, 0, 2);
     const __m128i scale_bytes = _mm_loadu_si128((const __m128i *)(w + 192));
     const __m256 d = _mm256_set1_ps(half_fast(w + 208));
-    /* the 16 scales (a per 16-value group g) as lo = g0 g2 g1 g3 | g8 g10 g9 g11 and hi = g4 g6 g5 g7 | g12 g14 g13
-       g15, so that each lane's scale is picked within its 128-bit half: a01 takes groups 0 0 4 4 8 8 12 12 |
-       2 2 6 6 10 10 14 14, a23 those + 1, b' all 16 in order */
+    /* the 16 scales in `spread_groups`'s order: one byte shuffle */
     const __m128i order = _mm_shuffle_epi8(scale_bytes,
                                            _mm_setr_epi8(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15));
     const __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(order)), d);
     const __m256 hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(order, 8))), d);
-    const v16 a01 = {_mm256_shuffle_ps(lo, hi, 0x00), _mm256_shuffle_ps(lo, hi, 0x55)};
-    const v16 a23 = {_mm256_shuffle_ps(lo, hi, 0xaa), _mm256_shuffle_ps(lo, hi, 0xff)};
+    v16 a01, a23;
+    spread_groups(lo, hi, &a01, &a23);
     const __m256 minus_32 = _mm256_set1_ps(-32.0f); /* -(32 a), as -(32 * a): the same float32 */
-    const v16 b = {_mm256_mul_ps(_mm256_permute_ps(_mm256_permute2f128_ps(lo, hi, 0x20), 0xd8), minus_32),
-                   _mm256_mul_ps(_mm256_permute_ps(_mm256_permute2f128_ps(lo, hi, 0x31), 0xd8), minus_32)};
+    const v16 b = {_mm256_mul_ps(groups_in_order(lo, hi, 0), minus_32), _mm256_mul_ps(groups_in_order(lo, hi, 1),
+                                                                                       minus_32)};
     const __m256i *at = (const __m256i *)w; /* ql: 4 x 32 bytes, then qh: 2 x 32 */
     const __m256i ql0 = _mm256_loadu_si256(at), ql1 = _mm256_loadu_si256(at + 1), ql2 = _mm256_loadu_si256(at + 2);
     const __m256i ql3 = _mm256_loadu_si256(at + 3), qh0 = _mm256_loadu_si256(at + 4), qh1 = _mm256_loadu_si256(at + 5);
     __m256i codes[4][2];
     /* lanes 0-7: sub-blocks 0, 2, 4, 6; lanes 8-15: 1, 3, 5, 7 */
-    transposed(six_bits(ql0, 0, qh0, 0), six_bits(ql0, 4, qh0, 4), six_bits(ql2, 0, qh1, 0), six_bits(ql2, 4, qh1, 4),
-               codes, 0);
-    transposed(six_bits(ql1, 0, qh0, 2), six_bits(ql1, 4, qh0, 6), six_bits(ql3, 0, qh1, 2), six_bits(ql3, 4, qh1, 6),
-               codes, 1);
+    transposed(code_bits(ql0, 0, qh0, 0, 0x30), code_bits(ql0, 4, qh0, 4, 0x30),
+               code_bits(ql2, 0, qh1, 0, 0x30), code_bits(ql2, 4, qh1, 4, 0x30), codes, 0);
+    transposed(code_bits(ql1, 0, qh0, 2, 0x30), code_bits(ql1, 4, qh0, 6, 0x30),
+               code_bits(ql3, 0, qh1, 2, 0x30), code_bits(ql3, 4, qh1, 6, 0x30), codes, 1);
     spread_rows2(codes, a01, a23, b, x, nr, k, parity, acc);
 }
 
+/* Q5_K in ROW256's order (as Q6_K): sub-block 2j's values 8c .. 8c + 7 are the low nibbles of qs[32j + 8c ..], 2j + 1's
+   the high ones, each with bit 4 from bit s of qh[8c ..] (sub-block s); so one 32-byte load of qs holds every
+   chunk's group of two sub-blocks, and one of qh their fifth bits. a = d * scale and b' = -(dmin * min) as Q4_K's,
+   picked as g0 g2 g1 g3 | g4 g6 g5 g7 (a lane's sub-block is the same in chunks 0-1 and 2-3). */
+static inline __attribute__((always_inline)) void q5_K_unit2(int64_t k, int parity, const uint8_t *row, const q_row *x,
+                                                             int nr, v16 *acc) {
+    const uint8_t *w = row + k / QK * 176;
+    for (int line = 0; line < 176; line += 64)
+        __builtin_prefetch(w + PREFETCH + line, 0, 2);
+    __m256 scales, mins;
+    k_scales2(w, _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 9, 12, 13, 10, 11, 14, 15), &scales, &mins);
+    const v16 a = {_mm256_unpacklo_ps(scales, scales), _mm256_unpackhi_ps(scales, scales)};
+    const v16 b = {_mm256_unpacklo_ps(mins, mins), _mm256_unpackhi_ps(mins, mins)};
+    const __m256i *qh = (const __m256i *)(w + 16), *qs = qh + 1; /* qh: 32 bytes, then qs: 4 x 32 */
+    __m256i codes[4][2];
+    for (int half = 0; half < 2; half++) { /* sub-blocks 2j + half */
+        __m256i g[4];
+        for (int j = 0; j < 4; j++)
+            g[j] = code_bits(_mm256_loadu_si256(qs + j), 4 * half, _mm256_loadu_si256(qh), 2 * j + half, 0x10);
+        transposed(g[0], g[1], g[2], g[3], codes, half);
+    }
+    spread_rows2(codes, a, a, b, x, nr, k, parity, acc);
+}
+
 #define FUSED_DOTS 1
-static int has_fused_dots(int type) { return type == 12 || type == 14; }
+static int has_fused_dots(int type) { return type >= 12 && type <= 14; }
 
 static inline __attribute__((always_inline)) void dots_of(int type, const uint8_t *w, const unpacked_row *u, int64_t in,
                                                           const q_row *x, int width, int nr, int64_t padded,
@@ -180,6 +220,7 @@ static inline __attribute__((always_inline)) void dots_of(int type, const uint8_
         acc[r] = v16_zero();
     switch (type) {
     case 12: UNITS_IN_PAIRS(q4_K_unit2, in, w, x, width, acc) break;
+    case 13: UNITS_IN_PAIRS(q5_K_unit2, in, w, x, width, acc) break;
     case 14: UNITS_IN_PAIRS(q6_K_unit2, in, w, x, width, acc) break;
     default: UNITS_IN_PAIRS(unpacked_unit2, padded, u, x, width, acc) break;
     }
@@ -195,6 +236,8 @@ static void q_dots_lone(int type, const uint8_t *w, int64_t row_bytes, int64_t i
         v16 acc[2] = {v16_zero(), v16_zero()};
         if (type == 12)
             UNITS_IN_PAIRS(q4_K_unit2, in, w + o * row_bytes, &x, 1, acc)
+        else if (type == 13)
+            UNITS_IN_PAIRS(q5_K_unit2, in, w + o * row_bytes, &x, 1, acc)
         else
             UNITS_IN_PAIRS(q6_K_unit2, in, w + o * row_bytes, &x, 1, acc)
         sums[o] = hsum16_lanes(v16_plus(acc[0], acc[1]));
