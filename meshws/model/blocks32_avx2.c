@@ -12,6 +12,9 @@
    run (its accumulator spills to L1 past a few rows, which costs less than decoding the codes again). Groups of up to
    4 rows before: SmolLM2's Q4_1 1536x576, 16 rows, 2 threads 350 -> 272 us; 48 rows 962 -> 732 us. */
 #define V2_ROWS 16
+/* From how many rows the 4- and 5-bit types take tiles (`v2_tile_dot`): SmolLM2's Q4_1 1536x576 on a Zen 3, one thread,
+   3 rows level, 4 rows 142 -> 122 us, 16 rows (two threads) 300 -> 218 us, 48 rows 742 -> 508 us. */
+#define V2_TILE_ROWS 4
 
 /* A block's 32 codes in order (value j at byte j), unsigned (c + offset), or Q8_0's signed c. */
 static inline __m256i v2_codes(int type, const uint8_t *block) {
@@ -60,30 +63,73 @@ static inline __m256 v2_heads(const uint8_t *const *from, int64_t at) { /* eight
                                           *(const short *)(from[6] + at), *(const short *)(from[7] + at)));
 }
 
+/* Lane o: dword k of c[o] (an 8 x 8 transpose of 32-bit elements): each register holds four codes of every output. */
+static inline void v2_transposed(const __m256i *c, __m256i *t) {
+    __m256i a[8], b[8];
+    for (int i = 0; i < 4; i++) {
+        a[2 * i] = _mm256_unpacklo_epi32(c[2 * i], c[2 * i + 1]);     /* dwords 0, 1 | 4, 5 of c 2i, 2i + 1 */
+        a[2 * i + 1] = _mm256_unpackhi_epi32(c[2 * i], c[2 * i + 1]); /* 2, 3 | 6, 7 */
+    }
+    for (int i = 0; i < 2; i++)
+        for (int h = 0; h < 2; h++) { /* dwords 2h (| 4 + 2h) and 2h + 1 (| 5 + 2h) of outputs 4i .. 4i + 3 */
+            b[4 * i + 2 * h] = _mm256_unpacklo_epi64(a[4 * i + h], a[4 * i + 2 + h]);
+            b[4 * i + 2 * h + 1] = _mm256_unpackhi_epi64(a[4 * i + h], a[4 * i + 2 + h]);
+        }
+    for (int k = 0; k < 4; k++) {
+        t[k] = _mm256_permute2x128_si256(b[k], b[4 + k], 0x20);
+        t[4 + k] = _mm256_permute2x128_si256(b[k], b[4 + k], 0x31);
+    }
+}
+
+/* A row's exact integers for eight outputs from their codes one output to a lane (`v2_transposed`, 4- and 5-bit types,
+   not Q8_0): eight vpmaddubsw of the codes with four of the row's codes (q) broadcast, summed in 16 bits (4-bit
+   codes: 8 x 2 x 15 x 127 = 30480; 5-bit, in two halves: 4 x 2 x 31 x 127 = 31496), and one vpmaddwd, instead of
+   eight vpmaddwd and `v2_sum8`'s additions; the transpose costs a block 24 shuffles, once for all its rows. The same
+   integers, so the same bits. */
+static inline __m256i v2_tile_dot(int five, const __m256i *lanes, const int32_t *q) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i low = _mm256_maddubs_epi16(lanes[0], _mm256_set1_epi32(q[0]));
+    for (int k = 1; k < 4; k++)
+        low = _mm256_add_epi16(low, _mm256_maddubs_epi16(lanes[k], _mm256_set1_epi32(q[k])));
+    __m256i high = _mm256_maddubs_epi16(lanes[4], _mm256_set1_epi32(q[4]));
+    for (int k = 5; k < 8; k++)
+        high = _mm256_add_epi16(high, _mm256_maddubs_epi16(lanes[k], _mm256_set1_epi32(q[k])));
+    return five ? _mm256_add_epi32(_mm256_madd_epi16(low, ones), _mm256_madd_epi16(high, ones))
+                : _mm256_madd_epi16(_mm256_add_epi16(low, high), ones);
+}
+
 /* Eight outputs (rows `from`) times nr quantized rows (ROW32, `x`): acc[r], lane o. With `ahead` (the next unit's
    eight rows, which lie together), each block step asks for that unit's next eight blocks' bytes in order: read as
    eight short streams of a few KB, the rows outran the hardware's prefetcher (Q8_0 2048x2048 from memory, one row, 2
-   threads: 23 -> 29 GB/s; 8192x2048 23 -> 31). */
+   threads: 23 -> 29 GB/s; 8192x2048 23 -> 31). With `tiles`, each block's codes are turned one output to a lane
+   (`v2_tile_dot`). */
 static inline __attribute__((always_inline)) void v2_rows(const block_type *t, const uint8_t *const *from,
                                                           int64_t blocks, const q_row *x, int nr, __m256 *acc,
-                                                          const uint8_t *ahead) {
-    const int type = t->type, bytes = t->bytes;
+                                                          const uint8_t *ahead, int tiles) {
+    const int type = t->type, bytes = t->bytes, five = type == 6 || type == 7;
     for (int r = 0; r < nr; r++)
         acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t at = b * bytes;
         for (int line = 0; ahead && line < 8 * bytes; line += 64)
             _mm_prefetch((const char *)ahead + 8 * at + line, _MM_HINT_T0);
-        __m256i codes[8];
+        __m256i codes[8], lanes[8];
         for (int o = 0; o < 8; o++)
             codes[o] = v2_codes(type, from[o] + at);
+        if (tiles)
+            v2_transposed(codes, lanes);
         const __m256 d = v2_heads(from, at), m = type == 3 || type == 7 ? v2_heads(from, at + 2) : _mm256_setzero_ps();
         for (int r = 0; r < nr; r++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(x[r].q + 32 * b));
-            __m256i parts[8];
-            for (int o = 0; o < 8; o++)
-                parts[o] = v2_dot(type, codes[o], q);
-            __m256i dot = v2_sum8(parts);
+            __m256i dot;
+            if (tiles) {
+                dot = v2_tile_dot(five, lanes, (const int32_t *)(x[r].q + 32 * b));
+            } else {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(x[r].q + 32 * b));
+                __m256i parts[8];
+                for (int o = 0; o < 8; o++)
+                    parts[o] = v2_dot(type, codes[o], q);
+                dot = v2_sum8(parts);
+            }
             if (type != 8)
                 dot = _mm256_add_epi32(dot, _mm256_set1_epi32(-t->offset * x[r].totals[b]));
             __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(x[r].scale[b])));
@@ -121,15 +167,21 @@ static void v2_units(const void *task, int64_t begin, int64_t end) {
                 x[r] = row_at(j->x + (r0 + r) * j->x_bytes, padded, ROW32);
             const int first = r0 == 0 && unit + 1 < end && o0 + 16 <= j->out; /* (the next unit is this thread's) */
             const uint8_t *ahead = first ? from[0] + 8 * j->row_bytes : NULL;
-            switch (nr) {
-            case 16: v2_rows(j->type, from, blocks, x, 16, acc, ahead); break;
-            case 12: v2_rows(j->type, from, blocks, x, 12, acc, ahead); break;
-            case 8: v2_rows(j->type, from, blocks, x, 8, acc, ahead); break;
-            case 6: v2_rows(j->type, from, blocks, x, 6, acc, ahead); break;
-            case 4: v2_rows(j->type, from, blocks, x, 4, acc, ahead); break;
-            case 3: v2_rows(j->type, from, blocks, x, 3, acc, ahead); break;
-            case 2: v2_rows(j->type, from, blocks, x, 2, acc, ahead); break;
-            default: v2_rows(j->type, from, blocks, x, 1, acc, ahead); break;
+            const int tiles = j->type->type != 8 && nr >= V2_TILE_ROWS;
+            switch (tiles ? -nr : nr) {
+            case -16: v2_rows(j->type, from, blocks, x, 16, acc, ahead, 1); break;
+            case -12: v2_rows(j->type, from, blocks, x, 12, acc, ahead, 1); break;
+            case -8: v2_rows(j->type, from, blocks, x, 8, acc, ahead, 1); break;
+            case -6: v2_rows(j->type, from, blocks, x, 6, acc, ahead, 1); break;
+            case -4: v2_rows(j->type, from, blocks, x, 4, acc, ahead, 1); break;
+            case 16: v2_rows(j->type, from, blocks, x, 16, acc, ahead, 0); break;
+            case 12: v2_rows(j->type, from, blocks, x, 12, acc, ahead, 0); break;
+            case 8: v2_rows(j->type, from, blocks, x, 8, acc, ahead, 0); break;
+            case 6: v2_rows(j->type, from, blocks, x, 6, acc, ahead, 0); break;
+            case 4: v2_rows(j->type, from, blocks, x, 4, acc, ahead, 0); break;
+            case 3: v2_rows(j->type, from, blocks, x, 3, acc, ahead, 0); break;
+            case 2: v2_rows(j->type, from, blocks, x, 2, acc, ahead, 0); break;
+            default: v2_rows(j->type, from, blocks, x, 1, acc, ahead, 0); break;
             }
             for (int r = 0; r < nr; r++) {
                 _mm256_storeu_ps(lanes, acc[r]);
