@@ -13,11 +13,13 @@ typedef struct {
     __m256 lo, hi; /* lanes 0-7, 8-15 */
 } v16;
 
+#ifndef KQUANTS_AVX2_LOOPS /* (an AVX-512 VNNI build has its own) */
 static inline float half_fast(const uint8_t *p) { /* (F16C; a NaN's payload may differ from half_to_float's) */
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
 }
+#endif
 
 static inline v16 v16_zero(void) { return (v16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 
@@ -209,18 +211,33 @@ static inline __attribute__((always_inline)) void q5_K_unit2(int64_t k, int pari
     spread_rows2(codes, a, a, b, x, nr, k, parity, acc);
 }
 
+/* Q5_K's sums for `width` rows (see `dots_of`); also an AVX-512 VNNI build's Q5_K loop, the same bits. */
+static inline __attribute__((always_inline)) void q5_K_dots2(const uint8_t *w, int64_t in, const q_row *x, int width,
+                                                             int nr, float *sums) {
+    v16 acc[2 * Q_ROWS];
+    for (int r = 0; r < 2 * width; r++)
+        acc[r] = v16_zero();
+    UNITS_IN_PAIRS(q5_K_unit2, in, w, x, width, acc)
+    for (int r = 0; r < nr && r < width; r++)
+        sums[r] = hsum16_lanes(v16_plus(acc[2 * r], acc[2 * r + 1]));
+}
+
+#ifndef KQUANTS_AVX2_LOOPS /* (this file's entry points, where it is the K-quants' loops) */
 #define FUSED_DOTS 1
 static int has_fused_dots(int type) { return type >= 12 && type <= 14; }
 
 static inline __attribute__((always_inline)) void dots_of(int type, const uint8_t *w, const unpacked_row *u, int64_t in,
                                                           const q_row *x, int width, int nr, int64_t padded,
                                                           float *sums) {
+    if (type == 13) {
+        q5_K_dots2(w, in, x, width, nr, sums);
+        return;
+    }
     v16 acc[2 * Q_ROWS];
     for (int r = 0; r < 2 * width; r++)
         acc[r] = v16_zero();
     switch (type) {
     case 12: UNITS_IN_PAIRS(q4_K_unit2, in, w, x, width, acc) break;
-    case 13: UNITS_IN_PAIRS(q5_K_unit2, in, w, x, width, acc) break;
     case 14: UNITS_IN_PAIRS(q6_K_unit2, in, w, x, width, acc) break;
     default: UNITS_IN_PAIRS(unpacked_unit2, padded, u, x, width, acc) break;
     }
@@ -236,10 +253,12 @@ static void q_dots_lone(int type, const uint8_t *w, int64_t row_bytes, int64_t i
         v16 acc[2] = {v16_zero(), v16_zero()};
         if (type == 12)
             UNITS_IN_PAIRS(q4_K_unit2, in, w + o * row_bytes, &x, 1, acc)
-        else if (type == 13)
-            UNITS_IN_PAIRS(q5_K_unit2, in, w + o * row_bytes, &x, 1, acc)
-        else
+        else if (type == 13) {
+            q5_K_dots2(w + o * row_bytes, in, &x, 1, 1, sums + o);
+            continue;
+        } else
             UNITS_IN_PAIRS(q6_K_unit2, in, w + o * row_bytes, &x, 1, acc)
         sums[o] = hsum16_lanes(v16_plus(acc[0], acc[1]));
     }
 }
+#endif

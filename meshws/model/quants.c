@@ -686,8 +686,11 @@ static inline __attribute__((always_inline)) void fused_q6_K(const uint8_t *row,
     UNITS_IN_PAIRS(q6_K_unit, in, row, x, nr, acc)
 }
 
+#define KQUANTS_AVX2_LOOPS 1 /* Q5_K: the AVX2 loop (no VNNI one yet), far faster than unpacking each row */
+#include "kquants_avx2.c"
+
 #define FUSED_DOTS 1
-static int has_fused_dots(int type) { return type == 12 || type == 14; }
+static int has_fused_dots(int type) { return type >= 12 && type <= 14; }
 
 /* sums[r] = row r . the weight row w (raw blocks, or `u` unpacked for a type without a fused loop), `width` rows (a
    constant once inlined: each width gets its own accumulators, in registers, rather than one array in memory that
@@ -695,6 +698,10 @@ static int has_fused_dots(int type) { return type == 12 || type == 14; }
 static inline __attribute__((always_inline)) void dots_of(int type, const uint8_t *w, const unpacked_row *u, int64_t in,
                                                           const q_row *x, int width, int nr, int64_t padded,
                                                           float *sums) {
+    if (type == 13) {
+        q5_K_dots2(w, in, x, width, nr, sums);
+        return;
+    }
     vec acc[2 * Q_ROWS];
     for (int r = 0; r < 2 * width; r++)
         acc[r] = vzero();
@@ -707,14 +714,19 @@ static inline __attribute__((always_inline)) void dots_of(int type, const uint8_
         sums[r] = hsum(vplus(acc[2 * r], acc[2 * r + 1]));
 }
 
-/* A lone row against LONE_OUTPUTS weight rows `row_bytes` apart (Q4_K, Q6_K), one after another: sums[o] = row . w_o,
-   each output's arithmetic that of `q_dots` (the same bits). Their `hsum`s come at the end, not between one output's
-   units and the next's, so the core runs on into the next row; the rows are read in order, one stream from memory
-   (interleaved unit by unit, four streams were much slower). */
+/* A lone row against LONE_OUTPUTS weight rows `row_bytes` apart (Q4_K, Q5_K, Q6_K), one after another: sums[o] =
+   row . w_o, each output's arithmetic that of `q_dots` (the same bits). Their `hsum`s come at the end, not between
+   one output's units and the next's, so the core runs on into the next row; the rows are read in order, one stream
+   from memory (interleaved unit by unit, four streams were much slower). */
 #define LONE_OUTPUTS 4
 static void q_dots_lone(int type, const uint8_t *w, int64_t row_bytes, int64_t in, const uint8_t *row, int64_t padded,
                         float *sums) {
     const q_row x = row_at(row, padded, ROW256);
+    if (type == 13) {
+        for (int o = 0; o < LONE_OUTPUTS; o++)
+            q5_K_dots2(w + o * row_bytes, in, &x, 1, 1, sums + o);
+        return;
+    }
     vec acc[2 * LONE_OUTPUTS];
     for (int o = 0; o < 2 * LONE_OUTPUTS; o++)
         acc[o] = vzero();
