@@ -1097,6 +1097,82 @@ static void exp_scores(float *s, int64_t count, float top) {
 #endif
 }
 
+#if LANES == 8 && !defined(GENERIC)
+#define GROUP_DIM 256 /* the widest head the grouped loops below take (their widened rows are on the stack) */
+#define GROUP_ROWS 16 /* cache rows of values widened at a time */
+#define GROUP_HEADS 64 /* the most query heads a key head may have here */
+
+/* scores[g][t] = scale * dot(q_g, key t) for a key head's `group` query heads (q_g = q + g dim): each key block widened
+   once for all of them (each head had widened every key itself), then eight keys at a time as `key_scores`, so
+   the same chains and sums. */
+static void group_scores(const float *q, int64_t group, const char *keys, int64_t count, int64_t dim, int kind,
+                         float scale, float *scores) {
+    const size_t stride = (size_t)dim * (kind == KIND_F32 ? 4 : 2);
+    float wide[8 * GROUP_DIM];
+    int64_t t = 0;
+    for (; t + 8 <= count; t += 8) {
+        const char *k = keys + (size_t)t * stride;
+        ahead(k + CACHE_AHEAD * stride, 8 * stride);
+        for (int j = 0; j < 8; j++)
+            for (int64_t d = 0; d < dim; d += LANES)
+                vstore(wide + j * dim + d, kind == KIND_F32 ? vload((const float *)(k + j * stride) + d)
+                                                            : widen_bf16((const uint16_t *)(k + j * stride) + d));
+        for (int64_t g = 0; g < group; g++) {
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++)
+                acc[j] = vzero();
+            for (int64_t d = 0; d < dim; d += LANES)
+                for (int j = 0; j < 8; j++)
+                    acc[j] = vfma(vload(q + g * dim + d), vload(wide + j * dim + d), acc[j]);
+            vstore(scores + g * count + t, vtimes(vset1(scale), hsum8(acc)));
+        }
+    }
+    for (; t < count; t++)
+        for (int64_t g = 0; g < group; g++)
+            scores[g * count + t] = scale * dot(q + g * dim, keys + (size_t)t * stride, kind, dim);
+}
+
+/* value[g][d] = sum_t scores[g][t] v_t[d] (as `weigh_values`: one multiply-add chain over t in order per value, from
+   0), GROUP_ROWS cache rows widened at a time for all the group's heads; the chains wait in `value` between. */
+static void group_values(float *value, const float *scores, int64_t group, const char *v, int64_t count, int64_t dim,
+                         int kind) {
+    const size_t stride = (size_t)dim * (kind == KIND_F32 ? 4 : 2);
+    float wide[GROUP_ROWS * GROUP_DIM];
+    for (int64_t i = 0; i < group * dim; i++)
+        value[i] = 0.0f;
+    for (int64_t t0 = 0; t0 < count; t0 += GROUP_ROWS) {
+        const int64_t n = count - t0 < GROUP_ROWS ? count - t0 : GROUP_ROWS;
+        const char *rows = v + (size_t)t0 * stride;
+        ahead(rows + GROUP_ROWS * stride, GROUP_ROWS * stride);
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t d = 0; d < dim; d += LANES)
+                vstore(wide + t * dim + d, kind == KIND_F32 ? vload((const float *)(rows + t * stride) + d)
+                                                            : widen_bf16((const uint16_t *)(rows + t * stride) + d));
+        for (int64_t g = 0; g < group; g++) {
+            const float *s = scores + g * count + t0;
+            float *into = value + g * dim;
+            int64_t d = 0;
+            for (; d + 4 * LANES <= dim; d += 4 * LANES) {
+                vec acc[4];
+                for (int i = 0; i < 4; i++)
+                    acc[i] = vload(into + d + i * LANES);
+                for (int64_t t = 0; t < n; t++)
+                    for (int i = 0; i < 4; i++)
+                        acc[i] = vfma(vset1(s[t]), vload(wide + t * dim + d + i * LANES), acc[i]);
+                for (int i = 0; i < 4; i++)
+                    vstore(into + d + i * LANES, acc[i]);
+            }
+            for (; d < dim; d += LANES) {
+                vec acc = vload(into + d);
+                for (int64_t t = 0; t < n; t++)
+                    acc = vfma(vset1(s[t]), vload(wide + t * dim + d), acc);
+                vstore(into + d, acc);
+            }
+        }
+    }
+}
+#endif
+
 static void attend_units(const void *task, int64_t begin, int64_t end) {
     const attend_t *a = task;
     const int64_t dim = a->dim, group = a->heads / a->kv_heads;
@@ -1104,7 +1180,7 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
     for (int64_t unit = begin; unit < end; unit++) { /* one row's one key head and its query heads */
         const int64_t row = unit / a->kv_heads, head = unit % a->kv_heads;
         const int64_t low = a->low[row], at = a->at[row], count = at - low + 1;
-        const size_t need = (size_t)(count * group + dim);
+        const size_t need = (size_t)(count * group + dim * group);
         float stack[STACK_SCORES], *scores = need <= STACK_SCORES ? stack : malloc(sizeof(float) * need);
         if (!scores) {
             atomic_store(a->failed, 1);
@@ -1113,6 +1189,31 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
         char *keys = (char *)a->keys[row] + (size_t)(head * a->capacity[row]) * dim * size;
         char *values = (char *)a->values[row] + (size_t)(head * a->capacity[row]) * dim * size;
         float *value = scores + count * group;
+#if LANES == 8 && !defined(GENERIC)
+        if (dim % LANES == 0 && dim <= GROUP_DIM && group <= GROUP_HEADS) { /* each key and value widened once */
+            const float *q = a->q + ((row * a->heads) + head * group) * dim;
+            group_scores(q, group, keys + (size_t)low * dim * size, count, dim, a->kind, a->scale, scores);
+            float totals[GROUP_HEADS];
+            for (int64_t g = 0; g < group; g++) {
+                float *s = scores + g * count, top = -INFINITY, total = 0.0f;
+                for (int64_t t = 0; t < count; t++)
+                    top = s[t] > top ? s[t] : top;
+                exp_scores(s, count, top);
+                for (int64_t t = 0; t < count; t++)
+                    total += s[t];
+                totals[g] = total;
+            }
+            group_values(value, scores, group, values + (size_t)low * dim * size, count, dim, a->kind);
+            for (int64_t g = 0; g < group; g++) {
+                float *out = a->out + ((row * a->heads) + head * group + g) * dim;
+                for (int64_t d = 0; d < dim; d++)
+                    out[d] = value[g * dim + d] / totals[g];
+            }
+            if (scores != stack)
+                free(scores);
+            continue;
+        }
+#endif
         for (int64_t g = 0; g < group; g++) {
             const float *q = a->q + ((row * a->heads) + head * group + g) * dim;
             float *s = scores + g * count, top = -INFINITY, total = 0.0f;
