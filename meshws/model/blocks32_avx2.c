@@ -86,8 +86,10 @@ static inline void v2_transposed(const __m256i *c, __m256i *t) {
    codes: 8 x 2 x 15 x 127 = 30480; 5-bit, in two halves: 4 x 2 x 31 x 127 = 31496), and one vpmaddwd, instead of
    eight vpmaddwd and `v2_sum8`'s additions; the transpose costs a block 24 shuffles, once for all its rows. The same
    integers, so the same bits. */
-static inline __m256i v2_tile_dot(int five, const __m256i *lanes, const int32_t *q) {
+static inline __m256i v2_tile_dot(int five, const __m256i *lanes, const int8_t *codes) {
     const __m256i ones = _mm256_set1_epi16(1);
+    typedef int32_t __attribute__((may_alias, aligned(1))) four_codes; /* (read through: no aliasing, any address) */
+    const four_codes *q = (const four_codes *)codes;
     __m256i low = _mm256_maddubs_epi16(lanes[0], _mm256_set1_epi32(q[0]));
     for (int k = 1; k < 4; k++)
         low = _mm256_add_epi16(low, _mm256_maddubs_epi16(lanes[k], _mm256_set1_epi32(q[k])));
@@ -122,7 +124,7 @@ static inline __attribute__((always_inline)) void v2_rows(const block_type *t, c
         for (int r = 0; r < nr; r++) {
             __m256i dot;
             if (tiles) {
-                dot = v2_tile_dot(five, lanes, (const int32_t *)(x[r].q + 32 * b));
+                dot = v2_tile_dot(five, lanes, x[r].q + 32 * b);
             } else {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(x[r].q + 32 * b));
                 __m256i parts[8];

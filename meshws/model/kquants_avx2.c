@@ -1,6 +1,6 @@
-/* The K-quants' 8-bit products on AVX2 (no AVX-512 VNNI): the same sums, in the same order, as the fused loops of
-   `quants.c` and its scalar `q_dots` (a row's result is the same bits on every instruction set and in any batch).
-   #included by quants.c.
+/* The K-quants' 8-bit products on AVX2 (and an AVX-512 VNNI build's Q5_K): the same sums, in the same order,
+   as the fused loops of `quants.c` and its scalar `q_dots` (a row's result is the same bits on every instruction
+   set and in any batch). #included by quants.c.
 
    A unit's 16 lanes of 4 values live in two 256-bit halves (lanes 0-7, 8-15). With no vpdpbusd, a lane's integer
    dots are vpmaddubsw (unsigned codes times signed activations, two products summed in 16 bits) and vpmaddwd by
@@ -135,11 +135,6 @@ static inline __attribute__((always_inline)) void q4_K_unit2(int64_t k, int pari
     spread_rows2(codes, a01, a23, b, x, nr, k, parity, acc);
 }
 
-/* Q6_K in ROW256's order: chunk c's 8-byte group i holds values 8c .. 8c + 7 of sub-block s = SUB_ORDER[i], whose
-   low nibbles are at ql + 64 (s / 4) + 32 (s % 2) + 8c (shifted by 4 for s % 4 >= 2) and high bits at
-   qh + 32 (s / 4) + 8c (shifted by 2 (s % 4)). So one 32-byte load of ql or qh holds every chunk's 8 bytes of a
-   group (8c for c = 0 .. 3); each group's codes are made for all chunks at once, then transposed. a = d * scale,
-   b' = -32 a (the codes' offset). */
 /* Codes below 16 << high bits: the nibbles of l (shifted down by l_shift), plus h's bits from bit h_from up, moved to
    bit 4 and kept by `high` (0x30: Q6_K's two, 0x10: Q5_K's one); one shift and one AND each, byte by byte. */
 static inline __m256i code_bits(__m256i l, int l_shift, __m256i h, int h_from, char high) {
@@ -148,6 +143,11 @@ static inline __m256i code_bits(__m256i l, int l_shift, __m256i h, int h_from, c
     return _mm256_or_si256(low, _mm256_and_si256(at_4, _mm256_set1_epi8(high)));
 }
 
+/* Q6_K in ROW256's order: chunk c's 8-byte group i holds values 8c .. 8c + 7 of sub-block s = SUB_ORDER[i], whose
+   low nibbles are at ql + 64 (s / 4) + 32 (s % 2) + 8c (shifted by 4 for s % 4 >= 2) and high bits at
+   qh + 32 (s / 4) + 8c (shifted by 2 (s % 4)). So one 32-byte load of ql or qh holds every chunk's 8 bytes of a
+   group (8c for c = 0 .. 3); each group's codes are made for all chunks at once, then transposed. a = d * scale,
+   b' = -32 a (the codes' offset). */
 static inline void transposed(__m256i g0, __m256i g1, __m256i g2, __m256i g3, __m256i codes[4][2], int half) {
     /* g_i's 64-bit element c is chunk c's group i: chunk c's half is (g0[c], g1[c], g2[c], g3[c]) */
     const __m256i t0 = _mm256_unpacklo_epi64(g0, g1), t1 = _mm256_unpackhi_epi64(g0, g1); /* c 0, 2; 1, 3 */
@@ -190,7 +190,8 @@ static inline __attribute__((always_inline)) void q6_K_unit2(int64_t k, int pari
 /* Q5_K in ROW256's order (as Q6_K): sub-block 2j's values 8c .. 8c + 7 are the low nibbles of qs[32j + 8c ..], 2j + 1's
    the high ones, each with bit 4 from bit s of qh[8c ..] (sub-block s); so one 32-byte load of qs holds every
    chunk's group of two sub-blocks, and one of qh their fifth bits. a = d * scale and b' = -(dmin * min) as Q4_K's,
-   picked as g0 g2 g1 g3 | g4 g6 g5 g7 (a lane's sub-block is the same in chunks 0-1 and 2-3). */
+   the sub-blocks' scales picked as s0 s2 s1 s3 | s4 s6 s5 s7 (a lane's sub-block is the same in chunks 0-1 and
+   2-3). */
 static inline __attribute__((always_inline)) void q5_K_unit2(int64_t k, int parity, const uint8_t *row, const q_row *x,
                                                              int nr, v16 *acc) {
     const uint8_t *w = row + k / QK * 176;
