@@ -993,28 +993,10 @@ static inline __m256 hsum8(const __m256 *a) {
 }
 #endif
 
-/* s[t] = scale * dot(q, key t) for the `count` cache rows from `keys`, each `dot`'s chain: with AVX2 eight keys at
-   a time, so that their chains overlap (one key's eight dependent multiply-adds and its lane sum had left a row's
-   attention bound by their latency: a fifth of a 16-session decode step on a Zen 3). */
+/* s[t] = scale * dot(q, key t) for the `count` cache rows from `keys`. */
 static void key_scores(const float *q, const char *keys, int64_t count, int64_t dim, int kind, float scale, float *s) {
     const size_t stride = (size_t)dim * (kind == KIND_F32 ? 4 : 2);
-    int64_t t = 0;
-#if LANES == 8 && !defined(GENERIC)
-    for (; dim % LANES == 0 && t + 8 <= count; t += 8) {
-        const char *k = keys + (size_t)t * stride;
-        ahead(k + CACHE_AHEAD * stride, 8 * stride);
-        __m256 acc[8];
-        for (int j = 0; j < 8; j++)
-            acc[j] = vzero();
-        for (int64_t d = 0; d < dim; d += LANES)
-            for (int j = 0; j < 8; j++)
-                acc[j] = vfma(vload(q + d), kind == KIND_F32 ? vload((const float *)(k + j * stride) + d)
-                                                             : widen_bf16((const uint16_t *)(k + j * stride) + d),
-                              acc[j]);
-        vstore(s + t, vtimes(vset1(scale), hsum8(acc)));
-    }
-#endif
-    for (; t < count; t++) {
+    for (int64_t t = 0; t < count; t++) {
         ahead(keys + (size_t)(t + CACHE_AHEAD) * stride, stride);
         s[t] = scale * dot(q, keys + (size_t)t * stride, kind, dim);
     }
@@ -1100,11 +1082,11 @@ static void exp_scores(float *s, int64_t count, float top) {
 #if LANES == 8 && !defined(GENERIC)
 #define GROUP_DIM 256 /* the widest head the grouped loops below take (their widened rows are on the stack) */
 #define GROUP_ROWS 16 /* cache rows of values widened at a time */
-#define GROUP_HEADS 64 /* the most query heads a key head may have here */
+#define GROUPED(call) call
 
-/* scores[g][t] = scale * dot(q_g, key t) for a key head's `group` query heads (q_g = q + g dim): each key block widened
-   once for all of them (each head had widened every key itself), then eight keys at a time as `key_scores`, so
-   the same chains and sums. */
+/* scores[g][t] = scale * dot(q_g, key t) for a key head's `group` query heads (q_g = q + g dim), `dot`'s chains and
+   sums: each block of eight keys widened once for all the heads, then scored eight at a time (their chains overlap;
+   one key's dependent multiply-adds and lane sum had bound attention by their latency), the lane sums by `hsum8`. */
 static void group_scores(const float *q, int64_t group, const char *keys, int64_t count, int64_t dim, int kind,
                          float scale, float *scores) {
     const size_t stride = (size_t)dim * (kind == KIND_F32 ? 4 : 2);
@@ -1171,6 +1153,9 @@ static void group_values(float *value, const float *scores, int64_t group, const
         }
     }
 }
+#else
+#define GROUP_DIM 0           /* (no grouped loops in this build) */
+#define GROUPED(call) (void)0
 #endif
 
 static void attend_units(const void *task, int64_t begin, int64_t end) {
@@ -1180,7 +1165,7 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
     for (int64_t unit = begin; unit < end; unit++) { /* one row's one key head and its query heads */
         const int64_t row = unit / a->kv_heads, head = unit % a->kv_heads;
         const int64_t low = a->low[row], at = a->at[row], count = at - low + 1;
-        const size_t need = (size_t)(count * group + dim * group);
+        const size_t need = (size_t)(count * group + dim * group + group); /* scores, values, totals */
         float stack[STACK_SCORES], *scores = need <= STACK_SCORES ? stack : malloc(sizeof(float) * need);
         if (!scores) {
             atomic_store(a->failed, 1);
@@ -1188,45 +1173,34 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
         }
         char *keys = (char *)a->keys[row] + (size_t)(head * a->capacity[row]) * dim * size;
         char *values = (char *)a->values[row] + (size_t)(head * a->capacity[row]) * dim * size;
-        float *value = scores + count * group;
-#if LANES == 8 && !defined(GENERIC)
-        if (dim % LANES == 0 && dim <= GROUP_DIM && group <= GROUP_HEADS) { /* each key and value widened once */
-            const float *q = a->q + ((row * a->heads) + head * group) * dim;
-            group_scores(q, group, keys + (size_t)low * dim * size, count, dim, a->kind, a->scale, scores);
-            float totals[GROUP_HEADS];
-            for (int64_t g = 0; g < group; g++) {
-                float *s = scores + g * count, top = -INFINITY, total = 0.0f;
-                for (int64_t t = 0; t < count; t++)
-                    top = s[t] > top ? s[t] : top;
-                exp_scores(s, count, top);
-                for (int64_t t = 0; t < count; t++)
-                    total += s[t];
-                totals[g] = total;
-            }
-            group_values(value, scores, group, values + (size_t)low * dim * size, count, dim, a->kind);
-            for (int64_t g = 0; g < group; g++) {
-                float *out = a->out + ((row * a->heads) + head * group + g) * dim;
-                for (int64_t d = 0; d < dim; d++)
-                    out[d] = value[g * dim + d] / totals[g];
-            }
-            if (scores != stack)
-                free(scores);
-            continue;
-        }
-#endif
+        float *value = scores + count * group, *totals = value + dim * group;
+        const float *q = a->q + ((row * a->heads) + head * group) * dim; /* query head g's: q + g dim */
+        keys += (size_t)low * dim * size;
+        values += (size_t)low * dim * size;
+        const int grouped = dim % LANES == 0 && dim <= GROUP_DIM; /* each key and value widened once for the heads */
+        if (grouped)
+            GROUPED(group_scores(q, group, keys, count, dim, a->kind, a->scale, scores));
+        else
+            for (int64_t g = 0; g < group; g++)
+                key_scores(q + g * dim, keys, count, dim, a->kind, a->scale, scores + g * count);
         for (int64_t g = 0; g < group; g++) {
-            const float *q = a->q + ((row * a->heads) + head * group + g) * dim;
             float *s = scores + g * count, top = -INFINITY, total = 0.0f;
-            key_scores(q, keys + (size_t)low * dim * size, count, dim, a->kind, a->scale, s);
             for (int64_t t = 0; t < count; t++)
                 top = s[t] > top ? s[t] : top;
             exp_scores(s, count, top);
             for (int64_t t = 0; t < count; t++)
                 total += s[t];
-            weigh_values(value, s, values + (size_t)low * dim * size, count, dim, a->kind);
+            totals[g] = total;
+        }
+        if (grouped)
+            GROUPED(group_values(value, scores, group, values, count, dim, a->kind));
+        else
+            for (int64_t g = 0; g < group; g++)
+                weigh_values(value + g * dim, scores + g * count, values, count, dim, a->kind);
+        for (int64_t g = 0; g < group; g++) {
             float *out = a->out + ((row * a->heads) + head * group + g) * dim;
             for (int64_t d = 0; d < dim; d++)
-                out[d] = value[d] / total;
+                out[d] = value[g * dim + d] / totals[g];
         }
         if (scores != stack)
             free(scores);
