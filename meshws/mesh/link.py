@@ -143,6 +143,12 @@ class Link:
         """Its state, with the last error when there is one: 'down (ConnectionRefused...)'."""
         return self.state + (f" ({self.last_error})" if self.last_error else "")
 
+    def _down(self) -> LinkDown:
+        """Why nothing can be sent: a link that was up and dropped says `lost`, as its subscribers heard."""
+        if self.connects:
+            return LinkDown(f"link to {self.url} lost ({self.last_error or self.state})")
+        return LinkDown(f"link to {self.url} is {self.status()}")
+
     def describe(self) -> dict[str, Any]:
         peer = self.peer_hello
         return {
@@ -183,7 +189,7 @@ class Link:
         other step as a frame of its own. Returns the bytes it took on the wire (a row: its share of its frame)."""
         if travels_in_waves(mode, payload.shape, ids, drafts):
             if not self.is_up:
-                raise LinkDown(f"link to {self.url} is {self.status()}")
+                raise self._down()
             row = DecodeRow(sid, step, payload.past_len, payload.body, payload.group)
             return await self._rows.send(row, payload.shape[-1], payload.dtype, compress_min_bytes)
         data = encode_forward(sid, step, mode, payload.past_len, payload.shape, payload.dtype, payload.body, ids=ids,
@@ -194,7 +200,7 @@ class Link:
     async def _send(self, data: str | bytes) -> None:
         ws = self._ws
         if ws is None or ws.closed or self.state != "up":
-            raise LinkDown(f"link to {self.url} is {self.status()}")
+            raise self._down()
         try:
             async with self._send_lock:
                 if isinstance(data, bytes):
@@ -202,7 +208,7 @@ class Link:
                 else:
                     await ws.send_str(data)
         except (ConnectionError, RuntimeError, aiohttp.ClientError) as exc:
-            raise LinkDown(f"link to {self.url} failed while sending: {exc}") from exc
+            raise LinkDown(f"link to {self.url} lost while sending: {exc}") from exc
 
     # -- the dial loop ------------------------------------------------------
 

@@ -379,3 +379,27 @@ async def test_compressed_frames_beyond_the_nodes_inflation_budget_are_refused_a
             assert refused["type"] == "error" and "inflated" in refused["message"], refused
             await ws.send_bytes(_fwd("s", 2, positions=2))  # plain bodies cost their sender as much: not counted
             assert (await _reply(ws, "s"))["type"] == "token"
+
+
+async def test_a_link_that_was_up_and_dropped_says_lost_on_a_send_as_its_subscribers_heard():
+    from meshws.mesh.link import Link, LinkDown
+
+    hello = Hello("fake-model", (0, 6), "head", "tester", 12)
+    async with _shard(_CountingTail()) as (tail, port):
+        link = Link(f"ws://127.0.0.1:{port}", lambda: hello, max_frame_bytes=1 << 20)
+        link.start()
+        try:
+            assert await link.wait_up(10)
+            heard = []
+            link.subscribe("s", heard.append)
+            await tail.stop()  # the peer goes away: the link drops
+            await eventually(lambda: not link.is_up and heard)
+            try:
+                await link.send_control(Hello("fake-model", (0, 6), "head", "tester", 12))
+            except LinkDown as exc:
+                sent = str(exc)
+            else:
+                raise AssertionError("a send on a dropped link went through")
+        finally:
+            await link.close()
+    assert "lost" in heard[0].message and sent.startswith(f"link to ws://127.0.0.1:{port} lost"), (heard, sent)
