@@ -20,9 +20,9 @@ def main(argv: list[str] | None = None) -> None:
     if command in ("--version", "-V"):
         print(f"meshws {__version__}")
     elif command == "node":
-        from .model import kernel_build
+        from . import early
 
-        kernel_build.start()  # (compiles, on a machine's first start, while the node imports)
+        early.start(args)  # (kernels compile on a first start, a head's tokenizer builds, while the node imports)
         from .node import main as node_main
 
         node_main(args, prog="meshws node")

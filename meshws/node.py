@@ -10,17 +10,18 @@ sessions, links and the HTTP runner close, in that order.
 
 from __future__ import annotations
 
-from .model import kernel_build  # (no torch: before the imports below)
+import sys
 
-if __name__ == "__main__":  # a machine's first start: the kernels compile while torch and the rest import
-    kernel_build.start()
+from . import early  # (no torch: before the imports below)
+
+if __name__ == "__main__":  # the kernels compile (a first start) and a head's tokenizer builds while torch imports
+    early.start(sys.argv[1:])
 
 import asyncio
 import functools
 import logging
 import signal
 import socket
-import sys
 import time
 from typing import Any, AsyncIterator, Callable
 

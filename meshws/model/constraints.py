@@ -138,8 +138,8 @@ class Grammars:
     """The matchers of a tail, each kept under the state it reached (grammar, tokens consumed): a session's
     next step finds its own, however many sessions share the grammar."""
 
-    def __init__(self, hf_tokenizer: Callable[[], Any], vocab_size: int) -> None:
-        self._hf_tokenizer = hf_tokenizer
+    def __init__(self, tokenizer: Callable[[], Any], vocab_size: int) -> None:
+        self._load_tokenizer = tokenizer  # the head's, or loaded at a tail's first grammar
         self.vocab_size = vocab_size
         self._tokenizer: Any = None
         self._kept: OrderedDict[tuple[str, tuple[int, ...]], Matcher] = OrderedDict()
@@ -169,10 +169,12 @@ class Grammars:
     def _new(self, grammar: str) -> Matcher:
         import llguidance
 
-        if self._tokenizer is None:
-            import llguidance.hf
+        if self._tokenizer is None:  # (as llguidance.hf reads a fast tokenizer, without importing transformers)
+            from .plain_tokenizer import guidance_source
 
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer(), n_vocab=self.vocab_size)
+            tokenizer = self._load_tokenizer()
+            self._tokenizer = llguidance.LLTokenizer(guidance_source(tokenizer), n_vocab=self.vocab_size,
+                                                     eos_token=tokenizer.eos_token_id)
         inner = llguidance.LLMatcher(self._tokenizer, grammar)
         if inner.is_error():
             raise GrammarError(f"the grammar cannot be used: {inner.get_error()}")

@@ -9,8 +9,10 @@ and mtime):
   meshws-manifest.json                                        each part's files, sizes, mtimes
   .locks/                                                     one lock file per part
 
-The tokenizer is built in the node's own process from the GGUF's vocabulary (`tokenizer_files`:
-a second, against the several transformers' own GGUF reader takes); the config, which only the
+The tokenizer is built from the GGUF's vocabulary (`tokenizer_files`: a second, against the several
+transformers' own GGUF reader takes), in the node's own process, or in a child a head starts before
+it imports torch (`build_early`: transformers' import and the build then take another core, and the
+node reads the files without transformers, `plain_tokenizer`); the config, which only the
 transformers path needs (an architecture the lean path does not run), in a short-lived child
 (`conversion`), as transformers' GGUF reader parses the whole vocabulary and leaves its heap behind.
 A part is written into a staging folder, renamed into place, then recorded in the manifest (replaced
@@ -42,7 +44,9 @@ log = logging.getLogger("meshws.model")
 MANIFEST = "meshws-manifest.json"
 LAYOUT_VERSION = 3  # 2 and before: float copies of the weights as well (`stale_copies`)
 BUILT = "meshws-built: "  # the line a conversion child ends with: the parts it converted, as JSON
-IN_PROCESS = ("tokenizer",)  # parts built here; the others in a child (`conversion`)
+IN_PROCESS = ("tokenizer",)  # parts built here (or early, `build_early`); the others in a child (`conversion`)
+EARLY_WAIT = 300.0  # seconds `prepare` waits for a child `build_early` started, before building the part itself
+_EARLY: dict[tuple[Path, str], subprocess.Popen] = {}  # the children `build_early` started, not yet waited for
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the meshws package
 
 
@@ -53,15 +57,18 @@ class ModelCache:
         self.gguf = gguf
         self.folder = folder
         self.converted: list[str] = []  # the parts this object had converted, in order
-        self.tokenizer: Any = None  # the tokenizer this object built, if it built one (no need to load it again)
 
     def prepare(self, keys: list[str]) -> None:
-        """Make the parts `keys` sound: the tokenizer built here, the config in a child process."""
+        """Make the parts `keys` sound: the tokenizer built here (or by the child `build_early` started), the config
+        in a child process."""
+        early = [key for key in keys if self._wait_early(key)]
         problems = {key: self.problem(key) for key in keys}
         for key, problem in problems.items():
             if problem not in (None, "missing"):
                 log.warning("model cache %s: part %s is unusable (%s); rebuilding it", self.folder, key, problem)
         missing = [key for key in keys if problems[key] is not None]
+        if early and not set(early) & set(missing):
+            log.info("built %s of %s in a child while this node started", ", ".join(early), self.gguf.name)
         if not missing:
             return
         started = time.monotonic()
@@ -77,13 +84,35 @@ class ModelCache:
                  time.monotonic() - started)
 
     def _builder(self, key: str) -> Callable[[Path], None]:
-        from .tokenizer_files import build_tokenizer
+        from .tokenizer_files import write_tokenizer
 
-        def write(staging: Path) -> None:
-            self.tokenizer = build_tokenizer(self.gguf)
-            self.tokenizer.save_pretrained(str(staging))
+        return lambda staging: write_tokenizer(self.gguf, staging)
 
-        return write
+    def build_early(self, key: str) -> None:
+        """Start building part `key` (built in process otherwise) in a child now; `prepare` waits for it. The child
+        takes the part's lock as any builder does; if it fails, `prepare` builds the part itself."""
+        if key not in IN_PROCESS or (self.folder, key) in _EARLY or self.problem(key) is None:
+            return
+        path = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
+        _EARLY[(self.folder, key)] = subprocess.Popen(
+            [sys.executable, "-m", "meshws.model.model_files", str(self.gguf), str(self.folder), key], env=env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def _wait_early(self, key: str) -> bool:
+        """Wait for the child `build_early` started for part `key`, if any; True if there was one."""
+        child = _EARLY.pop((self.folder, key), None)
+        if child is None:
+            return False
+        try:
+            child.wait(timeout=EARLY_WAIT)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        if child.returncode:
+            log.warning("the child building the %s of %s failed (exit %s); building it here", key, self.gguf.name,
+                        child.returncode)
+        return True
 
     # -- parts: check, convert, record --------------------------------------------
 
@@ -185,3 +214,17 @@ def run_conversion(gguf: Path, folder: Path, keys: list[str]) -> list[str]:
         raise RuntimeError(f"converting {', '.join(keys)} of {gguf} failed:\n{result.stderr[-3000:]}")
     reports = [line[len(BUILT):] for line in result.stdout.splitlines() if line.startswith(BUILT)]
     return list(json.loads(reports[-1])) if reports else []
+
+
+def main(argv: list[str]) -> None:
+    """`python -m meshws.model.model_files GGUF FOLDER tokenizer`: a part built in process otherwise, built in a child
+    (`ModelCache.build_early`) under the part's lock, as a node would build it."""
+    if len(argv) != 3 or argv[2] not in IN_PROCESS:
+        raise SystemExit(f"usage: python -m meshws.model.model_files GGUF FOLDER {{{','.join(IN_PROCESS)}}}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cache = ModelCache(Path(argv[0]), Path(argv[1]))
+    cache.build_here(argv[2], cache._builder(argv[2]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -25,6 +25,7 @@ from typing import Any
 from pathlib import Path
 
 from .model_files import LAYOUT_VERSION, ModelCache, stale_copies
+from .plain_tokenizer import PlainTokenizer
 
 log = logging.getLogger("meshws.model")
 
@@ -119,15 +120,32 @@ def layer_count(resolved: ResolvedModel) -> int:
 
 
 def load_tokenizer(resolved: ResolvedModel) -> Any:
-    """The model's tokenizer (a GGUF's built into the cache first, if not yet)."""
-    from transformers import AutoTokenizer
-
+    """The model's tokenizer: a GGUF's built into the cache first (if not yet) and read without transformers
+    (`plain_tokenizer`); a Hugging Face folder's, or one asking for more, as transformers loads it."""
     cache = model_cache(resolved)
     if cache is not None:
         cache.prepare(["tokenizer"])
-        if cache.tokenizer is not None:  # built just now: the files hold it, and so does this object
-            return cache.tokenizer
+        plain = PlainTokenizer.load(resolved.folder)
+        if plain is not None:
+            return plain
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(resolved.folder))
+
+
+def build_tokenizer_early(spec: str | None, role: str, cache_dir: Path | str | None = None) -> None:
+    """A head's (or full node's) GGUF tokenizer, missing from its cache, starts building in a child process now,
+    on another core while this one imports torch; `load_tokenizer` then waits for it. Anything amiss here is left
+    for the node's own start to find and report (and a hub id for it to fetch)."""
+    value = (spec or "").strip().lower()
+    if role not in ("head", "full") or not (value in EMBEDDED_NAMES or value.endswith(".gguf")):
+        return
+    try:
+        cache = model_cache(locate_model(spec, cache_dir))
+        if cache is not None:
+            cache.build_early("tokenizer")
+    except (OSError, ValueError, ModelNotFound):
+        return
 
 
 def locate_model(spec: str | None, cache_dir: Path | str | None = None) -> ResolvedModel:

@@ -53,3 +53,9 @@ def build_tokenizer(gguf: Path) -> Any:
         config[name] = tokens[token_id] if isinstance(token_id, int) and 0 <= token_id < len(tokens) else None
     backend, extra = convert(table.architecture, tokenizer)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+
+
+def write_tokenizer(gguf: Path, folder: Path) -> None:
+    """The tokenizer's files (`tokenizer.json`, its config, `chat_template.jinja`), as transformers saves them."""
+    build_tokenizer(gguf).save_pretrained(str(folder))
+

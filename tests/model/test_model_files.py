@@ -66,6 +66,41 @@ def test_nodes_started_together_build_the_tokenizer_once(empty_model, tmp_path):
     assert caches[0].converted + caches[1].converted == ["tokenizer"], "built once, by one node or the other"
 
 
+def test_a_heads_tokenizer_built_early_in_a_child_is_the_one_built_in_process(tmp_path, caplog):
+    early, here = locate_model(None, tmp_path / "early"), locate_model(None, tmp_path / "here")
+    model_cache(early).build_early("tokenizer")  # as `python -m meshws.node --role head` does before torch imports
+    model_cache(here).prepare(["tokenizer"])
+    cache = model_cache(early)
+    with caplog.at_level(logging.INFO, logger="meshws.model"):
+        cache.prepare(["tokenizer"])
+    assert "built tokenizer of SmolLM2-135M-Instruct.Q4_1.gguf in a child" in caplog.text and cache.converted == []
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (early.folder / name).read_bytes() == (here.folder / name).read_bytes(), name
+
+
+def test_a_child_that_fails_leaves_the_build_to_the_node(tmp_path, caplog, monkeypatch):
+    own = locate_model(None, tmp_path)
+    monkeypatch.setattr("sys.executable", "/bin/false")
+    model_cache(own).build_early("tokenizer")
+    cache = model_cache(own)
+    with caplog.at_level(logging.INFO, logger="meshws.model"):
+        cache.prepare(["tokenizer"])
+    assert "failed (exit 1); building it here" in caplog.text and cache.converted == ["tokenizer"]
+
+
+def test_a_nodes_early_start_skips_flags_it_will_refuse_and_starts_a_heads_build(tmp_path, capsys):
+    from meshws import early
+    from meshws.model import model_files
+
+    early.start(["--role", "nonsense"])
+    early.start(["--role", "tail", "--layers", "20-29", "--cache-dir", str(tmp_path)])  # a tail needs no tokenizer
+    assert capsys.readouterr() == ("", "") and not model_files._EARLY
+    early.start(["--role", "full", "--cache-dir", str(tmp_path)])
+    assert [folder.parent for folder, _ in model_files._EARLY] == [tmp_path]
+    model_cache(locate_model(None, tmp_path)).prepare(["tokenizer"])  # waits for the child
+    assert not model_files._EARLY and (locate_model(None, tmp_path).folder / "tokenizer.json").is_file()
+
+
 def test_a_damaged_tokenizer_is_rebuilt_and_the_manifest_catches_changes(empty_model, caplog):
     folder = empty_model.folder
     cache = model_cache(empty_model)
