@@ -173,6 +173,8 @@ class Grammars:
             from .plain_tokenizer import guidance_source
 
             tokenizer = self._load_tokenizer()
+            if getattr(tokenizer, "backend_tokenizer", None) is None:
+                raise GrammarError("structured output needs a fast tokenizer (a tokenizer.json); this model's is not")
             self._tokenizer = llguidance.LLTokenizer(guidance_source(tokenizer), n_vocab=self.vocab_size,
                                                      eos_token=tokenizer.eos_token_id)
         inner = llguidance.LLMatcher(self._tokenizer, grammar)

@@ -33,6 +33,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,8 +46,8 @@ MANIFEST = "meshws-manifest.json"
 LAYOUT_VERSION = 3  # 2 and before: float copies of the weights as well (`stale_copies`)
 BUILT = "meshws-built: "  # the line a conversion child ends with: the parts it converted, as JSON
 IN_PROCESS = ("tokenizer",)  # parts built here (or early, `build_early`); the others in a child (`conversion`)
-EARLY_WAIT = 300.0  # seconds `prepare` waits for a child `build_early` started, before building the part itself
-_EARLY: dict[tuple[Path, str], subprocess.Popen] = {}  # the children `build_early` started, not yet waited for
+EARLY_WAIT = 120.0  # seconds `prepare` waits for a child `build_early` started, before building the part itself
+_EARLY: dict[tuple[Path, str], tuple[subprocess.Popen, Any]] = {}  # the children `build_early` started, not yet waited for
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the meshws package
 
 
@@ -95,23 +96,28 @@ class ModelCache:
             return
         path = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
         env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
-        _EARLY[(self.folder, key)] = subprocess.Popen(
+        errors = tempfile.TemporaryFile()  # (what the child says, for a failure's warning: a file never blocks it)
+        _EARLY[(self.folder, key)] = (subprocess.Popen(
             [sys.executable, "-m", "meshws.model.model_files", str(self.gguf), str(self.folder), key], env=env,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors), errors)
 
     def _wait_early(self, key: str) -> bool:
         """Wait for the child `build_early` started for part `key`, if any; True if there was one."""
-        child = _EARLY.pop((self.folder, key), None)
-        if child is None:
+        started = _EARLY.pop((self.folder, key), None)
+        if started is None:
             return False
-        try:
-            child.wait(timeout=EARLY_WAIT)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-        if child.returncode:
-            log.warning("the child building the %s of %s failed (exit %s); building it here", key, self.gguf.name,
-                        child.returncode)
+        child, errors = started
+        with errors:
+            try:
+                child.wait(timeout=EARLY_WAIT)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            if child.returncode:
+                errors.seek(0)
+                said = errors.read()[-2000:].decode(errors="replace").strip()
+                log.warning("the child building the %s of %s failed (exit %s); building it here%s", key,
+                            self.gguf.name, child.returncode, f": {said}" if said else "")
         return True
 
     # -- parts: check, convert, record --------------------------------------------

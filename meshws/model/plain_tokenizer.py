@@ -13,7 +13,10 @@ into it and does the rest as transformers 5 does (`TokenizersBackend`):
 
 A folder whose config asks for anything else (another tokenizer class, clean-up, added tokens beyond the
 file's) is not guessed at: `load` returns None and the caller uses transformers. A test holds this to
-`AutoTokenizer` on the same folders, text for text and id for id.
+`AutoTokenizer` on the same folders, text for text and id for id. The tokenizer is the one the GGUF's
+`tokenizer.json` describes, on every start: a `config.json` beside it (written for the transformers path
+only) would make AutoTokenizer pick some models' own class instead (Qwen2's adds NFC normalisation), which
+before this module a node did on a restart but not on its first start.
 """
 
 from __future__ import annotations
@@ -29,8 +32,12 @@ from typing import Any
 FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 KNOWN = {*SPECIAL, "backend", "model_max_length", "tokenizer_class", "clean_up_tokenization_spaces",
-         "add_bos_token", "add_eos_token", "chat_template"}
+         "add_bos_token", "add_eos_token", "chat_template"}  # (what a GGUF's tokenizer saves; more: transformers)
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # as transformers aliases them
+TRANSFORMERS_ONLY = {"documents", "chat_template", "continue_final_message", "sanitize_control_tokens",
+                     "return_assistant_tokens_mask", "padding", "truncation", "max_length", "return_tensors",
+                     "tokenizer_kwargs"}  # apply_chat_template's options that are not template variables
+MIN_JINJA = (3, 1, 6)  # older Jinja2 has known sandbox escapes (as transformers refuses it)
 
 
 class PlainTokenizer:
@@ -50,25 +57,25 @@ class PlainTokenizer:
         from tokenizers import Tokenizer
 
         folder = Path(folder)
+        if any((folder / name).exists() for name in ("special_tokens_map.json", "added_tokens.json")):
+            return None  # (older transformers' files: AutoTokenizer reads them too)
         try:
-            config = json.loads((folder / "tokenizer_config.json").read_text())
+            config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
             backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            template_file = folder / "chat_template.jinja"
+            template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
         except Exception:  # (a file missing or unreadable: tokenizers raises a plain Exception for its own)
             return None
         if not isinstance(config, dict) or set(config) - KNOWN or config.get("clean_up_tokenization_spaces") \
                 or config.get("tokenizer_class") not in (None, "TokenizersBackend", "PreTrainedTokenizerFast") \
                 or backend.post_processor is None or backend.padding or backend.truncation:
-            return None
-        if ("add_bos_token" in config or "add_eos_token" in config) and not _post_processor_agrees(backend, config):
-            return None
+            return None  # (add_bos_token and add_eos_token transformers drops beside a tokenizer.json, as here)
         added = {token.content: token for token in backend.get_added_tokens_decoder().values()}
         for name in SPECIAL:  # transformers (re)adds each as a special, unnormalized token: it must be one already
             token = added.get(config.get(name)) if isinstance(config.get(name), str) else None
             if isinstance(config.get(name), str) and (token is None or not token.special or token.normalized):
                 return None
-        template = config.get("chat_template")
-        if (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text()
+        template = config.get("chat_template") if template is None else template
         if template is not None and not isinstance(template, str):
             return None  # (named templates: transformers picks among them)
         return cls(folder, backend, config, template)
@@ -91,11 +98,20 @@ class PlainTokenizer:
     # -- chat ---------------------------------------------------------------
 
     def apply_chat_template(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                            add_generation_prompt: bool = False, tokenize: bool = True, **kwargs: Any) -> Any:
+                            add_generation_prompt: bool = False, tokenize: bool = True, return_dict: bool | None = None,
+                            **variables: Any) -> Any:
+        """As transformers renders a chat (its other options are refused, not ignored: `TRANSFORMERS_ONLY`); with
+        `tokenize`, the ids as a list (`return_dict=False`, as transformers' dict is not made here)."""
+        if taken := sorted(set(variables) & TRANSFORMERS_ONLY):
+            raise TypeError(f"apply_chat_template here does not take {', '.join(taken)} (transformers' tokenizer does)")
+        if tokenize and return_dict is not False:
+            raise TypeError("apply_chat_template here returns the ids as a list: pass return_dict=False")
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         if not conversation:
             raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
+        if tools is not None and not all(isinstance(tool, dict) for tool in tools):
+            raise ValueError("Tools should be JSON schemas (dicts) here.")
         messages = []
         for message in _plain(conversation):
             if not isinstance(message, dict):
@@ -105,7 +121,7 @@ class PlainTokenizer:
             if reasoning is not None:
                 message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
             messages.append(message)
-        variables = _plain({**self.special_tokens_map, **kwargs})
+        variables = _plain({**self.special_tokens_map, **variables})
         text = self._template.render(messages=messages, tools=_plain(tools), documents=None,
                                      add_generation_prompt=add_generation_prompt, **variables)
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -128,18 +144,6 @@ def guidance_source(tokenizer: Any) -> str:
     backend.no_padding()
     backend.no_truncation()
     return backend.to_str()
-
-
-def _post_processor_agrees(backend: Any, config: dict[str, Any]) -> bool:
-    """transformers rebuilds the post-processor from add_bos_token/add_eos_token: only load a file whose
-    post-processor already adds exactly those (a single text: [bos] A [eos])."""
-    state = json.loads(backend.to_str()).get("post_processor") or {}
-    if state.get("type") != "TemplateProcessing":
-        return False
-    wanted = [config["bos_token"]] * bool(config.get("add_bos_token")) + ["$A"] + \
-        [config["eos_token"]] * bool(config.get("add_eos_token"))
-    pieces = ["$A" if "Sequence" in piece else piece.get("SpecialToken", {}).get("id") for piece in state["single"]]
-    return pieces == wanted
 
 
 def _plain(value: Any) -> Any:
@@ -165,6 +169,10 @@ def _environment() -> Any:
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if tuple(int(part) for part in jinja2.__version__.split(".")[:3] if part.isdigit()) < MIN_JINJA:
+        raise ImportError(f"chat templates need jinja2>={'.'.join(map(str, MIN_JINJA))} (older versions have known "
+                          f"sandbox escapes); this is {jinja2.__version__}")
 
     class Generation(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}`: its text as written (the assistant mask is not asked for)."""
@@ -214,6 +222,9 @@ def _environment() -> Any:
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=[Generation, jinja2.ext.loopcontrols])
     environment.filters["tojson"] = tojson
-    environment.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                               dict=Dicts(), namespace=Namespace)
+    def strftime_now(format: str) -> str:  # (the name transformers gives it: a template may pass format=...)
+        return datetime.now().strftime(format)
+
+    environment.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=Dicts(),
+                               namespace=Namespace)
     return environment

@@ -137,8 +137,9 @@ def build_tokenizer_early(spec: str | None, role: str, cache_dir: Path | str | N
     """A head's (or full node's) GGUF tokenizer, missing from its cache, starts building in a child process now,
     on another core while this one imports torch; `load_tokenizer` then waits for it. Anything amiss here is left
     for the node's own start to find and report (and a hub id for it to fetch)."""
-    value = (spec or "").strip().lower()
-    if role not in ("head", "full") or not (value in EMBEDDED_NAMES or value.endswith(".gguf")):
+    value = (spec or "").strip()
+    if role not in ("head", "full") or not (value.lower() in EMBEDDED_NAMES or
+                                            (value.lower().endswith(".gguf") and Path(value).expanduser().is_file())):
         return
     try:
         cache = model_cache(locate_model(spec, cache_dir))

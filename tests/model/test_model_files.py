@@ -5,6 +5,7 @@ The tests of this module share one empty cache (`empty_model`), in order: a tail
 
 import json
 import logging
+import os
 import shutil
 import threading
 
@@ -95,6 +96,16 @@ def test_a_nodes_early_start_skips_flags_it_will_refuse_and_starts_a_heads_build
     early.start(["--role", "nonsense"])
     early.start(["--role", "tail", "--layers", "20-29", "--cache-dir", str(tmp_path)])  # a tail needs no tokenizer
     assert capsys.readouterr() == ("", "") and not model_files._EARLY
+    pipe = tmp_path / "secret-pipe"
+    os.mkfifo(pipe)  # a secret the node reads once (opening it to read would wait here for a writer)
+    reader = threading.Thread(target=early.start, args=(["--role", "tail", "--layers", "20-29", "--secret-file",
+                                                          str(pipe), "--cache-dir", str(tmp_path)],), daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():
+        with pipe.open("w") as writer:
+            writer.write("x" * 32)
+    assert not reader.is_alive(), "the early start read the secret file"
     early.start(["--role", "full", "--cache-dir", str(tmp_path)])
     assert [folder.parent for folder, _ in model_files._EARLY] == [tmp_path]
     model_cache(locate_model(None, tmp_path)).prepare(["tokenizer"])  # waits for the child

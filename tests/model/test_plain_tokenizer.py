@@ -108,11 +108,37 @@ def test_a_folder_asking_for_more_is_left_to_transformers(embedded_model, tmp_pa
     assert PlainTokenizer.load(tmp_path) is not None
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     for change in ({"clean_up_tokenization_spaces": True}, {"extra_special_tokens": ["<x>"]},
-                   {"add_bos_token": True}, {"bos_token": "<not-in-the-vocabulary>"}):
+                   {"bos_token": "<not-in-the-vocabulary>"}):
         (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, **change}))
         assert PlainTokenizer.load(tmp_path) is None, change
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "special_tokens_map.json").write_text("{}")  # an older transformers' file: it reads that too
+    assert PlainTokenizer.load(tmp_path) is None
+    (tmp_path / "special_tokens_map.json").unlink()
     (tmp_path / "tokenizer.json").write_text("{broken")
     assert PlainTokenizer.load(tmp_path) is None
+
+
+def test_a_template_with_non_ascii_text_and_keyword_globals_renders_as_transformers_renders_it(embedded_model,
+                                                                                              tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded_model.folder / name, tmp_path / name)
+    template = ("{{ bos_token }}Café — {{ strftime_now(format='%Y') }} {{ dict(a=1) | tojson }}{% for m in messages %}"
+                "{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}{{ extra }}")
+    (tmp_path / "chat_template.jinja").write_text(template, encoding="utf-8")
+    ours, theirs = PlainTokenizer.load(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    for options in ({}, {"extra": "ünïcode"}):
+        assert ours.apply_chat_template(CHATS[1], tokenize=False, **options) == \
+            theirs.apply_chat_template(CHATS[1], tokenize=False, **options)
+    assert ours.apply_chat_template(CHATS[0], tokenize=True, return_dict=False) == \
+        theirs.apply_chat_template(CHATS[0], tokenize=True, return_dict=False)
+    for options in ({"continue_final_message": True}, {"documents": []}, {"tokenize": True}):
+        with pytest.raises(TypeError):  # transformers' own options are refused here, not silently ignored
+            ours.apply_chat_template(CHATS[0], **{"tokenize": False, **options})
 
 
 def test_a_template_cannot_reach_python_through_the_sandbox(embedded_model, tmp_path):
