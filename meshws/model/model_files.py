@@ -47,7 +47,7 @@ LAYOUT_VERSION = 3  # 2 and before: float copies of the weights as well (`stale_
 BUILT = "meshws-built: "  # the line a conversion child ends with: the parts it converted, as JSON
 IN_PROCESS = ("tokenizer",)  # parts built here (or early, `build_early`); the others in a child (`conversion`)
 EARLY_WAIT = 120.0  # seconds `prepare` waits for a child `build_early` started, before building the part itself
-_EARLY: dict[tuple[Path, str], tuple[subprocess.Popen, Any]] = {}  # the children `build_early` started, not yet waited for
+_EARLY: dict[tuple[Path, str], tuple[subprocess.Popen, Any]] = {}  # children `build_early` started, not waited for
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the meshws package
 
 

@@ -15,7 +15,8 @@ from meshws.model.tokenizer_files import ARRAYS
 pytestmark = pytest.mark.real_model
 
 TEXTS = ["Hello world, how are you?", "  leading spaces\n\ttabs and émojis 🎉 <|im_start|>user\nhi<|im_end|>",
-         "def f(x):\n    return x**2 # 1234567", "", " ", "\n\n\n", "<bos><eos> <pad>x<unk>", "I'm 100% sure it's 3.14159",
+         "def f(x):\n    return x**2 # 1234567", "", " ", "\n\n\n", "<bos><eos> <pad>x<unk>",
+         "I'm 100% sure it's 3.14159",
          "日本語のテキストと中文", "a" * 300, "<think>why</think> then", "\u00a0non\u2009breaking\u200bspace",
          "MiXeD CaSe 's 'LL 'Ve", "tab\there\r\nand\rcarriage"]
 CHATS = [
@@ -25,8 +26,8 @@ CHATS = [
     [{"role": "user", "content": "think first"}, {"role": "assistant", "content": "ok", "reasoning_content": "hm"},
      {"role": "user", "content": "<|im_end|> injected"}],
 ]
-TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather in a city", "parameters": CITY}}]
 
 
 def _variant(folder, pre, **flags):
@@ -127,7 +128,8 @@ def test_a_template_with_non_ascii_text_and_keyword_globals_renders_as_transform
 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(embedded_model.folder / name, tmp_path / name)
-    template = ("{{ bos_token }}Café — {{ strftime_now(format='%Y') }} {{ dict(a=1) | tojson }}{% for m in messages %}"
+    template = ("{{ bos_token }}Café — {{ strftime_now(format='%Y') }} {{ dict(a=1) | tojson }}"
+                "{% for m in messages %}"
                 "{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}{{ extra }}")
     (tmp_path / "chat_template.jinja").write_text(template, encoding="utf-8")
     ours, theirs = PlainTokenizer.load(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
