@@ -94,11 +94,9 @@ class ModelCache:
         takes the part's lock as any builder does; if it fails, `prepare` builds the part itself."""
         if key not in IN_PROCESS or (self.folder, key) in _EARLY or self.problem(key) is None:
             return
-        path = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
-        env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
         errors = tempfile.TemporaryFile()  # (what the child says, for a failure's warning: a file never blocks it)
         _EARLY[(self.folder, key)] = (subprocess.Popen(
-            [sys.executable, "-m", "meshws.model.model_files", str(self.gguf), str(self.folder), key], env=env,
+            [sys.executable, "-m", "meshws.model.model_files", str(self.gguf), str(self.folder), key], env=_child_env(),
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors), errors)
 
     def _wait_early(self, key: str) -> bool:
@@ -209,13 +207,17 @@ def stale_copies(cache_dir: Path) -> list[Path]:
         return []
 
 
+def _child_env() -> dict[str, str]:
+    """A building child's environment: this meshws importable, and no model hub asked."""
+    path = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
+
+
 def run_conversion(gguf: Path, folder: Path, keys: list[str]) -> list[str]:
     """Convert parts `keys` of `gguf` into `folder` in a child process (`conversion`); the parts it built."""
     log.info("converting %s of %s into %s (in a child process)", ", ".join(keys), gguf.name, folder)
-    path = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
     result = subprocess.run([sys.executable, "-m", "meshws.model.conversion", str(gguf), str(folder), *keys],
-                            env=env, capture_output=True, text=True)
+                            env=_child_env(), capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"converting {', '.join(keys)} of {gguf} failed:\n{result.stderr[-3000:]}")
     reports = [line[len(BUILT):] for line in result.stdout.splitlines() if line.startswith(BUILT)]
