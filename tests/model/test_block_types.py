@@ -95,7 +95,7 @@ def test_8_bit_products_are_close_and_a_row_keeps_its_bits_in_any_batch(type_id)
     got = KERNELS.qlinear(rows, blocks, bias, 2)
     want = rows.double() @ exact.T + bias.double()
     assert ((got.double() - want).norm() / want.norm()) < 0.02  # 8 bits a value: about half a percent
-    for count in (1, 2, 3, 4, 5, 6, 8, 9, 12, 13, 14, 16, 18):  # (AVX2 loops take 16, 12, 8, 6, 4, 3, 2 or 1 rows at once)
+    for count in (1, 2, 3, 4, 5, 6, 8, 9, 12, 13, 14, 16, 18):  # (AVX2: groups of 16, 12, 8, 6, 4, 3, 2, 1 rows)
         assert torch.equal(KERNELS.qlinear(rows[:count], blocks, bias, 1), got[:count])
     assert torch.equal(KERNELS.qlinear(rows[-1:], blocks, bias, 2), got[-1:])
     spoiled = rows.clone()
@@ -155,13 +155,17 @@ def test_a_float32_product_with_no_memory_to_widen_into_raises_memory_error():
 HARNESS = r"""
 #include SOURCE_FILE
 #include <stdio.h>
-/* Every type's 8-bit products of fixed random rows, printed as bits: the same on every instruction set. */
+/* Every type's 8-bit products of 17 fixed random rows (a group of 16 and a lone row), printed as bits: the same on
+   every instruction set. */
 int main(void) {
     static uint8_t w[70 * 1024 * 2];
-    static float x[9 * 1088], y[9 * 70];
+    static float x[17 * 1088], y[17 * 70];
     unsigned seed = 12345;
     for (size_t i = 0; i < sizeof w; i++) { seed = seed * 1103515245u + 12345u; w[i] = (uint8_t)(seed >> 16); }
-    for (int i = 0; i < 9 * 1088; i++) { seed = seed * 1103515245u + 12345u; x[i] = (float)((seed >> 8) & 0xffff) / 65536.0f - 0.5f; }
+    for (int i = 0; i < 17 * 1088; i++) {
+        seed = seed * 1103515245u + 12345u;
+        x[i] = (float)((seed >> 8) & 0xffff) / 65536.0f - 0.5f;
+    }
     const int types[] = {2, 3, 6, 7, 8, 12, 13, 14};
     for (int t = 0; t < 8; t++) {
         const block_type *bt = block_type_of(types[t]);
@@ -173,8 +177,12 @@ int main(void) {
         for (int in = 1024; in <= 1088; in += 64) { /* (1088: a last unit of two blocks, for the 32-value types) */
             if (in % bt->elements)
                 continue;
-            mw_qlinear(x, 9, in, w, types[t], NULL, y, 70, 70, 1);
-            for (int i = 0; i < 9 * 70; i++) { uint32_t bits; memcpy(&bits, y + i, 4); printf("%d %08x\n", types[t], bits); }
+            mw_qlinear(x, 17, in, w, types[t], NULL, y, 70, 70, 1);
+            for (int i = 0; i < 17 * 70; i++) {
+                uint32_t bits;
+                memcpy(&bits, y + i, 4);
+                printf("%d %08x\n", types[t], bits);
+            }
         }
     }
 }
@@ -195,5 +203,5 @@ def test_8_bit_products_give_the_same_bits_on_every_instruction_set(tmp_path):
                        capture_output=True, timeout=300)
         outputs.append(subprocess.run([str(binary)], check=True, capture_output=True, text=True,
                                       timeout=120).stdout)
-    assert len(outputs[0].splitlines()) == (8 + 5) * 9 * 70  # (five types of 32 values also with 1088 inputs)
+    assert len(outputs[0].splitlines()) == (8 + 5) * 17 * 70  # (five types of 32 values also with 1088 inputs)
     assert outputs[0] == outputs[1] == outputs[2]
