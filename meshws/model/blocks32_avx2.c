@@ -12,8 +12,9 @@
    run (its accumulator spills to L1 past a few rows, which costs less than decoding the codes again). Groups of up to
    4 rows before: SmolLM2's Q4_1 1536x576, 16 rows, 2 threads 350 -> 272 us; 48 rows 962 -> 732 us. */
 #define V2_ROWS 16
-/* From how many rows the 4- and 5-bit types take tiles (`v2_tile_dot`): SmolLM2's Q4_1 1536x576 on a Zen 3, one thread,
-   3 rows level, 4 rows 142 -> 122 us, 16 rows (two threads) 300 -> 218 us, 48 rows 742 -> 508 us. */
+/* From how many rows a product takes tiles (`v2_tile_rows`): SmolLM2's Q4_1 1536x576 on a Zen 3, one thread, 3 rows
+   level, 4 rows 142 -> 122 us, 16 rows (two threads) 300 -> 218 us, 48 rows 742 -> 508 us. Q8_0 (its LM head,
+   49152x576, old and new in turn): 4 rows 1.12-1.20x, 8 rows 1.23-1.24x, 16 rows 1.27-1.29x (6.7 ms, two threads). */
 #define V2_TILE_ROWS 4
 
 /* A block's 32 codes in order (value j at byte j), unsigned (c + offset), or Q8_0's signed c. */
@@ -99,6 +100,20 @@ static inline __m256i v2_tile_dot(int five, const __m256i *lanes, const int8_t *
                 : _mm256_madd_epi16(_mm256_add_epi16(low, high), ones);
 }
 
+/* `v2_tile_dot` for Q8_0, whose codes are signed: |c| (below 129) times q with c's sign, as `v2_dot` takes it, each
+   pair of products within 16 bits but no two pairs, so each of the eight vpmaddubsw goes to 32 bits by itself. */
+static inline __m256i v2_q8_tile_dot(const __m256i *magnitudes, const __m256i *signs, const int8_t *codes) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    typedef int32_t __attribute__((may_alias, aligned(1))) four_codes;
+    const four_codes *q = (const four_codes *)codes;
+    __m256i p[8];
+    for (int k = 0; k < 8; k++)
+        p[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes[k], _mm256_sign_epi8(_mm256_set1_epi32(q[k]),
+                                                                                        signs[k])), ones);
+    return _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3])),
+                            _mm256_add_epi32(_mm256_add_epi32(p[4], p[5]), _mm256_add_epi32(p[6], p[7])));
+}
+
 /* Block `at` (bytes in) of eight outputs' rows: its codes (`v2_codes`), and with `ahead`, the next unit's block asked
    for (below). */
 static inline __attribute__((always_inline)) void v2_block_codes(int type, int bytes, const uint8_t *const *from,
@@ -112,7 +127,7 @@ static inline __attribute__((always_inline)) void v2_block_codes(int type, int b
 /* Eight outputs (rows `from`) times nr quantized rows (ROW32, `x`): acc[r], lane o. With `ahead` (the next unit's
    eight rows, which lie together), each block step asks for that unit's next eight blocks' bytes in order: read as
    eight short streams of a few KB, the rows outran the hardware's prefetcher (Q8_0 2048x2048 from memory, one row, 2
-   threads: 23 -> 29 GB/s; 8192x2048 23 -> 31). (Four rows and more of a 4- or 5-bit type: `v2_tile_rows`.) */
+   threads: 23 -> 29 GB/s; 8192x2048 23 -> 31). (Four rows and more: `v2_tile_rows`.) */
 static inline __attribute__((always_inline)) void v2_rows(const block_type *t, const uint8_t *const *from,
                                                           int64_t blocks, const q_row *x, int nr, __m256 *acc,
                                                           const uint8_t *ahead) {
@@ -139,18 +154,19 @@ static inline __attribute__((always_inline)) void v2_rows(const block_type *t, c
     }
 }
 
-/* `v2_rows`' tiles for one 4- or 5-bit type, a constant where this is inlined (`v2_tiles`): the offset term and
+/* `v2_rows`' tiles for one type, a constant where this is inlined (`v2_tiles`): the offset term and
    the minimum's multiply-add only where the type has them (m = 0 added nothing: acc, never -0.0, keeps its bits),
    and each row's codes, scale, code sum and d times it read at fixed distances from its start (the rows lie
    `x_bytes` apart) rather than through four pointers a row; a block's eight sums added as a tree. A row and block of
    Q4_1 took 46 instructions, now 38: SmolLM2's Q4_1 1536x576 on a Zen 3, 16 rows, one thread 290-304 -> 266 us,
-   two 165-196 -> 145-169 (old and new in turn, one process); 6 rows 1.07-1.29x. The same integers and float steps
-   in the same order, so the same bits. */
+   two 165-196 -> 145-169 (old and new in turn, one process); 6 rows 1.07-1.29x. Q8_0 here too (`v2_q8_tile_dot`).
+   The same integers and float steps in the same order, so the same bits. */
 static inline __attribute__((always_inline)) void v2_tile_rows(const int type, const uint8_t *const *from,
                                                                int64_t blocks, const uint8_t *x, int64_t x_bytes,
                                                                int64_t padded, int nr, __m256 *acc,
                                                                const uint8_t *ahead) {
-    const int bytes = type == 2 ? 18 : type == 3 ? 20 : type == 6 ? 22 : 24, five = type == 6 || type == 7;
+    const int bytes = type == 2 ? 18 : type == 3 ? 20 : type == 6 ? 22 : type == 7 ? 24 : 34;
+    const int five = type == 6 || type == 7;
     const int offset = type == 2 ? 8 : type == 6 ? 16 : 0, minimum = type == 3 || type == 7;
     const int64_t nb = padded / 32;
     typedef int32_t __attribute__((may_alias, aligned(1))) word;
@@ -159,13 +175,18 @@ static inline __attribute__((always_inline)) void v2_tile_rows(const int type, c
         acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t at = b * bytes;
-        __m256i codes[8], lanes[8];
+        __m256i codes[8], lanes[8], signs[8];
         v2_block_codes(type, bytes, from, at, ahead, codes);
         v2_transposed(codes, lanes);
+        for (int k = 0; type == 8 && k < 8; k++) { /* Q8_0: |c| and c's sign, one output to a lane */
+            signs[k] = lanes[k];
+            lanes[k] = _mm256_abs_epi8(lanes[k]);
+        }
         const __m256 d = v2_heads(from, at), m = minimum ? v2_heads(from, at + 2) : _mm256_setzero_ps();
         const uint8_t *q = x + 32 * b, *scale = x + padded + 4 * b, *total = scale + 4 * nb, *share = total + 4 * nb;
         for (int64_t r = 0, step = 0; r < nr; r++, step += x_bytes) {
-            __m256i dot = v2_tile_dot(five, lanes, (const int8_t *)(q + step));
+            __m256i dot = type == 8 ? v2_q8_tile_dot(lanes, signs, (const int8_t *)(q + step))
+                                    : v2_tile_dot(five, lanes, (const int8_t *)(q + step));
             if (offset)
                 dot = _mm256_add_epi32(dot, _mm256_set1_epi32(-offset * *(const word *)(total + step)));
             const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(*(const real *)(scale + step)));
@@ -184,7 +205,8 @@ static void v2_tiles(int type, const uint8_t *const *from, int64_t blocks, const
     case 2: v2_tile_rows(2, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
     case 3: v2_tile_rows(3, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
     case 6: v2_tile_rows(6, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
-    default: v2_tile_rows(7, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
+    case 7: v2_tile_rows(7, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
+    default: v2_tile_rows(8, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
     }
 }
 
@@ -208,26 +230,24 @@ static void v2_units(const void *task, int64_t begin, int64_t end) {
             from[o] = j->w + (o0 + (o < n ? o : n - 1)) * j->row_bytes;
         float lanes[8];
         for (int64_t r0 = 0, nr = 0; r0 < j->rows; r0 += nr) {
-            const int64_t left = j->rows - r0; /* groups of 16, 12, 8, 6, 4, 3, 2 or 1 rows: one loop each */
-            nr = left >= 16 ? 16 : left >= 12 ? 12 : left >= 8 ? 8 : left >= 6 ? 6 : left >= 4 ? 4 : left;
-            q_row x[V2_ROWS];
+            /* groups of up to 16 rows on tiles (17-19 left: all but 4, so that no group of fewer than 4 is left) and
+               the last 1-3 rows straight from the blocks, with one loop each */
+            const int64_t left = j->rows - r0;
+            nr = left <= V2_ROWS ? left : left < V2_ROWS + V2_TILE_ROWS ? left - V2_TILE_ROWS : V2_ROWS;
             __m256 acc[V2_ROWS];
-            for (int r = 0; r < nr; r++)
-                x[r] = row_at(j->x + (r0 + r) * j->x_bytes, padded, ROW32);
             const int first = r0 == 0 && unit + 1 < end && o0 + 16 <= j->out; /* (the next unit is this thread's) */
             const uint8_t *ahead = first ? from[0] + 8 * j->row_bytes : NULL;
-            const int tiles = j->type->type != 8 && nr >= V2_TILE_ROWS;
-            if (tiles)
+            if (nr >= V2_TILE_ROWS) {
                 v2_tiles(j->type->type, from, blocks, j->x + r0 * j->x_bytes, j->x_bytes, padded, (int)nr, acc, ahead);
-            else switch (nr) {
-            case 16: v2_rows(j->type, from, blocks, x, 16, acc, ahead); break;
-            case 12: v2_rows(j->type, from, blocks, x, 12, acc, ahead); break;
-            case 8: v2_rows(j->type, from, blocks, x, 8, acc, ahead); break;
-            case 6: v2_rows(j->type, from, blocks, x, 6, acc, ahead); break;
-            case 4: v2_rows(j->type, from, blocks, x, 4, acc, ahead); break;
-            case 3: v2_rows(j->type, from, blocks, x, 3, acc, ahead); break;
-            case 2: v2_rows(j->type, from, blocks, x, 2, acc, ahead); break;
-            default: v2_rows(j->type, from, blocks, x, 1, acc, ahead); break;
+            } else {
+                q_row x[V2_TILE_ROWS - 1];
+                for (int r = 0; r < nr; r++)
+                    x[r] = row_at(j->x + (r0 + r) * j->x_bytes, padded, ROW32);
+                switch (nr) {
+                case 3: v2_rows(j->type, from, blocks, x, 3, acc, ahead); break;
+                case 2: v2_rows(j->type, from, blocks, x, 2, acc, ahead); break;
+                default: v2_rows(j->type, from, blocks, x, 1, acc, ahead); break;
+                }
             }
             for (int r = 0; r < nr; r++) {
                 _mm256_storeu_ps(lanes, acc[r]);
