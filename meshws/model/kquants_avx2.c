@@ -73,20 +73,6 @@ static inline __m256 groups_in_order(__m256 lo, __m256 hi, int half) {
     return _mm256_permute_ps(_mm256_permute2f128_ps(lo, hi, half ? 0x31 : 0x20), 0xd8);
 }
 
-static inline __attribute__((always_inline)) void unpacked_unit2(int64_t k, int parity, const unpacked_row *u,
-                                                                 const q_row *x, int nr, v16 *acc) {
-    const float *a = u->a + k / GROUP;
-    const v16 b = {_mm256_loadu_ps(u->b + k / GROUP), _mm256_loadu_ps(u->b + k / GROUP + 8)};
-    __m256i codes[4][2];
-    for (int c = 0; c < 4; c++)
-        for (int h = 0; h < 2; h++)
-            codes[c][h] = _mm256_load_si256((const __m256i *)(u->codes + k + 64 * c + 32 * h));
-    const __m256 first = _mm256_loadu_ps(a), second = _mm256_loadu_ps(a + 8);
-    v16 a01, a23;
-    spread_groups(groups_in_order(first, second, 0), groups_in_order(first, second, 1), &a01, &a23);
-    spread_rows2(codes, a01, a23, b, x, nr, k, parity, acc);
-}
-
 /* A Q4_K or Q5_K block's a = d * scale (the first 8 of `order`'s bytes) and b' = -(dmin * min) (the last 8), each
    as `order` picks them from scales s0 .. s7, mins m0 .. m7 (bytes 0-7, 8-15): the 6-bit scales and mins of the 12
    bytes after d and dmin, as `scales_and_mins` unpacks them, then one byte shuffle. */
@@ -237,11 +223,11 @@ static inline __attribute__((always_inline)) void dots_of(int type, const uint8_
     v16 acc[2 * Q_ROWS];
     for (int r = 0; r < 2 * width; r++)
         acc[r] = v16_zero();
-    switch (type) {
-    case 12: UNITS_IN_PAIRS(q4_K_unit2, in, w, x, width, acc) break;
-    case 14: UNITS_IN_PAIRS(q6_K_unit2, in, w, x, width, acc) break;
-    default: UNITS_IN_PAIRS(unpacked_unit2, padded, u, x, width, acc) break;
-    }
+    (void)u, (void)padded; /* (every type here has its fused loop: `has_fused_dots`) */
+    if (type == 12)
+        UNITS_IN_PAIRS(q4_K_unit2, in, w, x, width, acc)
+    else
+        UNITS_IN_PAIRS(q6_K_unit2, in, w, x, width, acc)
     for (int r = 0; r < nr && r < width; r++)
         sums[r] = hsum16_lanes(v16_plus(acc[2 * r], acc[2 * r + 1]));
 }
