@@ -19,7 +19,7 @@
      row more than its products. The rows' blocks are read as they lie and each output's block sums brought into
      lanes afterwards, so a lone SmolLM2 step is no slower than before (9.5-11.6 -> 8.4-9.8 ms).
    `v_direct_below` says where one gives way to the other. AVX2 builds run the same sums with eight outputs to the
-   lanes, straight from the blocks (`blocks32_avx2.c`); plain C builds lane by lane in scalar code: the same bits
+   lanes, from the blocks as they lie (`blocks32_avx2.c`); plain C builds lane by lane in scalar code: the same bits
    on every instruction set, for a row alone or in any batch, on any thread count. */
 
 #define V_OUT 16  /* outputs a tile holds: one per lane */

@@ -1,5 +1,6 @@
 /* The 32-value block types' 8-bit products on AVX2 (no AVX-512 VNNI): `blocks32.c`'s sums, in its order, with
-   eight outputs to the lanes and the blocks read as they lie (no tiles). #included by blocks32.c.
+   eight outputs to the lanes and the blocks read as they lie (no tile copies: from four rows up a block's codes are
+   turned one output to a lane in registers, `v2_tile_rows`). #included by blocks32.c.
 
    Per block and output, the exact integer i: vpmaddubsw of the block's unsigned codes (Q4_0 ... Q5_1: below 32, so
    a pair of products stays within 16 bits) with the row's codes, vpmaddwd by ones, the 8 partial sums of each of
@@ -14,7 +15,7 @@
 #define V2_ROWS 16
 /* From how many rows a product takes tiles (`v2_tile_rows`): SmolLM2's Q4_1 1536x576 on a Zen 3, one thread, 3 rows
    level, 4 rows 142 -> 122 us, 16 rows (two threads) 300 -> 218 us, 48 rows 742 -> 508 us. Q8_0 (its LM head,
-   49152x576, old and new in turn): 4 rows 1.12-1.20x, 8 rows 1.23-1.24x, 16 rows 1.27-1.29x (6.7 ms, two threads). */
+   49152x576, old and new in turn): 4 rows 1.13-1.16x, 8 rows 1.17-1.22x, 16 rows 1.20-1.28x (7.3 ms, two threads). */
 #define V2_TILE_ROWS 4
 
 /* A block's 32 codes in order (value j at byte j), unsigned (c + offset), or Q8_0's signed c. */
@@ -154,9 +155,8 @@ static inline __attribute__((always_inline)) void v2_rows(const block_type *t, c
     }
 }
 
-/* `v2_rows`' tiles for one type, a constant where this is inlined (`v2_tiles`): the offset term and
-   the minimum's multiply-add only where the type has them (m = 0 added nothing: acc, never -0.0, keeps its bits),
-   and each row's codes, scale, code sum and d times it read at fixed distances from its start (the rows lie
+/* `v2_rows`' tiles for one type, a constant where this is inlined (`v2_tiles`): the offset term only where the type
+   has one, and each row's codes, scale, code sum and d times it read at fixed distances from its start (the rows lie
    `x_bytes` apart) rather than through four pointers a row; a block's eight sums added as a tree. A row and block of
    Q4_1 took 46 instructions, now 38: SmolLM2's Q4_1 1536x576 on a Zen 3, 16 rows, one thread 290-304 -> 266 us,
    two 165-196 -> 145-169 (old and new in turn, one process); 6 rows 1.07-1.29x. Q8_0 here too (`v2_q8_tile_dot`).
@@ -191,8 +191,8 @@ static inline __attribute__((always_inline)) void v2_tile_rows(const int type, c
                 dot = _mm256_add_epi32(dot, _mm256_set1_epi32(-offset * *(const word *)(total + step)));
             const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(*(const real *)(scale + step)));
             __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), ds);
-            if (minimum)
-                v = _mm256_fmadd_ps(m, _mm256_set1_ps(*(const real *)(share + step)), v);
+            /* (also where m = 0: 0 times a share that overflowed to inf is NaN, as in the scalar loop) */
+            v = _mm256_fmadd_ps(m, _mm256_set1_ps(*(const real *)(share + step)), v);
             acc[r] = _mm256_add_ps(acc[r], v);
         }
     }
