@@ -18,6 +18,11 @@
    49152x576, old and new in turn): 4 rows 1.13-1.16x, 8 rows 1.17-1.22x, 16 rows 1.20-1.28x (7.3 ms, two threads). */
 #define V2_TILE_ROWS 4
 
+/* A quantized row's int32 and float fields read at any byte address (four codes at once, a block's code sum, its
+   scale): no aliasing assumed, no alignment needed. */
+typedef int32_t __attribute__((may_alias, aligned(1))) v2_word;
+typedef float __attribute__((may_alias, aligned(1))) v2_real;
+
 /* A block's 32 codes in order (value j at byte j), unsigned (c + offset), or Q8_0's signed c. */
 static inline __m256i v2_codes(int type, const uint8_t *block) {
     if (type == 8)
@@ -90,8 +95,7 @@ static inline void v2_transposed(const __m256i *c, __m256i *t) {
    integers, so the same bits. */
 static inline __m256i v2_tile_dot(int five, const __m256i *lanes, const int8_t *codes) {
     const __m256i ones = _mm256_set1_epi16(1);
-    typedef int32_t __attribute__((may_alias, aligned(1))) four_codes; /* (read through: no aliasing, any address) */
-    const four_codes *q = (const four_codes *)codes;
+    const v2_word *q = (const v2_word *)codes;
     __m256i p[8]; /* summed as a tree, not a chain of seven: a row's latency halves (any order: the same integers) */
     for (int k = 0; k < 8; k++)
         p[k] = _mm256_maddubs_epi16(lanes[k], _mm256_set1_epi32(q[k]));
@@ -105,8 +109,7 @@ static inline __m256i v2_tile_dot(int five, const __m256i *lanes, const int8_t *
    pair of products within 16 bits but no two pairs, so each of the eight vpmaddubsw goes to 32 bits by itself. */
 static inline __m256i v2_q8_tile_dot(const __m256i *magnitudes, const __m256i *signs, const int8_t *codes) {
     const __m256i ones = _mm256_set1_epi16(1);
-    typedef int32_t __attribute__((may_alias, aligned(1))) four_codes;
-    const four_codes *q = (const four_codes *)codes;
+    const v2_word *q = (const v2_word *)codes;
     __m256i p[8];
     for (int k = 0; k < 8; k++)
         p[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes[k], _mm256_sign_epi8(_mm256_set1_epi32(q[k]),
@@ -169,8 +172,6 @@ static inline __attribute__((always_inline)) void v2_tile_rows(const int type, c
     const int five = type == 6 || type == 7;
     const int offset = type == 2 ? 8 : type == 6 ? 16 : 0, minimum = type == 3 || type == 7;
     const int64_t nb = padded / 32;
-    typedef int32_t __attribute__((may_alias, aligned(1))) word;
-    typedef float __attribute__((may_alias, aligned(1))) real;
     for (int r = 0; r < nr; r++)
         acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
@@ -188,11 +189,11 @@ static inline __attribute__((always_inline)) void v2_tile_rows(const int type, c
             __m256i dot = type == 8 ? v2_q8_tile_dot(lanes, signs, (const int8_t *)(q + step))
                                     : v2_tile_dot(five, lanes, (const int8_t *)(q + step));
             if (offset)
-                dot = _mm256_add_epi32(dot, _mm256_set1_epi32(-offset * *(const word *)(total + step)));
-            const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(*(const real *)(scale + step)));
+                dot = _mm256_add_epi32(dot, _mm256_set1_epi32(-offset * *(const v2_word *)(total + step)));
+            const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(*(const v2_real *)(scale + step)));
             __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), ds);
             /* (also where m = 0: 0 times a share that overflowed to inf is NaN, as in the scalar loop) */
-            v = _mm256_fmadd_ps(m, _mm256_set1_ps(*(const real *)(share + step)), v);
+            v = _mm256_fmadd_ps(m, _mm256_set1_ps(*(const v2_real *)(share + step)), v);
             acc[r] = _mm256_add_ps(acc[r], v);
         }
     }
