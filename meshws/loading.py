@@ -6,13 +6,16 @@ from .config import NodeSettings
 from .model.backend import ShardBackend
 
 
-def load_backend(settings: NodeSettings, threads: int | None = None) -> ShardBackend:
+def load_backend(settings: NodeSettings, threads: int | None = None,
+                 span: tuple[int, int] | None = None) -> ShardBackend:
+    """The shard of `span` (else --layers; all layers when they say none)."""
     from .model.shard import ModelShard, ShardSettings
 
-    start, end = settings.layers if isinstance(settings.layers, tuple) else (0, None)
+    start, end = span or (settings.layers if isinstance(settings.layers, tuple) else (0, None))
     shard_settings = ShardSettings(dtype=settings.dtype, wire_dtype=settings.wire_dtype,
                                    max_sessions=settings.max_sessions, cache_ttl=settings.cache_ttl,
-                                   max_cache_bytes=settings.max_cache_bytes, threads=threads or settings.threads,
+                                   max_cache_bytes=settings.max_cache_bytes, memory=settings.memory,
+                                   threads=threads or settings.threads,
                                    compute=settings.compute, quant=settings.quant, compile=settings.compile,
                                    matmul=settings.matmul)
     return ModelShard(settings.model, start, end, shard_settings, cache_dir=settings.cache_dir)

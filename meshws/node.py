@@ -23,7 +23,7 @@ import logging
 import signal
 import socket
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from aiohttp import web
 
@@ -38,24 +38,26 @@ from .config import NodeSettings, parse_settings
 from .cores import CoreShare
 from .head.membership import RegistryEndpoints
 from .head.planner import RoutePlanner
+from .head.rebalance import Placement
 from .head.registry import Registry
-from .head.routes import NoRoute, chain_gaps
 from .head.service import HeadService, build_head
 from .head.timing import RecentLaps
 from .loading import check_role, load_backend
 from .mesh.addresses import host_of, is_loopback
+from .mesh.aio import until
 from .mesh.auth import CHALLENGE_PATH
 from .mesh.compute import ComputeWorker
 from .mesh.inbound import ShardLimits
 from .mesh.link import Link
 from .mesh.link_pool import LinkPool
-from .mesh.membership import Announcer, ask_assignment
+from .mesh.membership import Announcer
 from .mesh.metrics import NodeMetrics
 from .mesh.reverse import ReverseDialer, ReverseEndpoint, cannot_dial
 from .mesh.shard_service import ShardService
 from .mesh.wire import ChainHop, Hello
 from .model import blas
 from .model.backend import ShardBackend
+from .placement import ROLES, NodeCapacity, PlanFollower, budget_problem, head_placement
 from .reports import NodeReports
 
 log = logging.getLogger("meshws.node")
@@ -66,7 +68,8 @@ class Node(NodeReports):
         self.settings = settings
         self.backend = backend
         self.cores: CoreShare | None = None  # this host's cores, shared with its other nodes
-        self.role = settings.role
+        self.auto = settings.layers == "auto"  # placed by the head's plan (a head: placing itself too)
+        self.role = "middle" if self.auto and settings.role != "head" else settings.role  # (until placed)
         self.started = time.time()
         self.recent_laps = RecentLaps()  # what the last answers found on the route (links' times, shards' loads)
         self.port: int | None = None
@@ -78,6 +81,8 @@ class Node(NodeReports):
         self.head: HeadService | None = None
         self.planner: RoutePlanner | None = None
         self.registry: Registry | None = None
+        self.placement: Placement | None = None  # a head's: the plan in force, and moves
+        self.follower: PlanFollower | None = None  # an automatic node's side of it
         self.announcer: Announcer | None = None
         self.registry_endpoints: RegistryEndpoints | None = None
         self._runner: web.AppRunner | None = None
@@ -103,17 +108,21 @@ class Node(NodeReports):
 
     async def start(self) -> int:
         if self.backend is None:
-            if self.settings.layers == "auto":
-                await self._take_assigned_layers()
             if self.settings.threads is None:  # nodes on this host split its cores (`cores`)
                 try:
                     self.cores = CoreShare()
                 except OSError as exc:
                     log.warning("not sharing this host's cores with other nodes: %s", exc)
-            self.backend = await asyncio.to_thread(load_backend, self.settings, self.cores and self.cores.threads)
-            problem = check_role(self.role, self.backend)
+            first = ((0, 1) if self.role == "head" else (1, 2)) if self.auto else None  # then: the plan's
+            self.backend = await asyncio.to_thread(load_backend, self.settings, self.cores and self.cores.threads,
+                                                   first)
+            problem = "" if self.auto else check_role(self.role, self.backend)
+            if not problem and self.settings.memory is not None and self.backend.costs is not None:
+                problem = budget_problem(self.backend.costs, self.settings.memory, None if self.auto else self.span,
+                                         ROLES[self.settings.role] if self.auto else ())
             if problem:
                 raise SystemExit(problem)
+        self.capacity = NodeCapacity(self)
         sock = socket.create_server((self.settings.host, self.settings.port))
         self.port = sock.getsockname()[1]  # the real port when 0 was asked
         scheme = "wss" if self.server_ssl else "ws"
@@ -124,10 +133,10 @@ class Node(NodeReports):
                                     retune=self.cores.retune if self.cores else functools.partial(
                                         blas.set_threads, self.settings.threads or blas.threads()),
                                     micro_batches=self._micro_batches, rest=self.cores.rest if self.cores else None,
-                                    whole_wave=self._one_wave)
+                                    whole_wave=self._one_wave, timed=self.capacity.step_timed)
         sessions = self.backend.sessions
         self.metrics = NodeMetrics(sessions=lambda: len(sessions), cache_bytes=lambda: sessions.total_bytes,
-                                   weight_bytes=self.backend.weight_bytes, weights=self.backend.weight_facts)
+                                   weight_bytes=lambda: self.shard.weight_bytes, weights=self.backend.weight_facts)
         self.metrics.watch_compute(lambda: self.worker.queued, lambda: self.worker.busy_seconds)
         guard = RequestGuard([self.settings.host, self._public_host(), host_of(self.advertise)],
                              self.settings.allowed_hosts, self.settings.cors_origins,
@@ -140,6 +149,7 @@ class Node(NodeReports):
         app.router.add_get(CHALLENGE_PATH, self.access.challenge)
         app.cleanup_ctx.append(self._worker_ctx)
         app.cleanup_ctx.append(self._links_ctx)
+        app.cleanup_ctx.append(self.capacity.probe_ctx)  # (a speed before joining or planning)
         if self.role in ("middle", "tail"):
             self._mount_shard_service(app)
         if self.role in ("head", "full"):
@@ -169,7 +179,7 @@ class Node(NodeReports):
         busy = self._busy()
         if busy:
             log.info("%s draining: waiting up to %g s for %d running", self.name, self.settings.drain_timeout, busy)
-        if not await _until(lambda: not self._busy() or self.hurry.is_set(), self.settings.drain_timeout) \
+        if not await until(lambda: not self._busy() or self.hurry.is_set(), self.settings.drain_timeout) \
                 or self._busy():
             log.warning("%s: %d still running (drain over: timed out or cut short); closing them", self.name,
                         self._busy())
@@ -180,7 +190,7 @@ class Node(NodeReports):
         if self._runner is None:
             return
         if self.head is not None and self.head.generations:  # cancelled again until gone: a cancel can be lost
-            await _until(lambda: not self.head or not self.head.queue.cancel_running(), 5.0)
+            await until(lambda: not self.head or not self.head.queue.cancel_running(), 5.0)
         if self.announcer is not None:
             await self.announcer.stop()
         await self.links.close()
@@ -228,8 +238,11 @@ class Node(NodeReports):
         assert self.shard_service is not None
         reverse = ReverseDialer(lambda: self.advertise, self.shard_service.serve_link, self.settings.secret,
                                 self.client_ssl, self.settings.max_frame_bytes, self.links)
+        follower = self.follower = PlanFollower(self) if self.auto else None
         self.announcer = Announcer(self.settings.join or "", self._announcement, self.settings.secret,
-                                   self.client_ssl, reverse)
+                                   self.client_ssl, reverse, on_answer=follower.heard if follower else lambda _: None,
+                                   on_round_trip=self.capacity.round_trip,
+                                   hurry=lambda: bool(follower and follower.moving))
         self.announcer.start()
         yield
         await self.announcer.stop()
@@ -238,9 +251,12 @@ class Node(NodeReports):
         """The head's surfaces: the OpenAI API, /ws/chat, the chat page, and the registry."""
         backend = self.shard
         self.registry = Registry(backend.model_id, backend.total_layers, ttl=self.settings.registry_ttl)
-        self.planner = RoutePlanner(self.name, self.span, backend.total_layers, backend.model_id, self.links,
+        self.planner = RoutePlanner(self.name, lambda: self.span, backend.total_layers, backend.model_id, self.links,
                                     self.registry, self.settings.peer, full=self.role == "full")
         self.head = build_head(backend, self.worker, self.planner, self.settings, self._generation_finished)
+        if self.role == "head" and backend.costs is not None:
+            placement = self.planner.placement = self.placement = head_placement(self, self.capacity)
+            app.cleanup_ctx.append(placement.run_ctx)
         queue = self.head.queue
         app.cleanup_ctx.append(self.head.warm_ctx)
         self.metrics.watch_reuse(lambda: self.head.reuse, lambda: self.head.warm.evictions)
@@ -253,9 +269,11 @@ class Node(NodeReports):
         if not add_page_routes(app):
             log.warning("the chat page is not installed with this package; / is not served")
         endpoints = self.registry_endpoints = RegistryEndpoints(
-            self.registry, self.span, on_join=lambda record: self.links.get(record.url), on_leave=self.links.discard,
+            self.registry, on_join=lambda record: self.links.get(record.url), on_leave=self.links.discard,
             authorize=self.access.authorize, insecure=self.settings.insecure and not self.settings.secret,
-            precheck=self.access.precheck, unreachable=functools.partial(cannot_dial, self.links))
+            precheck=self.access.precheck, unreachable=functools.partial(cannot_dial, self.links),
+            **({"instruction": self.placement.instruction, "expected": self.placement.expected}
+               if self.placement else {}))
         endpoints.add_routes(app)
         app.cleanup_ctx.append(endpoints.expiry_ctx)
 
@@ -263,17 +281,12 @@ class Node(NodeReports):
         host = self.settings.host
         return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
 
-    async def _take_assigned_layers(self) -> None:
-        start, end, total = await ask_assignment(self.settings.join or "", self.settings.secret, self.client_ssl)
-        self.settings.layers = (start, end)
-        self.role = self.settings.role = "tail" if end == total else "middle"
-        log.info("the head assigned layers %d-%d: this node is a %s", start, end - 1, self.role)
-
     def _announcement(self) -> dict[str, Any]:
         sessions = len(self.shard.sessions)
         return {"url": self.advertise, "node": self.name, "model": self.shard.model_id,
                 "layers": list(self.span), "role": self.role, "load": sessions, "draining": self.draining,
-                "capacity": max(0, self.settings.max_sessions - sessions)}
+                "capacity": max(0, self.settings.max_sessions - sessions), "measured": self.capacity.measured(),
+                **(self.follower.report() if self.follower else {})}
 
     # -- links and the chain --------------------------------------------------
 
@@ -302,21 +315,6 @@ class Node(NodeReports):
             return own
         return own + list(link.peer_hello.chain)
 
-    def _chain_state(self) -> tuple[list[dict[str, Any]], list[str]]:
-        """The chain to show (the route a generation would take now, on a head) and its problems."""
-        if self.planner is not None:
-            try:
-                return self.planner.plan().view, []
-            except NoRoute as exc:
-                return [ChainHop(self.name, self.span).to_wire()], [str(exc)]
-        chain = self.chain()
-        problems = chain_gaps([hop.layers for hop in chain], self.shard.total_layers, start=self.span[0])
-        if self.settings.peer and self.role == "middle":
-            link = self.links.get(self.settings.peer)
-            if not link.is_up:
-                problems.insert(0, f"next hop {link.url} is {link.status()}")
-        return [hop.to_wire() for hop in chain], problems
-
 
 async def serve(settings: NodeSettings) -> None:
     node = Node(settings)
@@ -342,16 +340,6 @@ async def serve(settings: NodeSettings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, node.hurry.set)
     await node.shutdown()
-
-
-async def _until(done: Callable[[], bool], timeout: float) -> bool:
-    """Wait until `done()` (polled) or `timeout` seconds; whether it came true."""
-    deadline = time.monotonic() + timeout
-    while not done():
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m meshws.node") -> None:

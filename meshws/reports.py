@@ -16,6 +16,8 @@ from aiohttp import web
 from . import heap
 from .api.errors import json_response, public_text
 from .head.generation import GenerationStats
+from .head.routes import NoRoute, chain_gaps
+from .mesh.wire import ChainHop
 from .model.memory import process_memory
 
 log = logging.getLogger("meshws.node")
@@ -50,6 +52,7 @@ class NodeReports:
                         # (start, end, rows) of the last jobs, on this host's monotonic clock
                         "recent_steps": [[round(a, 4), round(b, 4), rows] for a, b, rows in list(self.worker.recent)]},
             "heap": heap.describe(),  # objects kept out of the garbage collector; its pauses since
+            "capacity": self.capacity.describe(),  # measured speed, memory budget, link: what placement weighs
             "links": [link.describe() for link in self.links.all()],
             "chain": chain,
             "problems": reasons,
@@ -71,12 +74,35 @@ class NodeReports:
             info["recent_laps"] = self.recent_laps.view()  # each link's share of a lap, each shard's load
         if self.registry is not None:
             info["nodes"] = [record.describe() for record in self.registry.nodes()]
+        if self.placement is not None:
+            info["plan"] = self.placement.describe()  # which node serves which layers, and moves
+        if self.follower is not None:
+            info["placement"] = {"auto": True, "serving_plan": self.follower.serving, "moving": self.follower.moving}
         if self.announcer is not None:
             info["joined"] = self.announcer.joined  # every head named by --join took the last heartbeat
             info["joined_heads"] = sorted(self.announcer.joined_heads)
             if self.announcer.reverse is not None:  # hops that could not dial this node: it dials them
                 info["dialing_in"] = self.announcer.reverse.describe()
         return info
+
+    def _chain_state(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """The chain to show (the route a generation would take now, on a head) and its problems (on a head that
+        places layers, what its plan cannot serve first)."""
+        if self.planner is not None:
+            placement = self.placement
+            missing = [f"plan: {placement.live.missing}"] if placement is not None and placement.active \
+                and placement.live is not None and placement.live.missing else []
+            try:
+                return self.planner.plan().view, missing
+            except NoRoute as exc:
+                return [ChainHop(self.name, self.span).to_wire()], missing + [str(exc)]
+        chain = self.chain()
+        problems = chain_gaps([hop.layers for hop in chain], self.shard.total_layers, start=self.span[0])
+        if self.settings.peer and self.role == "middle":
+            link = self.links.get(self.settings.peer)
+            if not link.is_up:
+                problems.insert(0, f"next hop {link.url} is {link.status()}")
+        return [hop.to_wire() for hop in chain], problems
 
     async def _health(self, request: web.Request) -> web.Response:
         """200 while the node can serve, 503 with the reasons while it cannot (a gap in the layers, a next hop

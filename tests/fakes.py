@@ -49,6 +49,14 @@ class FakeBackend:
     supports_batching = False
     weight_bytes = 0
     compute_facts = {"path": "fake"}
+    costs = None  # (not measured: its steps are scripted, and no placement runs on it)
+    lm_head_seconds = 0.0
+
+    def prepare_span(self, start: int, end: int):
+        raise ValueError("a fake backend does not move")
+
+    def adopt(self, parts) -> int:
+        raise ValueError("a fake backend does not move")
 
     def weight_facts(self):
         return {"source": "fake", "mapped_bytes": 0, "resident_bytes": 0}

@@ -9,6 +9,7 @@ fails, avoiding the hop that failed (the one a timeout blames, when it can tell)
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from ..mesh.auth import sign_route
@@ -19,8 +20,11 @@ from ..model.cache_store import KVCacheMiss
 from ..model.sampling import SamplingParams
 from .planner import RoutePlanner
 from .routes import NoRoute, Route
+from .stats import GenerationStats
 
 LINK_WAIT = 5.0  # seconds to wait for a link that is still being dialed
+MAX_FAILOVERS = 3  # re-routes per generation before its error is reported
+log = logging.getLogger("meshws.generation")
 
 
 class PipelineError(Exception):
@@ -47,9 +51,10 @@ class HopChannel:
         link.subscribe(sid, self._replies.put_nowait)
 
     async def open(self, sampling: SamplingParams, prompt_tokens: int, route: tuple[RouteHop, ...],
-                   resume: bool = False, fork: tuple[str, int] | None = None) -> None:
+                   resume: bool = False, fork: tuple[str, int] | None = None,
+                   layers: tuple[int, int] | None = None) -> None:
         mac = sign_route(self.secret, self.sid, [hop.to_wire() for hop in route]) if self.secret and route else None
-        message = Open(self.sid, sampling, prompt_tokens, route, mac, resume, fork)
+        message = Open(self.sid, sampling, prompt_tokens, route, mac, resume, fork, layers)
         self.hung_url = None if route else self.link.url  # behind a dialed route, any of its hops may hang
         if not self.link.is_up:
             await self.link.wait_up(LINK_WAIT)
@@ -117,18 +122,18 @@ class RoutedPath:
         planner = self.planner
         route, self.planned = self.planned, None  # admitted and held already
         try:
-            self.route = route or planner.hold(planner.plan(self.avoid))
+            self.route = route or planner.hold(await planner.plan_settled(self.sid, self.avoid))
         except NoRoute as exc:
             raise PipelineError(str(exc)) from exc
         if self.route.link is not None:
             self.channel = HopChannel(self.route.link, self.sid, self.step_timeout, self.compress_min_bytes,
                                       self.secret)
-            await self.channel.open(sampling, prompt_tokens, self.route.hops, fork=fork)
+            await self.channel.open(sampling, prompt_tokens, self.route.hops, fork=fork, layers=self.route.layers)
 
     async def resume(self, sampling: SamplingParams, prompt_tokens: int) -> None:
         """A conversation's next answer on the same route: every hop keeps its cache and takes the new sampling."""
         if self.channel is not None and self.route is not None:
-            await self.channel.open(sampling, prompt_tokens, self.route.hops, resume=True)
+            await self.channel.open(sampling, prompt_tokens, self.route.hops, resume=True, layers=self.route.layers)
 
     async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None,
                    drafts: tuple[int, ...] = ()) -> TailTokenResult:
@@ -156,6 +161,21 @@ class RoutedPath:
                 await self.open(sampling, prompt_tokens)
             except PipelineError as again:
                 raise PipelineError(f"{failure}; and no other route: {again}", again.lost, again.url) from again
+
+    async def failover(self, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int,
+                       stats: GenerationStats) -> None:
+        """Route around `failure`; again while the new route's first hop is lost too and failovers remain."""
+        while True:
+            stats.failovers += 1
+            log.warning("session %s: %s; re-routing (failover %d)", stats.sid[:12], failure, stats.failovers)
+            try:
+                await self.reroute(failure, sampling, prompt_tokens)
+                stats.route = self.view
+                return
+            except PipelineError as again:
+                if not again.lost or stats.failovers >= MAX_FAILOVERS:
+                    raise
+                failure = again
 
     async def close(self) -> None:
         if self.channel is not None:

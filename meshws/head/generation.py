@@ -6,7 +6,8 @@ session id. A hop that answers without a `token_id` (a stateless, legacy tail)
 gets a full re-prefill every step, and an empty text from it ends the
 generation. A hop lost mid-generation (link dropped, no answer in time) is
 routed around: a new route without it, the same session id, a re-prefill.
-EOS stops by token id, never by text. Whatever ends the loop (EOS,
+While the head moves layers (`rebalance`), a generation parks at its next step
+and goes on the same way on the new plan. EOS stops by token id, never by text. Whatever ends the loop (EOS,
 `max_tokens`, the consumer closing the iterator, an error), the channel is
 closed, which releases the session's caches on every shard.
 """
@@ -27,7 +28,7 @@ from ..model.backend import DecodeStep, PrefillStep, ShardBackend, TailTokenResu
 from ..model.cache_store import KVCacheMiss
 from ..model.sampling import SamplingParams
 from .admission import Slot
-from .channel import PipelineError, RoutedPath
+from .channel import MAX_FAILOVERS, PipelineError, RoutedPath
 from .conversation import Conversation
 from .drafts import NgramDrafter, Speculation
 from .planner import RoutePlanner
@@ -39,7 +40,6 @@ from .timing import LapTimes
 log = logging.getLogger("meshws.generation")
 
 MAX_CONSECUTIVE_CACHE_MISSES = 8
-MAX_FAILOVERS = 3  # re-routes per generation before its error is reported
 
 
 class Generator:
@@ -210,6 +210,16 @@ class Generator:
         ahead: tuple[asyncio.Future, list[float]] | None = None  # the next lap's head step (`_timed`), queued early
         try:
             while len(sequence) < request.max_tokens:
+                placement = self.planner.placement
+                if placement is not None and placement.switching and path.channel is not None:
+                    if ahead is not None:  # computed on the head's layers as they were: not wanted
+                        _abandon(ahead[0])
+                        ahead = None
+                    log.info("session %s: parked while layers move", sid[:12])  # (`rebalance`)
+                    await self._release(path, sid)  # every hop and the head drop its caches
+                    await path.open(sampling, len(sequence.prompt_ids))  # on the new plan, once in force
+                    stats.moves, stats.route = stats.moves + 1, path.view
+                    need_prefill, sequence.reuse = True, 0  # prompt and tokens so far again
                 sequence.step += 1
                 stats.prefills += 1 if need_prefill else 0
                 try:
@@ -230,7 +240,7 @@ class Generator:
                         raise
                     log.warning("session %s: lost a lap with %d drafts", sid[:12],
                                 0 if need_prefill else len(sequence.drafts))
-                    await self._reroute(path, exc, sampling, len(sequence.prompt_ids), stats)
+                    await path.failover(exc, sampling, len(sequence.prompt_ids), stats)
                     need_prefill, sequence.reuse = True, 0
                     continue
                 except ValueError as exc:  # a step refused by a backend (bad length, dtype...)
@@ -280,22 +290,6 @@ class Generator:
         finally:
             if ahead is not None:  # closed (a stop string, a client gone) or failed before that lap: not wanted
                 _abandon(ahead[0])
-
-    @staticmethod
-    async def _reroute(path: RoutedPath, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int,
-                       stats: GenerationStats) -> None:
-        """Route around `failure`; again while the new route's first hop is lost too and failovers remain."""
-        while True:
-            stats.failovers += 1
-            log.warning("session %s: %s; re-routing (failover %d)", stats.sid[:12], failure, stats.failovers)
-            try:
-                await path.reroute(failure, sampling, prompt_tokens)
-                stats.route = path.view
-                return
-            except PipelineError as again:
-                if not again.lost or stats.failovers >= MAX_FAILOVERS:
-                    raise
-                failure = again
 
     async def _lap(self, sid: str, step: int, prefill: bool, sequence: Progress, sampling: SamplingParams,
                    path: RoutedPath, times: LapTimes, early: tuple[asyncio.Future, list[float]] | None = None) \

@@ -1,5 +1,8 @@
-"""Joining a mesh, the head's side: `/mesh/join`, `/mesh/leave`, `/mesh/assign` and expiry.
+"""Joining a mesh, the head's side: `/mesh/join`, `/mesh/leave` and expiry.
 
+A join carries the node's measured capacity (`measured`: seconds per mean layer, memory budget, the heartbeat's
+round trip), checked here: a value that is negative, not finite or absurd refuses the join. The answer to an
+automatic node's heartbeat carries the span its head's plan gives it (`rebalance.Placement.instruction`).
 The joining node's side (the heartbeat it sends) is `meshws.mesh.membership`.
 """
 
@@ -16,7 +19,7 @@ from aiohttp import web
 
 from ..mesh.log_limit import LogLimiter
 from .registry import Registry
-from .routes import NodeRecord, NoRoute
+from .routes import NodeRecord
 
 log = logging.getLogger("meshws.membership")
 
@@ -25,19 +28,26 @@ MAX_NODES = 256  # joined nodes a head keeps at once
 MAX_BODY_BYTES = 64 * 1024  # a join is a few hundred bytes
 BODY_SECONDS = 10.0  # for a /mesh body to arrive whole
 MAX_LOAD = 1_000_000  # load and capacity above this are clamped
+MAX_LAYER_MS = 60_000.0  # a measured speed slower than a minute per layer per token is not believed
+MAX_LINK_MS = 60_000.0
+MAX_MEMORY = 2**50  # a memory budget above a pebibyte is not believed
+MAX_VERSION = 2**53
 Authorize = Callable[[web.Request, bytes], "str | None"]  # None, or why the request may not do this
 
 
 class RegistryEndpoints:
     """The head's side: keeps `Registry` current from announcements and expiry."""
 
-    def __init__(self, registry: Registry, head_span: tuple[int, int],
+    def __init__(self, registry: Registry,
                  on_join: Callable[[NodeRecord], None], on_leave: Callable[[str], None],
                  authorize: Authorize, insecure: bool = False,
                  precheck: Callable[[web.Request], "str | None"] = lambda request: None,
-                 unreachable: Callable[[str], bool] = lambda url: False) -> None:
+                 unreachable: Callable[[str], bool] = lambda url: False,
+                 instruction: Callable[[str], "dict[str, Any] | None"] = lambda url: None,
+                 expected: Callable[[str], "tuple[int, int] | None"] = lambda url: None) -> None:
         self.registry = registry
-        self.head_span = head_span
+        self.instruction = instruction  # the span the plan gives an automatic node (`rebalance`)
+        self.expected = expected  # the span an automatic node is moving to (its link may say it first)
         self.on_join = on_join
         self.on_leave = on_leave
         self.authorize = authorize
@@ -50,7 +60,6 @@ class RegistryEndpoints:
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/mesh/join", self.join)
         app.router.add_post("/mesh/leave", self.leave)
-        app.router.add_get("/mesh/assign", self.assign)
 
     async def expiry_ctx(self, app: web.Application) -> AsyncIterator[None]:
         """Drop nodes whose heartbeats stopped, while the app runs (an aiohttp cleanup context)."""
@@ -100,6 +109,9 @@ class RegistryEndpoints:
             log.info("node %s joined: %s layers %d-%d", record.node, record.url, record.layers[0], record.layers[1] - 1)
             self.on_join(record)
         answer: dict[str, Any] = {"ok": True, "ttl": self.registry.ttl}
+        instruction = self.instruction(record.url) if record.auto else None
+        if instruction is not None:
+            answer["plan"] = instruction
         if self.unreachable(record.url):  # alive (it just announced) yet not dialable: it dials in (mesh.reverse)
             nodes = [node for node in self.registry.nodes() if node.url != record.url]
             before = [node.url for node in nodes if node.layers[1] == record.layers[0]][:16]
@@ -121,23 +133,13 @@ class RegistryEndpoints:
             self.on_leave(url)
         return web.json_response({"ok": True})
 
-    async def assign(self, request: web.Request) -> web.Response:
-        refusal = self.authorize(request, b"")
-        if refusal:
-            self.log_limit.log("refused", logging.WARNING, "refused %s from %s: %s", request.path, request.remote,
-                               refusal)
-            return web.json_response({"error": refusal}, status=401)
-        try:
-            start, end = self.registry.assign(self.head_span)
-        except NoRoute as exc:
-            return web.json_response({"error": str(exc)}, status=409)
-        return web.json_response({"layers": [start, end], "model": self.registry.model,
-                                  "total_layers": self.registry.total_layers})
-
     def check_link(self, url: str, model: str, layers: tuple[int, int]) -> bool:
         """A joined node's link said who it is: drop its record unless that is what it claimed."""
         record = next((r for r in self.registry.nodes() if r.url == url), None)
         if record is None or (record.layers == layers and model == self.registry.model):
+            return True
+        if record.auto and layers == self.expected(url) and model == self.registry.model:
+            record.layers = layers  # moved as the plan says, before its heartbeat said so
             return True
         log.warning("node at %s claimed layers %s but its link says %s of %s; dropped", url, list(record.layers),
                     list(layers), model)
@@ -172,11 +174,47 @@ def _record(data: Any) -> NodeRecord:
         raise ValueError("node must be a string")
     if role not in ("middle", "tail"):
         raise ValueError("role must be middle or tail")
-    draining = data.get("draining", False)
-    if not isinstance(draining, bool):
-        raise ValueError("draining must be true or false")
-    return NodeRecord(url=url.rstrip("/"), node=node, model=model, layers=(layers[0], layers[1]), role=role,
-                      capacity=_count(data, "capacity"), load=_count(data, "load"), draining=draining)
+    draining, auto = data.get("draining", False), data.get("auto", False)
+    if not isinstance(draining, bool) or not isinstance(auto, bool):
+        raise ValueError("draining and auto must be true or false")
+    roles = data.get("roles", ["middle", "tail"])
+    if not isinstance(roles, list) or not roles or not set(roles) <= {"middle", "tail"} or len(roles) > 2:
+        raise ValueError("roles must list middle, tail or both")
+    record = NodeRecord(url=url.rstrip("/"), node=node, model=model, layers=(layers[0], layers[1]), role=role,
+                        capacity=_count(data, "capacity"), load=_count(data, "load"), draining=draining, auto=auto,
+                        roles=tuple(dict.fromkeys(roles)))
+    measured = data.get("measured")
+    if measured is not None:
+        if not isinstance(measured, dict):
+            raise ValueError("measured must be an object")
+        record.layer_seconds = _measure(measured, "layer_ms", 1e-6, MAX_LAYER_MS) / 1000
+        record.link_seconds = _measure(measured, "link_ms", 0.0, MAX_LINK_MS, default=0.0) / 1000
+        if measured.get("lm_head_ms") is not None:
+            record.lm_head_seconds = _measure(measured, "lm_head_ms", 1e-6, MAX_LAYER_MS) / 1000
+        memory = measured.get("memory")
+        if memory is not None and (not _is_int(memory) or not 0 < memory <= MAX_MEMORY):
+            raise ValueError(f"measured.memory must be a whole number of bytes in (0, {MAX_MEMORY}]")
+        record.memory = memory
+    plan = data.get("plan", {})
+    if not isinstance(plan, dict):
+        raise ValueError("plan must be an object")
+    for name in ("serving", "prepared"):
+        value = plan.get(name, 0)
+        if not _is_int(value) or not 0 <= value <= MAX_VERSION:
+            raise ValueError(f"plan.{name} must be a plan version (a whole number >= 0)")
+        setattr(record, name, value)
+    return record
+
+
+def _measure(data: dict[str, Any], name: str, least: float, most: float, default: float | None = None) -> float:
+    """A measured figure: finite, within [least, most] (a join claiming an impossible speed is refused)."""
+    value = data.get(name, default)
+    if value is None:
+        raise ValueError(f"measured.{name} is missing")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not least <= value <= most:
+        raise ValueError(f"measured.{name} must be a finite number in [{least:g}, {most:g}], not {value!r}")
+    return float(value)
 
 
 def _is_int(value: Any) -> bool:

@@ -1,7 +1,10 @@
 """The head's route planner: which nodes a new generation goes through, and how loaded each is.
 
 Candidates are the joined nodes the head has a live link to, plus the `--peer`
-chain (one static hop that covers the layers its hello's chain covers). A route is
+chain (one static hop that covers the layers its hello's chain covers). While the
+head places layers itself (`rebalance.Placement`: the head or a joined node runs
+`--layers auto`), only the nodes of the plan in force serve, each on its planned span,
+and while the plan changes a new route waits for it to settle. A route is
 planned once per generation (and again only to go around a failed hop); while a
 generation holds a route, each of its hops counts one more in flight, so
 concurrent generations spread over replicas.
@@ -9,7 +12,10 @@ concurrent generations spread over replicas.
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import time
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..mesh.link import Link
 from ..mesh.link_pool import LinkPool
@@ -18,14 +24,18 @@ from ..mesh.wire import RouteHop
 from .registry import Registry
 from .routes import NodeRecord, NoRoute, Route, chain_gaps, plan_hops
 
+if TYPE_CHECKING:
+    from .rebalance import Placement
+
 RELAYED_HOP_COST = 8.0  # a relayed hop, in generations in flight
 
 
 class RoutePlanner:
-    def __init__(self, name: str, span: tuple[int, int], total_layers: int, model_id: str, links: LinkPool,
-                 registry: Registry | None, static_peer: str | None, full: bool) -> None:
+    def __init__(self, name: str, span: Callable[[], tuple[int, int]], total_layers: int, model_id: str,
+                 links: LinkPool, registry: Registry | None, static_peer: str | None, full: bool) -> None:
         self.name = name
-        self.span = span
+        self._span = span  # the head's own layers (they move when the head places itself)
+        self.placement: Placement | None = None  # set on a head whose registry places layers
         self.total_layers = total_layers
         self.model_id = model_id
         self.links = links
@@ -33,6 +43,10 @@ class RoutePlanner:
         self.static_peer = static_peer
         self.full = full  # a full node runs every layer itself: zero hops
         self._inflight: dict[str, int] = {}  # generations routed through each hop, by URL
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self._span()
 
     def plan(self, exclude: set[str] | None = None) -> Route:
         """The route of a new generation: fewest hops, then least loaded. NoRoute says why there is none."""
@@ -57,7 +71,31 @@ class RoutePlanner:
             else:
                 view.append({"node": hop.node, "layers": list(hop.layers), "url": hop.url})
         after = () if hops[0].static else tuple(RouteHop(h.url, h.layers) for h in hops[1:])
-        return Route(self.links.get(hops[0].url), after, view, [hop.url for hop in hops])
+        return Route(self.links.get(hops[0].url), after, view, [hop.url for hop in hops],
+                     layers=None if hops[0].static else hops[0].layers)
+
+    async def plan_settled(self, sid: str, exclude: set[str] | None = None) -> Route:
+        """`plan`; where the head places layers, once a move under way has ended, and waiting (up to the
+        placement's SETTLE_WAIT) for a route while the plan re-forms around a node that went. With placement, a
+        route through a node to avoid is taken when there is no other: the plan in force chose it."""
+        placement = self.placement
+        if placement is None or not placement.active:
+            return self.plan(exclude)
+        from .rebalance import SETTLE_WAIT
+
+        deadline = time.monotonic() + SETTLE_WAIT
+        with placement.waiting(sid):
+            while True:
+                await placement.wait_settled()
+                try:
+                    return self.plan(exclude)
+                except NoRoute:
+                    if exclude:
+                        with suppress(NoRoute):
+                            return self.plan()
+                    if time.monotonic() >= deadline:
+                        raise
+                await asyncio.sleep(0.25)
 
     def _hop_cost(self, before: NodeRecord | None, record: NodeRecord) -> float:
         """A hop the head relays (neither side can dial the other: `mesh.relay`) crosses the head's network twice:
@@ -83,6 +121,9 @@ class RoutePlanner:
         """Nodes a route may use now: joined ones the head can reach, and the --peer chain."""
         records = [r for r in self.registry.nodes() if not r.draining and self.links.get(r.url).is_up] \
             if self.registry else []
+        placement = self.placement
+        if placement is not None and placement.active:
+            records = [record for record in records if placement.routable(record)]
         link = self._peer_link()
         peer = link.peer_hello if link is not None and link.is_up else None
         if link is not None and peer is not None and peer.chain:

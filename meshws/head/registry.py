@@ -1,24 +1,19 @@
-"""The head's registry of joined nodes, and which span a `--layers auto` node should take.
+"""The head's registry of joined nodes.
 
 Nodes started with `--join` announce themselves to the head (endpoint, model,
-layers, free cache capacity, load) and repeat it as a heartbeat; a node not
-heard from for `ttl` seconds is dropped, whoever notices first (the expiry loop, or a
-read such as `nodes()`), and every drop is told to `on_expire` (the head closes its link
-and logs it), so a dead node is never re-dialed nor shown. `--layers auto`: a joining node takes the
-first span no node serves (the whole gap); when every layer is served, it
-replicates the least-served span that some node already serves (fewest replicas,
-then the lowest layers). Spans handed out are reserved for a while so nodes
-joining together spread out.
+layers, free cache capacity, load, measured speed and memory budget) and repeat it
+as a heartbeat; a node not heard from for `ttl` seconds is dropped, whoever notices
+first (the expiry loop, or a read such as `nodes()`), and every drop is told to
+`on_expire` (the head closes its link and logs it), so a dead node is never re-dialed
+nor shown. Which layers an automatic node serves is the placement's (`rebalance`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable
+from typing import Callable
 
-from .routes import NodeRecord, NoRoute
-
-MAX_RESERVED_PER_SPAN = 8  # --layers auto grants remembered per span (more askers share the last answer)
+from .routes import NodeRecord
 
 
 class Registry:
@@ -31,7 +26,6 @@ class Registry:
         self.on_expire = on_expire  # told of every record dropped for silence, once
         self._clock = clock
         self._nodes: dict[str, NodeRecord] = {}
-        self._reserved: dict[tuple[int, int], list[float]] = {}  # span -> expiry times of --layers auto grants
 
     def announce(self, record: NodeRecord) -> None:
         if record.model != self.model:
@@ -41,9 +35,6 @@ class Registry:
             raise ValueError(f"layers [{start}, {end}) do not fit after the head in {self.total_layers} layers")
         record.last_seen = self._clock()
         self._nodes[record.url] = record
-        grants = self._reserved.get(record.layers)
-        if grants:
-            grants.pop(0)
 
     def leave(self, url: str) -> bool:
         return self._nodes.pop(url, None) is not None
@@ -64,42 +55,4 @@ class Registry:
             del self._nodes[record.url]
         for record in gone:
             self.on_expire(record)
-        for span in list(self._reserved):
-            self._reserved[span] = [t for t in self._reserved[span] if t > now]
-            if not self._reserved[span]:
-                del self._reserved[span]
         return gone
-
-    def assign(self, head_span: tuple[int, int], reserve_seconds: float = 120.0) -> tuple[int, int]:
-        """The span a `--layers auto` node should take (see the module's docstring)."""
-        counts = [0] * self.total_layers
-        spans: set[tuple[int, int]] = set()
-        for start, end in [head_span] + [r.layers for r in self.nodes()] + list(self._reserved_spans()):
-            for layer in range(start, end):
-                counts[layer] += 1
-            if start > 0:
-                spans.add((start, end))
-        gap = _first_gap(counts)
-        if gap is not None:
-            span = gap
-        elif spans:
-            span = min(spans, key=lambda s: (min(counts[s[0]:s[1]]), s))
-        else:
-            raise NoRoute("the head serves every layer; there is nothing to take")
-        grants = self._reserved.setdefault(span, [])
-        if len(grants) < MAX_RESERVED_PER_SPAN:
-            grants.append(self._clock() + reserve_seconds)
-        return span
-
-    def _reserved_spans(self) -> Iterable[tuple[int, int]]:
-        for span, grants in self._reserved.items():
-            for _ in grants:
-                yield span
-
-
-def _first_gap(counts: list[int]) -> tuple[int, int] | None:
-    start = next((i for i, n in enumerate(counts) if n == 0), None)
-    if start is None:
-        return None
-    end = next((i for i in range(start, len(counts)) if counts[i] > 0), len(counts))
-    return start, end

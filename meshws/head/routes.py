@@ -32,11 +32,25 @@ class NodeRecord:
     last_seen: float = field(default_factory=time.monotonic)
     static: bool = False  # the --peer chain (not joined; never expires)
     draining: bool = False  # shutting down: its sessions finish, new ones go elsewhere
+    auto: bool = False  # placed by the head's plan (--layers auto); else its layers are its own (hand-placed)
+    roles: tuple[str, ...] = ("middle", "tail")  # what an automatic node may become
+    layer_seconds: float | None = None  # measured: seconds per mean layer per token (`model.speed`)
+    lm_head_seconds: float | None = None  # measured on a tail: its LM head's seconds per token
+    memory: int | None = None  # bytes of weights and KV caches it may hold (--memory)
+    link_seconds: float = 0.0  # its heartbeat's round trip to this head
+    serving: int = 0  # the plan version an automatic node serves (0: none yet)
+    prepared: int = 0  # the plan version whose span it has loaded beside the one it serves
 
     def describe(self) -> dict[str, Any]:
-        return {"url": self.url, "node": self.node, "layers": list(self.layers), "role": self.role,
+        view = {"url": self.url, "node": self.node, "layers": list(self.layers), "role": self.role,
                 "capacity": self.capacity, "load": self.load, "static": self.static, "draining": self.draining,
-                "last_seen_s": round(time.monotonic() - self.last_seen, 1)}
+                "last_seen_s": round(time.monotonic() - self.last_seen, 1), "auto": self.auto}
+        if self.layer_seconds is not None:
+            view["measured"] = {"layer_ms": round(self.layer_seconds * 1000, 4), "memory": self.memory,
+                                "link_ms": round(self.link_seconds * 1000, 3),
+                                "lm_head_ms": None if self.lm_head_seconds is None else
+                                round(self.lm_head_seconds * 1000, 4)}
+        return view
 
 
 @dataclass
@@ -45,6 +59,7 @@ class Route:
     hops: tuple[RouteHop, ...] = ()  # hops after the first, sent in `open`
     view: list[dict[str, Any]] = field(default_factory=list)  # every node and its layers, for people
     urls: list[str] = field(default_factory=list)  # the hops' endpoints, first hop first
+    layers: tuple[int, int] | None = None  # the first hop's span as planned (its `open` says so; None: --peer)
     on_done: Callable[[], None] | None = None  # set while a generation holds the route
 
     def release(self) -> None:

@@ -107,6 +107,9 @@ class HeadService:
         `release()` the admission when the request ends (the generation releases it too,
         after its session's release has run).
         """
+        placement = self._planner.placement
+        if placement is not None and placement.switching:
+            await placement.wait_settled()  # layers are moving: a route on the new plan, in a moment
         try:
             self._planner.plan()  # no route: refused now rather than after a wait
             slot = await self.queue.enter()
@@ -172,6 +175,18 @@ class HeadService:
     async def end_conversation(self, conversation: Conversation) -> None:
         """Close a conversation's session on every hop (a /ws/chat reset or close)."""
         await self._generator.end(conversation)
+
+    def running_sessions(self) -> set[str]:
+        """The sessions of the generations running now."""
+        return set(self._generator.active)
+
+    async def end_idle_conversations(self) -> None:
+        """Close every session kept between answers that no answer runs on now (layers are moving: each one's next
+        answer opens a new session)."""
+        generator = self._generator
+        for sid, conversation in list(generator.kept.items()):
+            if sid not in generator.active:
+                await generator.end(conversation)
 
     @property
     def conversations(self) -> int:

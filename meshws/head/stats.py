@@ -59,6 +59,7 @@ class GenerationStats:
     prefills: int = 0
     cache_misses: int = 0
     failovers: int = 0
+    moves: int = 0  # times it parked while the head moved layers (`rebalance`), then went on, prefilled again
     cached_tokens: int = 0  # prompt tokens a conversation's caches already held
     speculation: Speculation | None = None  # the answer's drafts, when the head guesses
     times: LapTimes = field(default_factory=LapTimes)  # where the laps' time went

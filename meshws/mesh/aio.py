@@ -1,9 +1,20 @@
-"""A small asyncio helper: cleanup that a cancellation cannot cut short."""
+"""Small asyncio helpers: cleanup that a cancellation cannot cut short, and waiting for a condition."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Coroutine
+import time
+from typing import Any, Callable, Coroutine
+
+
+async def until(done: Callable[[], bool], timeout: float) -> bool:
+    """Wait until `done()` (polled every 50 ms) or `timeout` seconds; whether it came true."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 async def run_uncancelled(coroutine: Coroutine[Any, Any, Any]) -> None:

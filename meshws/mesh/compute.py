@@ -53,8 +53,10 @@ class ComputeWorker(Waves):
     def __init__(self, backend: ShardBackend, max_batch: int = MAX_BATCH,
                  live_sessions: Callable[[], int] = lambda: 1, prefill_chunk: int = PREFILL_CHUNK,
                  retune: Callable[[], None] | None = None, micro_batches: Callable[[], int] = lambda: 1,
-                 rest: Callable[[], None] | None = None, whole_wave: Callable[[], bool] = lambda: False) -> None:
+                 rest: Callable[[], None] | None = None, whole_wave: Callable[[], bool] = lambda: False,
+                 timed: Callable[[float, float], None] | None = None) -> None:
         self.backend = backend
+        self.timed = timed  # told each lone decode step's seconds, and its LM head's (the node's speed: `model.speed`)
         self.max_batch = max_batch
         self.prefill_chunk = max(1, prefill_chunk)
         # How many sessions could send a decode step soon. The steps of one round arrive microseconds apart: with
@@ -83,20 +85,17 @@ class ComputeWorker(Waves):
         self._thread = threading.Thread(target=self._serve, name="meshws-compute", daemon=True)
         self._thread.start()
 
-    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run `fn` on the worker thread."""
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:  # `fn` on the worker thread
         return await self._submit(_Job(functools.partial(fn, *args, **kwargs), None, *self._future()))
 
-    async def decode(self, step: DecodeStep) -> StepResult:
-        """A decode step, batched with other sessions' steps waiting at the same time."""
+    async def decode(self, step: DecodeStep) -> StepResult:  # batched with the steps waiting at the same time
         return await self.decode_now(step)
 
     def decode_now(self, step: DecodeStep) -> asyncio.Future:
         """`decode`, queued at once rather than when awaited: its result's future (cancel it: the step is skipped)."""
         return self._enqueue(_Job(None, step, *self._future()))
 
-    async def prefill(self, step: PrefillStep) -> StepResult:
-        """A prefill (or a multi-token step), run in chunks of `prefill_chunk` tokens between other work."""
+    async def prefill(self, step: PrefillStep) -> StepResult:  # in chunks of `prefill_chunk` tokens, between work
         return await self.prefill_now(step)
 
     def prefill_now(self, step: PrefillStep) -> asyncio.Future:
@@ -120,14 +119,12 @@ class ComputeWorker(Waves):
             self._in_flight.back(session_id)
             self._ready.notify()
 
-    def counts(self) -> dict[str, int]:
-        """What the worker has run so far, by kind (`/health`)."""
+    def counts(self) -> dict[str, int]:  # what the worker has run so far, by kind (`/health`)
         return {"decode_batches": self.batches, "batched_steps": self.batched_steps, "prefill_chunks": self.chunks,
                 "prefill_batches": self.prefill_batches, "rides": self.rides, "lingers": self.lingers}
 
     @property
-    def queued(self) -> int:
-        """Jobs waiting (not the one running)."""
+    def queued(self) -> int:  # jobs waiting (not the one running)
         with self._ready:
             return len(self._urgent) + len(self._decodes) + len(self._others)
 
@@ -214,10 +211,8 @@ class ComputeWorker(Waves):
 
     @staticmethod
     def _hint(call: Callable[[], None] | None) -> None:
-        if call is None:
-            return
         try:
-            call()
+            call() if call is not None else None
         except Exception:  # a tuning hint: never a reason for the worker to stop
             pass
 
@@ -319,10 +314,15 @@ class ComputeWorker(Waves):
 
     def _alone(self, job: _Job) -> Any:
         """A decode step on the one-row path: its result, or the exception for its caller (never lost here)."""
+        began, lm_head = time.perf_counter(), self.backend.lm_head_seconds
         try:
-            return decode_alone(self.backend, job.step)  # type: ignore[arg-type]
+            result = decode_alone(self.backend, job.step)  # type: ignore[arg-type]
         except BaseException as exc:
             return exc
+        if self.timed is not None:
+            self._hint(functools.partial(self.timed, time.perf_counter() - began,
+                                         self.backend.lm_head_seconds - lm_head))
+        return result
 
     def _delivered(self, batch: list[_Job], results: list[Any]) -> None:
         """A decode batch's results to their callers."""

@@ -1,19 +1,23 @@
-"""Joining a mesh, the node's side: the heartbeat a joined node sends, and `--layers auto`.
+"""Joining a mesh, the node's side: the heartbeat a joined node sends.
 
 A middle or tail started with `--join http://HEAD:PORT` POSTs its record to
 `/mesh/join` every `HEARTBEAT` seconds (the first POST joins, later ones are the
 heartbeat) and `/mesh/leave` when it stops. `--join` may name several heads,
 comma-separated: the node announces itself to each (so heads behind one load balancer
 share a pool of shards), and one head that is down does not hold up the others.
-`--layers auto` asks the first head, `GET /mesh/assign`, which span to load before
-loading anything. A head that cannot dial the node says so in its answer, with the
-hops to dial instead (`mesh.reverse`). The head's side is `meshws.head.membership`.
+A record carries the node's measured capacity; each heartbeat's round trip is timed
+(`on_round_trip`). An automatic node (`--layers auto`) follows the plan of the first
+head only: that head's answers go to `on_answer`, and the others hear the node as
+placed where it is. While it moves (`hurry`), it beats every `HURRIED` seconds. A head
+that cannot dial the node says so in its answer, with the hops to dial instead
+(`mesh.reverse`). The head's side is `meshws.head.membership`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Callable
 
 import aiohttp
@@ -25,6 +29,7 @@ from .reverse import ReverseDialer
 log = logging.getLogger("meshws.membership")
 
 HEARTBEAT = 2.0  # seconds between a joined node's announcements
+HURRIED = 0.25  # ... while it moves its layers
 MAX_DIAL_IN = 16  # hops one head may ask this node to dial
 
 
@@ -50,8 +55,14 @@ class Announcer:
     """A joined node's side: announce to every head, repeat as a heartbeat, leave them all on stop."""
 
     def __init__(self, heads: str, record: Callable[[], dict[str, Any]], secret: str | None = None,
-                 ssl: Any = True, reverse: ReverseDialer | None = None) -> None:
+                 ssl: Any = True, reverse: ReverseDialer | None = None,
+                 on_answer: Callable[[Any], None] = lambda answer: None,
+                 on_round_trip: Callable[[float], None] = lambda seconds: None,
+                 hurry: Callable[[], bool] = lambda: False) -> None:
         self.heads = head_urls(heads)
+        self.on_answer = on_answer  # the first head's answers (an automatic node's plan)
+        self.on_round_trip = on_round_trip  # each heartbeat's seconds there and back
+        self.hurry = hurry  # beat every HURRIED seconds while this is true
         self.reverse = reverse  # dials the hops a head says cannot dial this node
         self._dial_in: dict[str, list[tuple[str, str | None]]] = {}  # per head: the sockets it asked for
         self.record = record
@@ -88,7 +99,8 @@ class Announcer:
 
     async def _announce(self, client: aiohttp.ClientSession, head: str) -> None:
         try:
-            await post_signed(client, head, "/mesh/join", self.record(), self.secret, self.ssl)
+            self._answered(head, await post_signed(client, head, "/mesh/join", self._record(head), self.secret,
+                                                   self.ssl))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError, ValueError):
             pass  # the heartbeat tries again
 
@@ -103,8 +115,11 @@ class Announcer:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as client:
             while True:
                 try:
-                    self._heard(head, await post_signed(client, head, "/mesh/join", self.record(), self.secret,
-                                                        self.ssl))
+                    began = time.monotonic()
+                    answer = await post_signed(client, head, "/mesh/join", self._record(head), self.secret, self.ssl)
+                    self.on_round_trip(time.monotonic() - began)
+                    self._heard(head, answer)
+                    self._answered(head, answer)
                     if head not in self.joined_heads:
                         log.info("joined the mesh at %s", head)
                     self.joined_heads.add(head)
@@ -114,8 +129,16 @@ class Announcer:
                     if failures == 1 or failures % 15 == 0:
                         log.warning("cannot announce to %s (%s); retrying", head, exc)
                     self.joined_heads.discard(head)
-                await asyncio.sleep(HEARTBEAT)
+                await asyncio.sleep(HURRIED if self.hurry() else HEARTBEAT)
 
+    def _record(self, head: str) -> dict[str, Any]:
+        """The record for `head`: an automatic node is placed by its first head; to the others, where it is."""
+        record = self.record()
+        return record if head == self.heads[0] else {**record, "auto": False}
+
+    def _answered(self, head: str, answer: Any) -> None:
+        if head == self.heads[0]:
+            self.on_answer(answer)
 
     def _heard(self, head: str, answer: Any) -> None:
         """A head's answer to a heartbeat: if it cannot dial this node, the sockets to dial instead (to it, to
@@ -141,22 +164,3 @@ def _urls(listed: Any) -> list[str]:
     listed = listed if isinstance(listed, list) else []
     return [url for url in listed[:MAX_DIAL_IN]
             if isinstance(url, str) and len(url) <= 512 and url.startswith(("ws://", "wss://"))]
-
-
-async def ask_assignment(head: str, secret: str | None, ssl: Any = True) -> tuple[int, int, int]:
-    """`--layers auto`: the span the (first) head wants this node to serve (retries until it answers)."""
-    delay = 0.5
-    head = head_urls(head)[0]
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
-        while True:
-            try:
-                headers = await signed_headers(client, head, secret, "GET", "/mesh/assign", ssl=ssl)
-                async with client.get(f"{head}/mesh/assign", headers=headers, ssl=ssl) as response:
-                    body = await response.json(content_type=None)
-                    if response.status == 200:
-                        return body["layers"][0], body["layers"][1], body["total_layers"]
-                    raise RuntimeError(body.get("error"))
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError, KeyError, ValueError) as exc:
-                log.warning("asking %s for layers failed (%s); retrying", head, exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)

@@ -27,15 +27,15 @@ STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.
 class NodeMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, sessions: Callable[[], int], cache_bytes: Callable[[], int], weight_bytes: int = 0,
-                 weights: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(self, sessions: Callable[[], int], cache_bytes: Callable[[], int],
+                 weight_bytes: Callable[[], int] = lambda: 0, weights: Callable[[], dict[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, cpu seconds, open fds
         PlatformCollector(registry=self.registry)  # python_info
         GCCollector(registry=self.registry)  # python_gc_*
         self.weight_bytes = Gauge("meshws_weight_bytes", "Bytes of the weights this node's shard holds",
                                   registry=self.registry)
-        self.weight_bytes.set(weight_bytes)
+        self.weight_bytes.set_function(weight_bytes)  # (read at each scrape: placement may move the layers)
         if weights is not None:  # a GGUF's tensors, mapped: what this node maps, what is resident now, and by type
             self.registry.register(_WeightCollector(weights))
         self.peak_resident_bytes = Gauge("meshws_peak_resident_bytes", "Peak resident memory of this process",

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator
+from dataclasses import replace
+from typing import Any, AsyncIterator
 
 from aiohttp import web
 
@@ -29,19 +30,29 @@ IDLE_LINK_SECONDS = 60.0  # a link to a next hop no session used for this long i
 
 
 class NextHops:
-    def __init__(self, is_tail: bool, end: int, links: LinkPool, static_peer: str | None, secret: str | None,
+    def __init__(self, backend: Any, links: LinkPool, static_peer: str | None, secret: str | None,
                  open_routes: bool) -> None:
-        self.is_tail = is_tail
-        self.end = end  # this node's last layer + 1: where the next hop must start
+        self.backend = backend  # its span: where the next hop must start (it moves with placement)
         self.links = links
         self.static_peer = static_peer
         self.secret = secret
         self.open_routes = open_routes  # --insecure without a secret: unsigned routes are dialed too
 
+    @property
+    def is_tail(self) -> bool:
+        return bool(self.backend.is_tail)
+
+    @property
+    def end(self) -> int:
+        """This node's last layer + 1: where the next hop must start."""
+        return int(self.backend.end)
+
     def onward(self, message: Open, route: tuple[RouteHop, ...]) -> Open:
-        """The `open` to send to the next hop: the rest of the route, signed again."""
+        """The `open` to send to the next hop: the rest of the route, signed again, and the next hop's own span as the
+        route names it (empty route: the --peer, whose span the route does not say)."""
         mac = sign_route(self.secret, message.sid, [hop.to_wire() for hop in route]) if self.secret and route else None
-        return Open(message.sid, message.sampling, message.prompt_tokens, route, mac, message.resume, message.fork)
+        layers = message.route[0].layers if message.route else None
+        return replace(message, route=route, route_mac=mac, layers=layers)
 
     def choose(self, message: Open) -> tuple[str | None, tuple[RouteHop, ...]]:
         """The URL of the next hop and the hops after it; an empty route means: use --peer."""

@@ -1,12 +1,11 @@
 """`/ws/shard`: the session channels a middle or tail node serves for the hop before it.
 
-One inbound websocket carries many sessions. `open` records a session (its
-sampling settings, its next hop) and travels on; `fwd` frames run through the
-shard on the compute worker, then go to the next hop or, on the tail, come back
-as `token`; `close` drops the session's cache here and travels on. When the
-inbound link drops, every session that came over it is released the same way.
-A bad frame gets an `error` frame naming the problem; the link and its other
-sessions go on.
+One inbound websocket carries many sessions. `open` records a session (its sampling settings, its next
+hop) and travels on; `fwd` frames run through the shard on the compute worker, then go to the next hop or,
+on the tail, come back as `token`; `close` drops the session's cache here and travels on. When the inbound
+link drops, every session that came over it is released the same way. A bad frame gets an `error` frame
+naming the problem; the link and its other sessions go on. When the node's layers move (placement), every
+session ends as lost first (`move`).
 
 The read loop never waits for compute, so a link answers pings during any step:
 tensor frames run as tasks (`shard_steps`), and the slow part of a control frame (a
@@ -42,6 +41,7 @@ from .wire.fields import MAX_CHAIN
 
 log = logging.getLogger("meshws.shard_service")
 
+MAX_MOVED_AWAY = 4096  # sessions ended by moves whose late steps are still answered "lost"
 OPEN_LINK_WAIT = 5.0  # seconds an `open` waits for a next-hop link that is still dialing
 HELLO_WAIT = 15.0  # seconds a dialer has to send its hello
 
@@ -76,8 +76,8 @@ class ShardService:
         self.authorize = authorize
         self.limits = limits
         self.draining = False  # SIGTERM: sessions running finish; new ones are refused as lost
-        self.url: str | None = None  # this node's address as heads know it (its advertised one)
-        self.next_hops = NextHops(backend.is_tail, backend.end, links, static_peer, secret, open_routes)
+        self.moving = False  # its layers are being replaced: new sessions are refused as lost
+        self.next_hops = NextHops(backend, links, static_peer, secret, open_routes)
         self.log_limit = LogLimiter(log)
         self.inbound: set[web.WebSocketResponse] = set()
         self.sessions: dict[str, InboundSession] = {}  # every live session on this node
@@ -87,6 +87,9 @@ class ShardService:
                                 max_frame_bytes=max_frame_bytes, compress_min_bytes=compress_min_bytes,
                                 send=self._send, refuse=self._error, spawn=self._spawn)
         self.decode_log = self.steps.decode_log
+
+    url = property(lambda self: self.steps.url, lambda self, value: setattr(self.steps, "url", value),
+                   doc="This node's address as heads know it (its advertised one).")
 
     def note_decode_step(self, sid: str, now: float | None = None) -> int | None:
         return self.decode_log.note(sid, time.monotonic() if now is None else now)
@@ -161,6 +164,28 @@ class ShardService:
         await self._send_ws(ws, self.hello())
         return hello.node
 
+    async def move(self, adopt: Callable[[], Coroutine[Any, Any, Any]]) -> int:
+        """Replace this node's layers (`adopt`) with no session crossing the change: new sessions are refused as
+        lost meanwhile, every session ends first (the hop before hears each as lost, and a step of it that comes
+        later is answered lost too, so its head routes it anew), then the inbound links hear the new hello. How many
+        sessions ended."""
+        self.moving = True
+        try:
+            ended = list(self.sessions.values())
+            for session in ended:
+                if session.link is not None:
+                    await self._send(session.link, Error(f"{self.node_name}: its layers moved; route around it",
+                                                         session.sid, None, True, self.url))
+                self._end(session, reason="layers moved")
+                self.steps.moved_away[session.sid] = None
+            while len(self.steps.moved_away) > MAX_MOVED_AWAY:
+                del self.steps.moved_away[next(iter(self.steps.moved_away))]
+            await adopt()
+        finally:
+            self.moving = False
+        await self.announce()
+        return len(ended)
+
     async def announce(self) -> None:
         """Send an updated hello (our chain changed) to every inbound link."""
         for ws in list(self.inbound):
@@ -194,10 +219,17 @@ class ShardService:
         except ValueError as exc:
             await self._error(link, sid, None, f"bad open: {exc}", "bad_frame")
             return
-        if self.draining:  # lost: the head routes the session around this node, as if it had gone
-            self.metrics.errors.labels("draining").inc()
-            await self._send(link, Error(f"{self.node_name} is shutting down; route around it", sid, None, True,
-                                         self.url))
+        if self.draining or self.moving:  # lost: the head routes the session around this node, as if it had gone
+            self.metrics.errors.labels("draining" if self.draining else "moved").inc()
+            doing = "shutting down" if self.draining else "moving its layers"
+            await self._send(link, Error(f"{self.node_name} is {doing}; route around it", sid, None, True, self.url))
+            return
+        span = (self.backend.start, self.backend.end)
+        if message.layers is not None and message.layers != span:  # moved since the route was planned: lost too
+            self.metrics.errors.labels("moved").inc()
+            await self._send(link, Error(f"{self.node_name} serves layers {span[0]}-{span[1] - 1} now, not "
+                                         f"{message.layers[0]}-{message.layers[1] - 1}; route around it", sid, None,
+                                         True, self.url))
             return
         earlier = self.sessions.get(sid)
         next_hop = self.links.get(next_url) if next_url else None

@@ -71,6 +71,8 @@ class ShardSteps:
         self._refuse = refuse
         self._spawn = spawn
         self.decode_log = DecodeLogThrottle()
+        self.moved_away: dict[str, None] = {}  # sessions a move of this node's layers ended (`ShardService.move`)
+        self.url: str | None = None  # this node's advertised address
         self.inflated_bytes = 0  # what the compressed frames of steps in flight hold once inflated (all links)
         self.log_limit = LogLimiter(log)
 
@@ -119,6 +121,10 @@ class ShardSteps:
         """One step: its session must be open on this link and idle, its header fit; then it takes a slot."""
         sid = header.sid
         session = self.sessions.get(sid) if sid in link.owned else None
+        if session is None and sid in self.moved_away:  # (a step sent before its hop heard the move: lost too)
+            await self._lost(link, sid, header.step, f"{self.node_name}: its layers moved; route around it",
+                             self.url or "")
+            return
         if session is None:
             await self._refuse(link, sid, header.step, f"unknown session {sid}: send open first", "unknown_session")
             return

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Generator, Protocol, Sequence, runtime_ch
 
 if TYPE_CHECKING:
     from .cache_store import SessionCacheStore
+    from .costs import ModelCosts
     from .sampling import SamplingParams
 
 # Dtype names hidden states may travel in, and their sizes in bytes.
@@ -119,6 +120,11 @@ class ShardBackend(Protocol):
     def weight_facts(self) -> dict[str, Any]: ...  # its weights: mapped and resident bytes, block types (/health)
     sessions: SessionCacheStore
     tokenizer: Any  # the head's tokenizer (chat template); None elsewhere
+    costs: ModelCosts | None  # what each part of the model costs (placement); None: not measured (a test's fake)
+    lm_head_seconds: float  # spent in the LM head so far (a tail's: placement weighs it apart from the layers)
+
+    def prepare_span(self, start: int, end: int) -> Any: ...  # a move's first half: another span loaded beside
+    def adopt(self, parts: Any) -> int: ...  # its second half, on the compute thread: serve them (caches dropped)
 
     def eos_token_ids(self) -> list[int]: ...
 

@@ -30,6 +30,7 @@ class ShardSettings:
     max_sessions: int = 64  # KV caches held at once (LRU beyond)
     cache_ttl: float = 600.0  # seconds an idle session's cache is kept
     max_cache_bytes: int | None = None  # byte budget for all KV caches (LRU beyond); None: sized from free memory
+    memory: int | None = None  # bytes of weights and KV caches this node may hold: KV gets what the weights leave
     threads: int | None = None  # torch intra-op threads; None = torch's default
     compute: str = "auto"  # "lean" (packed weights, `lean`), "transformers", or "auto": lean where it exists
     quant: str | None = None  # "int8": int8 linear weights (needs the lean path); None or "none": float

@@ -12,19 +12,17 @@ import logging
 import os
 import time
 from dataclasses import replace
-from math import prod
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from . import blas
 from .backend import DecodeStep, PrefillRun, PrefillStep, StepResult, TailTokenResult, TensorPayload, TokenLogprob
 from .batched import Rows, decode_rows, prefill_rows, prefills_together
-from .block_types import type_name
 from .cache_store import KVCacheMiss, SessionCacheStore
 from .compiled import compile_lean
 from .constraints import Grammars
+from .shard_facts import ShardFacts
 from .gguf_model import GgufModel
 from .memory import default_cache_budget, give_back, process_memory, tensor_bytes
 from .native import kernels
@@ -39,51 +37,82 @@ from .weights import eos_ids
 log = logging.getLogger("meshws.shard")
 
 
-class ModelShard:
+class ModelShard(ShardFacts):
     def __init__(self, model: str | ResolvedModel | None, start: int, end: int | None = None,
                  settings: ShardSettings | None = None, cache_dir: Path | str | None = None) -> None:
         self.settings, self.dtype_reason = (settings or ShardSettings()).checked()
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         started = time.monotonic()
         resolved = model if isinstance(model, ResolvedModel) else locate_model(model, cache_dir)
+        self.resolved, self.cache_dir = resolved, cache_dir
         self.model_id = resolved.model_id
-        self.parts = self._load(resolved, start, end)
+        parts = self._load(resolved, start, end)
         if self.settings.dtype_was_auto:
             log.info("compute: %s (%s)", self.settings.dtype, self.dtype_reason)
-        parts = self.parts
-        self.layout, self.lean, self.model = parts.layout, parts.lean, parts.model
-        self.compute_dtype, self.hidden_size = parts.compute_dtype, parts.hidden_size
-        self.vocab_size, self.context_length = parts.vocab_size, parts.context_length
-        self.matmul, self.matmul_reason = parts.matmul
-        self.weight_bytes = parts.gguf.mapped_bytes() if parts.gguf is not None else \
-            tensor_bytes(self.held_tensors()) + (self.lean.kept_bytes if self.lean else 0)
-        self.tokenizer = load_tokenizer(resolved) if self.layout.is_head else None
-        budget = self.settings.max_cache_bytes
-        if budget is None:
-            budget = default_cache_budget()
-            if budget is not None:
-                log.info("KV cache budget %.0f MiB (half the memory free now; --max-cache-bytes sets it)",
-                         budget / 2**20)
+        self.tokenizer = load_tokenizer(resolved) if parts.layout.is_head else None
         self.sessions = SessionCacheStore(max_sessions=self.settings.max_sessions, ttl_seconds=self.settings.cache_ttl,
-                                          max_bytes=budget, measure=cache_length, emptied=give_back)
-        self.layers = SessionLayers(parts.run, parts.new_cache, self.sessions, self.start,
-                                    label=f"model {self.model_id}")
-        self.rows: Rows = parts.rows
-        self.supports_batching = self.rows.fits  # else decode_batch runs the steps one by one
+                                          max_bytes=None, measure=cache_length, emptied=give_back)
+        self.compile_seconds: float | None = None
+        self.lm_head_seconds = 0.0  # spent in the LM head so far (placement weighs a tail's apart: `speed`)
+        self._use(parts)
         # Structured output, on a tail: masks need the tokenizer (the head's; a tail loads it at its first grammar).
         self.grammars = Grammars(lambda: self.tokenizer or load_tokenizer(resolved), self.vocab_size)
         self._eos_ids = parts.eos_ids if parts.gguf is not None else eos_ids(resolved.folder, parts.model.config,
                                                                               self.tokenizer)
         if parts.gguf is not None and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self._eos_ids = list(dict.fromkeys([*self._eos_ids, int(self.tokenizer.eos_token_id)]))
-        self.compile_seconds: float | None = None
-        if self.settings.compile:
-            self.compile_seconds = compile_lean(self, cache_dir)
         memory = process_memory()
         log.info("layers %d-%d of %s (%s): %.0f MiB of weights; process resident %.0f MiB, peak %.0f MiB; "
                  "ready in %.1f s", start, self.end - 1, self.model_id, self.compute_path,
                  self.weight_bytes / 2**20, memory["resident_bytes"] / 2**20, memory["peak_resident_bytes"] / 2**20,
                  time.monotonic() - started)
+
+    def _use(self, parts: ShardParts) -> None:
+        """Serve `parts`: what depends on the span (the layers, their weights' bytes, the KV budget)."""
+        self.parts = parts
+        self.layout, self.lean, self.model = parts.layout, parts.lean, parts.model
+        self.compute_dtype, self.hidden_size = parts.compute_dtype, parts.hidden_size
+        self.vocab_size, self.context_length = parts.vocab_size, parts.context_length
+        self.matmul, self.matmul_reason = parts.matmul
+        self.weight_bytes = parts.gguf.mapped_bytes() if parts.gguf is not None else \
+            tensor_bytes(self.held_tensors()) + (self.lean.kept_bytes if self.lean else 0)
+        self.sessions.max_bytes = self._cache_budget()
+        self.layers = SessionLayers(parts.run, parts.new_cache, self.sessions, self.start,
+                                    label=f"model {self.model_id}")
+        self.rows: Rows = parts.rows
+        self.supports_batching = self.rows.fits  # else decode_batch runs the steps one by one
+        if self.settings.compile:
+            self.compile_seconds = compile_lean(self, self.cache_dir)
+
+    def _cache_budget(self) -> int | None:
+        """The KV caches' byte budget: --max-cache-bytes; else what --memory leaves beside the weights; else half
+        the memory free now."""
+        if self.settings.max_cache_bytes is not None:
+            return self.settings.max_cache_bytes
+        if self.settings.memory is not None:
+            return max(0, self.settings.memory - self.weight_bytes)
+        budget = default_cache_budget()
+        if budget is not None and not hasattr(self, "layers"):  # (said once, at start)
+            log.info("KV cache budget %.0f MiB (half the memory free now; --max-cache-bytes or --memory sets it)",
+                     budget / 2**20)
+        return budget
+
+    def prepare_span(self, start: int, end: int) -> ShardParts:
+        """A move's first half, on any thread while this shard serves: `[start, end)` loaded beside it (the file
+        mapped again; pages shared with the span served now stay one copy in the page cache)."""
+        if (start == 0) != self.is_head:
+            raise ValueError("a move keeps a head a head and a later shard a later shard")
+        return self._load(self.resolved, start, end)
+
+    def adopt(self, parts: ShardParts) -> int:
+        """A move's second half, on the compute thread: serve `parts` from now on. Every session's cache goes (its
+        layers did), and so do the old span's weights once nothing holds them. The sessions released."""
+        released = self.sessions.clear()
+        self._use(parts)
+        give_back()
+        log.info("moved to layers %d-%d: %.0f MiB of weights (%d sessions released)", self.start, self.end - 1,
+                 self.weight_bytes / 2**20, released)
+        return released
 
     def _load(self, resolved: ResolvedModel, start: int, end: int | None) -> ShardParts:
         """The lean path on a GGUF's blocks where it can run, else the transformers path (and why)."""
@@ -115,58 +144,10 @@ class ModelShard:
     is_head = property(lambda self: self.layout.is_head)
     is_tail = property(lambda self: self.layout.is_tail)
 
-    compute_path = property(lambda self: self.parts.path + (f" (weights dequantized in memory: {self.parts.fallback})"
-                                                            if self.parts.fallback else ""),
-                            doc='What runs the layers: "lean llama, GGUF blocks (...)", or "transformers".')
-
-    @property
-    def compute_facts(self) -> dict[str, Any]:
-        return {"path": self.compute_path, "dtype": self.settings.dtype, "dtype_reason": self.dtype_reason,
-                "matmul": self.matmul, "matmul_reason": self.matmul_reason, "threads": blas.threads(),
-                "attention": self.lean.attention if self.lean is not None else "transformers",
-                "compile_seconds": self.compile_seconds, **(self.lean.facts() if self.lean else {"products": {}})}
-
-    def held_tensors(self) -> list[torch.Tensor]:
-        """The weights this shard holds in memory (a GGUF's mapped blocks apart: `memory`)."""
-        held = [] if self.model is None else [param for param in self.model.parameters()
-                                              if param.device.type != "meta"]
-        return held + (self.lean.tensors() if self.lean is not None else [])
-
     supports_kv_cache = property(lambda self: self.layers.supports_kv_cache)
 
     def eos_token_ids(self) -> list[int]:
         return list(self._eos_ids)
-
-    def memory(self) -> dict[str, Any]:
-        """The bytes of weights this shard holds (and, from a GGUF, what `weight_facts` says), and the process's
-        resident and peak resident bytes."""
-        facts = self.weight_facts()
-        return {"weight_bytes": self.weight_bytes, **process_memory(),
-                **{f"weights_{key}": value for key, value in facts.items() if key.endswith("_bytes")},
-                **({"block_types": facts["block_types"]} if "block_types" in facts else {})}
-
-    def weight_facts(self) -> dict[str, Any]:
-        """Where the weights are and what they cost: a GGUF's tensors mapped from the file (bytes mapped, bytes
-        resident in this process now, bytes per block type), or a transformers model's tensors in memory."""
-        gguf = self.parts.gguf
-        if gguf is None:
-            return {"source": "dequantized from the GGUF" if self.parts.fallback else "model folder",
-                    "mapped_bytes": 0, "resident_bytes": self.weight_bytes}
-        types: dict[str, int] = {}
-        for name in gguf.handed_out:
-            entry = gguf.table.tensors[name]
-            kind = type_name(entry.ggml_type)
-            types[kind] = types.get(kind, 0) + entry.nbytes
-        return {"source": f"GGUF {gguf.path.name}, mapped", "mapped_bytes": gguf.mapped_bytes(),
-                "resident_bytes": gguf.resident_bytes(), "block_types": dict(sorted(types.items()))}
-
-    def parameter_count(self) -> int:
-        """Parameters this shard holds (a tied matrix counts once; int8 scales are not parameters)."""
-        unique = {tensor.data_ptr(): tensor.numel() for tensor in self.held_tensors()}
-        if self.parts.gguf is not None:  # the file's tensors this shard maps (its norms' copies among them)
-            gguf = self.parts.gguf
-            return sum(prod(gguf.table.tensors[name].shape) for name in gguf.handed_out)
-        return sum(unique.values()) + (self.lean.int8_parameters if self.lean is not None else 0)
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of `text`; adds the model's BOS unless the text already starts with it."""
@@ -349,7 +330,9 @@ class ModelShard:
         if self.parts.lm_head is None:
             raise RuntimeError("only a tail shard holds the LM head")
         last = hidden[0, -1, :] if rows is None else hidden[0, -rows:, :]
+        began = time.perf_counter()
         logits = self.parts.lm_head(last)
+        self.lm_head_seconds += time.perf_counter() - began
         softcap = self.parts.softcap
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap

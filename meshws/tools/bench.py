@@ -241,9 +241,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded", help="the embedded model, or a GGUF file (its own section "
                         "only, unless --suite all)")
-    parser.add_argument("--suite", choices=("auto", "all", "gguf"), default="auto",
+    parser.add_argument("--suite", choices=("auto", "all", "gguf", "placement"), default="auto",
                         help="gguf: the GGUF section only; all: every section; auto: all on the embedded model, the "
-                        "GGUF section on another file")
+                        "GGUF section on another file; placement: the automatic plan against hand-placed chains on "
+                        "simulated machines, and its live moves (`bench_placement`; needs root and cgroup v1)")
+    parser.add_argument("--node-memory", default="300M", help="placement: each simulated machine's --memory")
+    parser.add_argument("--slow-share", type=float, default=0.15, help="placement: the slow machine's share of a core")
+    parser.add_argument("--chains", type=int, default=4, help="placement: hand-placed chains measured")
+    parser.add_argument("--long-tokens", type=int, default=1000, help="placement: the answer the machines swap under")
     parser.add_argument("--dtype", nargs="+", default=["auto", "float32"], choices=("auto", "bfloat16", "float32"),
                         help="auto: a GGUF's blocks with 8-bit activations (the nodes' default); float32: exact")
     parser.add_argument("--sessions", nargs="+", type=int, default=[1, 4, 16, 32])
@@ -275,7 +280,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     gguf = gguf_of(args.model)
     suite = args.suite if args.suite != "auto" else ("all" if args.model in ("embedded", "") or gguf is None else "gguf")
     gguf_section = None
-    if gguf is not None:
+    if gguf is not None and suite != "placement":
         gguf_section = measure_gguf(gguf, 16 if args.short else 64, parts=args.parts)
         print_gguf(gguf_section)
         if suite == "gguf":
@@ -300,6 +305,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
                                                    tokenize=True, return_dict=False)
     else:
         prompt_ids = tokenizer(PROMPT)["input_ids"]
+    if suite == "placement":
+        from .bench_placement import run_placement
+
+        section = run_placement(str(gguf or resolved.gguf), prompt_ids, resolved.model_id, args.node_memory,
+                                args.slow_share, args.tokens, args.long_tokens, args.chains)
+        write_report({"model": resolved.model_id, "placement": section}, out)
+        print(json.dumps(section["targets"], indent=1))
+        return
     report: dict[str, Any] = {
         "model": resolved.model_id, "gguf": gguf_section,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},

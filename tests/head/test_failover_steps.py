@@ -2,8 +2,8 @@
 
 import pytest
 
-from meshws.head.channel import PipelineError
-from meshws.head.generation import MAX_FAILOVERS, GenerationStats, Generator
+from meshws.head.channel import MAX_FAILOVERS, PipelineError, RoutedPath
+from meshws.head.generation import GenerationStats
 from meshws.model.sampling import SamplingParams
 
 
@@ -24,7 +24,7 @@ class _Path:
 async def test_a_lost_first_hop_of_the_new_route_is_routed_around_too_while_failovers_remain():
     path = _Path([PipelineError("new hop gone", lost=True, url="ws://b")])
     stats = GenerationStats(sid="s")
-    await Generator._reroute(path, PipelineError("hop gone", lost=True, url="ws://a"), SamplingParams(), 5, stats)
+    await RoutedPath.failover(path, PipelineError("hop gone", lost=True, url="ws://a"), SamplingParams(), 5, stats)
     assert path.rerouted_around == ["ws://a", "ws://b"]
     assert stats.failovers == 2 and stats.route == path.view
 
@@ -32,11 +32,11 @@ async def test_a_lost_first_hop_of_the_new_route_is_routed_around_too_while_fail
 async def test_no_route_left_or_no_failovers_left_ends_the_generation():
     no_route = PipelineError("hop gone; and no other route: no route")
     with pytest.raises(PipelineError, match="no other route"):
-        await Generator._reroute(_Path([no_route]), PipelineError("gone", lost=True, url="ws://a"), SamplingParams(),
-                                 5, GenerationStats(sid="s"))
+        await RoutedPath.failover(_Path([no_route]), PipelineError("gone", lost=True, url="ws://a"),
+                                  SamplingParams(), 5, GenerationStats(sid="s"))
     always_lost = _Path([PipelineError("gone", lost=True, url=f"ws://{n}") for n in range(10)])
     stats = GenerationStats(sid="s")
     with pytest.raises(PipelineError):
-        await Generator._reroute(always_lost, PipelineError("gone", lost=True, url="ws://a"), SamplingParams(), 5,
-                                 stats)
+        await RoutedPath.failover(always_lost, PipelineError("gone", lost=True, url="ws://a"), SamplingParams(), 5,
+                                  stats)
     assert stats.failovers == MAX_FAILOVERS

@@ -26,10 +26,35 @@ GOOD = {"url": "ws://127.0.0.1:9", "node": "tail@x", "model": "fake-model", "lay
     ({"url": "http://127.0.0.1:9"}, "url"),
     ({"role": "head"}, "role"),
     ({"model": 5}, "model"),
+    ({"measured": {"layer_ms": -1.0}}, "layer_ms"),
+    ({"measured": {"layer_ms": float("nan")}}, "layer_ms"),
+    ({"measured": {"layer_ms": float("inf")}}, "layer_ms"),
+    ({"measured": {"layer_ms": 1e12}}, "layer_ms"),
+    ({"measured": {"layer_ms": 0.0}}, "layer_ms"),
+    ({"measured": {}}, "layer_ms"),
+    ({"measured": {"layer_ms": 2.0, "memory": -5}}, "memory"),
+    ({"measured": {"layer_ms": 2.0, "memory": 2**60}}, "memory"),
+    ({"measured": {"layer_ms": 2.0, "memory": 1.5e9}}, "memory"),
+    ({"measured": {"layer_ms": 2.0, "link_ms": -3}}, "link_ms"),
+    ({"measured": {"layer_ms": 2.0, "lm_head_ms": float("nan")}}, "lm_head_ms"),
+    ({"measured": "fast"}, "measured"),
+    ({"auto": "yes"}, "auto"),
+    ({"roles": ["head"]}, "roles"),
+    ({"roles": []}, "roles"),
+    ({"plan": {"serving": -1}}, "serving"),
+    ({"plan": {"prepared": 1.5}}, "prepared"),
 ])
 def test_bad_join_records_are_refused_with_the_field(change, needle):
     with pytest.raises(ValueError, match=needle):
         _record({**GOOD, **change})
+
+
+def test_a_join_carries_measured_capacity():
+    record = _record({**GOOD, "auto": True, "roles": ["middle"], "plan": {"serving": 3, "prepared": 4},
+                      "measured": {"layer_ms": 2.5, "memory": 300 * 2**20, "link_ms": 0.4, "lm_head_ms": 7.0}})
+    assert (record.auto, record.roles, record.serving, record.prepared) == (True, ("middle",), 3, 4)
+    assert (record.layer_seconds, record.memory, record.link_seconds, record.lm_head_seconds) == \
+        (0.0025, 300 * 2**20, 0.0004, 0.007)
 
 
 def test_huge_loads_are_clamped():
@@ -68,7 +93,7 @@ async def test_joins_over_http_are_checked_bounded_and_never_500(monkeypatch):
 def test_a_link_that_contradicts_its_record_drops_it():
     registry = Registry("fake-model", 12)
     left = []
-    endpoints = RegistryEndpoints(registry, (0, 6), on_join=lambda record: None, on_leave=left.append,
+    endpoints = RegistryEndpoints(registry, on_join=lambda record: None, on_leave=left.append,
                                   authorize=lambda request, body: None)
     registry.announce(_record(GOOD))
     assert endpoints.check_link("ws://127.0.0.1:9", "fake-model", (6, 12))
@@ -80,7 +105,7 @@ def test_a_record_that_expires_while_being_read_fires_leave_handling_once(caplog
     now = [100.0]
     registry = Registry("fake-model", 12, ttl=6.0, clock=lambda: now[0])
     left = []
-    RegistryEndpoints(registry, (0, 6), on_join=lambda record: None, on_leave=left.append,
+    RegistryEndpoints(registry, on_join=lambda record: None, on_leave=left.append,
                       authorize=lambda request, body: None)
     registry.announce(_record(GOOD))
     registry.announce(_record({**GOOD, "url": "ws://127.0.0.1:10"}))

@@ -34,7 +34,7 @@ def _pool(links):
 
 def test_the_planner_counts_a_hop_between_two_nodes_it_cannot_dial_as_relayed():
     links = {MIDDLE.url: _link(reversed_=True), NAT_TAIL.url: _link(reversed_=True), OPEN_TAIL.url: _link()}
-    planner = RoutePlanner("head@x", (0, 10), 30, "m", _pool(links), Registry("m", 30), None, False)
+    planner = RoutePlanner("head@x", lambda: (0, 10), 30, "m", _pool(links), Registry("m", 30), None, False)
     assert planner._hop_cost(MIDDLE, NAT_TAIL) == RELAYED_HOP_COST
     assert planner._hop_cost(MIDDLE, OPEN_TAIL) == 0.0  # reversed then dialed: no relay
     assert planner._hop_cost(None, MIDDLE) == 0.0  # the head's own link: reversed is as good as dialed

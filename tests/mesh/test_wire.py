@@ -112,10 +112,10 @@ def test_frame_above_the_size_limit_is_refused():
         ('{"type": "token", "sid": "a"}', "token_id or a text"),
         ('{"type": "hello", "version": "2", "model": "m"}', "version"),
         ('{"type": "hello", "version": 1, "model": "m"}', "protocol 1"),
-        ('{"type": "hello", "version": 4, "layers": [0, 1], "total_layers": 30}', "model"),
-        ('{"type": "hello", "version": 4, "model": "m", "layers": [5, 2]}', "layers"),
-        ('{"type": "hello", "version": 4, "model": "m", "layers": [0, 40], "total_layers": 30}', "beyond"),
-        ('{"type": "hello", "version": 4, "model": "m", "layers": [0, 3], "total_layers": 30, "role": "head",'
+        ('{"type": "hello", "version": 5, "layers": [0, 1], "total_layers": 30}', "model"),
+        ('{"type": "hello", "version": 5, "model": "m", "layers": [5, 2]}', "layers"),
+        ('{"type": "hello", "version": 5, "model": "m", "layers": [0, 40], "total_layers": 30}', "beyond"),
+        ('{"type": "hello", "version": 5, "model": "m", "layers": [0, 3], "total_layers": 30, "role": "head",'
          ' "node": "n", "chain": [{}]}', "node"),
         ('{"type": "error"}', "message"),
         ('{"type": "error", "message": "x", "lost": "yes"}', "lost"),

@@ -137,16 +137,18 @@ def other_host():
         yield {"namespace": name, "host_ip": "10.231.7.1"}
 
 
-def _fetch_from(host, url, headers=None):
-    """GET `url` from the other host; (status, body)."""
+def _fetch_from(host, url, headers=None, data=None):
+    """GET `url` from the other host (POST `data`, if given); (status, body)."""
     script = ("import sys, urllib.request, urllib.error, json\n"
-              "request = urllib.request.Request(sys.argv[1], headers=json.loads(sys.argv[2]))\n"
+              "data = sys.argv[3].encode() if len(sys.argv) > 3 else None\n"
+              "request = urllib.request.Request(sys.argv[1], headers=json.loads(sys.argv[2]), data=data)\n"
               "try:\n    r = urllib.request.urlopen(request, timeout=10); print(r.status); print(r.read().decode())\n"
               "except urllib.error.HTTPError as e:\n    print(e.code); print(e.read().decode())\n")
     import json
 
     done = subprocess.run(["ip", "netns", "exec", host["namespace"], sys.executable, "-c", script, url,
-                           json.dumps(headers or {})], capture_output=True, text=True, timeout=60)
+                           json.dumps(headers or {}), *([data] if data is not None else [])],
+                          capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     status, _, body = done.stdout.partition("\n")
     return int(status), body
@@ -172,7 +174,8 @@ def test_from_another_host_the_public_face_leaks_nothing(secret_file, other_host
         assert status == 200 and "meshws chat" in body
         status, body = _fetch_from(other_host, f"{url}/", {"Host": "rebind.attacker.test"})
         assert status == 400
-        status, _ = _fetch_from(other_host, f"{url}/mesh/assign")
+        status, _ = _fetch_from(other_host, f"{url}/mesh/join", {"Content-Type": "application/json"},
+                                data='{"url": "ws://10.231.7.2:1"}')
         assert status == 401
     finally:
         if head is not None:

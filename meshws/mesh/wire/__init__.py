@@ -4,7 +4,8 @@ Control frames (`control`) are websocket text frames holding one JSON object:
 
   Hello     {type: "hello", version, model, layers: [start, end], role, node,
              total_layers, chain: [{node, layers}]}                 both ways, first
-  Open      {type: "open", sid, sampling?, prompt_tokens?, route?: [{url, layers?}], route_mac?}
+  Open      {type: "open", sid, sampling?, prompt_tokens?, route?: [{url, layers?}], route_mac?, resume?,
+             fork?: {sid, length}, layers?}
                                                                      head -> tail
   Token     {type: "token", sid, step, token_id, text?, token_ids?,
              hops?: [{node, ms, cache_len}]}                         tail -> head

@@ -23,7 +23,7 @@ from .fields import (
 )
 from .hops import HopReport
 
-PROTOCOL_VERSION = 4  # 4: a wave's decode steps may share a frame (`rows`); 3: `past_len` cuts a cache back
+PROTOCOL_VERSION = 5  # 5: `open` names the receiver's layers; 4: a wave's decode steps may share a frame (`rows`)
 MAX_CONTROL_BYTES = 1024 * 1024  # (a prefill's answer may carry 4096 prompt tokens' log-probabilities)
 MAX_TOKEN_IDS = 17  # tokens one step may yield: its drafts (at most 16) and one more
 
@@ -107,6 +107,8 @@ class Open:
     `fork`: one of several choices of a request (`n`): the new session's cache starts as a
     copy of the first `length` positions of another session on the same link, so the
     prompt is prefilled once; a shard that lacks that session starts empty (a cache miss).
+    `layers`: the span the head's route expects the receiver to run; a node that serves another span now
+    (its layers moved: `head.placement`) refuses the session as lost, so no hidden state meets the wrong layers.
     """
 
     type: ClassVar[str] = "open"
@@ -117,6 +119,7 @@ class Open:
     route_mac: str | None = None  # the route signed with the mesh secret (a middle dials only signed hops)
     resume: bool = False  # keep the session's cache if this link carries it already
     fork: tuple[str, int] | None = None  # (sid, length): start the cache as a copy of that session's first positions
+    layers: tuple[int, int] | None = None  # the receiver's span as the route expects it (None: not checked)
 
     def to_wire(self) -> dict[str, Any]:
         message: dict[str, Any] = {"type": self.type, "sid": self.sid, "sampling": self.sampling.to_wire()}
@@ -130,6 +133,8 @@ class Open:
             message["route_mac"] = self.route_mac
         if self.resume:
             message["resume"] = True
+        if self.layers is not None:
+            message["layers"] = list(self.layers)
         return message
 
     @classmethod
@@ -148,9 +153,10 @@ class Open:
                 if not isinstance(fork, dict):
                     raise FrameError("fork must be {sid, length}")
                 fork = (sid_field(fork), int_field(fork, "length", 1))
+            layers = layers_field(data, "layers") if data.get("layers") is not None else None
         except ValueError as exc:  # FrameError included
             raise FrameError(f"bad open: {exc}", sid) from None
-        return cls(sid, sampling, prompt_tokens, route, route_mac, resume, fork)
+        return cls(sid, sampling, prompt_tokens, route, route_mac, resume, fork, layers)
 
 
 @dataclass(frozen=True)

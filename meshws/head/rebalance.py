@@ -1,0 +1,346 @@
+"""The plan in force on a head that places layers, and moving to a better one live.
+
+A head places layers when it runs `--layers auto` itself or a joined node does. Every `TICK` it asks whether to
+re-plan: a node joined, left or began draining, a budget changed, or a node's measured speed has stayed more than
+`DRIFT` off what it was when the plan was made for `replan_seconds`. A new plan (`placement.plan`) replaces the
+one in force if there is none, if that one lost a node, or if it is `MIN_GAIN` faster (or only adds replicas).
+
+A move goes in two halves, so no answer ever meets layers that are not the ones its route expects:
+
+1. *Preparing*: every automatic node whose span changes loads the new one beside the one it serves (the
+   heartbeat's answer says which: `instruction`), and says so in its next heartbeat; the head loads its own.
+2. *Switching*, once all are ready: if any node of the plan in force changes span, running answers park at their
+   next step (each leaves its route, so every hop drops its caches; `parked`), kept conversations close, and new
+   requests wait. Then every node takes its new span at once (the heartbeat's answer says `commit`), and when
+   all report it the new plan is in force: parked answers open routes on it and prefill again (prompt and tokens
+   so far), so they go on with the same tokens, as after a failover.
+
+Nodes that leave the plan drop to a one-layer span (memory released, speed still measured). A move abandoned
+(a node too slow to load, or gone) is tried again after `COOLDOWN`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from ..mesh.aio import until
+from ..model.costs import ModelCosts
+from .placement import HOP_SECONDS, Capacity, Plan, plan
+from .registry import Registry
+from .routes import NodeRecord
+
+log = logging.getLogger("meshws.placement")
+
+TICK = 0.25  # seconds between checks
+DRIFT = 0.25  # a node whose speed is off the plan's by more than this share for `replan_seconds` is re-planned for
+MIN_GAIN = 0.10  # a plan this much faster than the one in force (at today's speeds) is worth a move
+PREPARE_TIMEOUT = 120.0  # seconds the nodes may take to load their new spans
+PARK_TIMEOUT = 10.0  # seconds running answers may take to reach the end of their step and park
+COMMIT_TIMEOUT = 15.0  # seconds the nodes may take to report their new spans
+SETTLE_WAIT = 60.0  # the most a request or a parked answer waits for a move to end
+COOLDOWN = 20.0  # after an abandoned move, before speed alone re-plans
+SETTLE = 8.0  # after a move, before speed alone re-plans (the moved nodes' speeds measured on their new spans)
+UNMEASURED = 1.0  # seconds per mean layer assumed for a node that has not said (a very slow node)
+
+
+def probe_span(total_layers: int) -> tuple[int, int]:
+    """The one layer an automatic node outside the plan holds (to measure its speed on): layer 1, as it starts."""
+    return (1, 2) if total_layers > 2 else (1, total_layers)
+
+
+@dataclass
+class HeadSide:
+    """What the placement needs of the head it runs on."""
+
+    capacity: Callable[[], Capacity]  # the head's own (span None when it places itself too)
+    span: Callable[[], tuple[int, int]]
+    prepare: Callable[[tuple[int, int]], Awaitable[None]]  # load this span beside the one served
+    commit: Callable[[], Awaitable[None]]  # serve the span prepared
+    running: Callable[[], set[str]]  # the generations running now
+    end_kept: Callable[[], Awaitable[None]]  # close the conversations kept between answers
+
+
+class Placement:
+    def __init__(self, registry: Registry, costs: ModelCosts, head: HeadSide, head_auto: bool,
+                 replan_seconds: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = registry
+        self.costs = costs
+        self.head = head
+        self.head_auto = head_auto
+        self.replan_seconds = replan_seconds
+        self._clock = clock
+        self.version = 0
+        self.live: Plan | None = None  # the plan in force
+        self.target: Plan | None = None  # the plan being moved to
+        self.phase = "idle"  # idle (no plan yet), live, preparing, switching
+        self.committing = False  # the nodes are told to take the target's spans
+        self.settled = asyncio.Event()
+        self.settled.set()
+        self.parked: set[str] = set()  # generations waiting for the move to end
+        self.moves = self.abandoned = 0
+        self.last_reason = ""
+        self._head_prepared = 0  # the version the head has loaded its span for
+        self._started = 0.0  # when the move under way began
+        self._quiet_until = 0.0  # speed alone does not re-plan before this
+        self._signature: tuple | None = None  # the members and budgets the plan in force was made with
+        self._target_signature: tuple | None = None  # ... and the plan being moved to
+        self._target_speeds: dict[str, float] = {}
+        self._basis: dict[str, float] = {}  # each node's speed the plan in force is measured against
+        self._drift_since: dict[str, float] = {}
+
+    # -- what the rest of the head asks --------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """Whether the head places layers: it or a joined node runs --layers auto."""
+        return self.head_auto or any(record.auto for record in self.registry.nodes())
+
+    @property
+    def switching(self) -> bool:
+        return self.phase == "switching" and not self.settled.is_set()
+
+    def routable(self, record: NodeRecord) -> bool:
+        """A node may carry new sessions: it is in the plan in force, on the span planned for it."""
+        span = self.live.span_of(record.url) if self.live is not None else None
+        return span is not None and span.layers == record.layers
+
+    def instruction(self, url: str) -> dict[str, Any] | None:
+        """What a heartbeat's answer tells an automatic node: the span of the plan it should serve, and whether to
+        take it now."""
+        plan_ = self.target or self.live
+        if plan_ is None:
+            return None
+        span = plan_.span_of(url)
+        return {"version": plan_.version,
+                "layers": list(span.layers if span is not None else probe_span(self.costs.total_layers)),
+                "role": span.role if span is not None else "middle", "placed": span is not None,
+                "commit": self.target is None or self.committing}
+
+    def expected(self, url: str) -> tuple[int, int] | None:
+        """The span a node is moving to (its hello may say it before its heartbeat does)."""
+        span = self.target.span_of(url) if self.target is not None else None
+        return span.layers if span is not None else None
+
+    async def wait_settled(self) -> None:
+        """Until no move is switching (at most SETTLE_WAIT)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(SETTLE_WAIT):
+                await self.settled.wait()
+
+    @contextlib.contextmanager
+    def waiting(self, sid: str) -> Any:
+        """A generation waits for the plan (parked, or re-routing while a move goes on): a switch need not wait
+        for it."""
+        self.parked.add(sid)
+        try:
+            yield
+        finally:
+            self.parked.discard(sid)
+
+    def describe(self) -> dict[str, Any]:
+        """/health's `plan`: the plan in force (or the one being moved to), its state and why it was made. A mesh
+        placed by hand shows the chain the planner would choose among its nodes (version 0), with their speeds."""
+        if not self.active:
+            records = [record for record in self.registry.nodes() if not record.static and not record.draining]
+            shown = plan(self.head.capacity(), [capacity(record) for record in records], self.costs, 0,
+                         lm_factor=self._lm_factor(records))
+        else:
+            shown = self.live or self.target or Plan(0, missing="no plan yet")
+        records = [record for record in self.registry.nodes() if not record.static]
+        view = {**shown.describe(), "state": self.phase, "automatic": self.active, "moves": self.moves,
+                "reason": self.last_reason, "lm_head_factor": round(self._lm_factor(records), 3)}
+        if self.target is not None:
+            view["moving_to"] = self.target.describe()
+        return view
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    async def run_ctx(self, app: object) -> AsyncIterator[None]:
+        """An aiohttp cleanup context: the placement loop while the node runs."""
+        task = asyncio.create_task(self._forever())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        self.settled.set()
+
+    async def _forever(self) -> None:
+        while True:
+            await asyncio.sleep(TICK)
+            try:
+                await self.tick()
+            except Exception:  # the placement goes on whatever one tick raised
+                log.exception("placement tick failed")
+
+    async def tick(self) -> None:
+        if not self.active:
+            return
+        now = self._clock()
+        records = [record for record in self.registry.nodes() if not record.static]
+        if self.phase == "preparing":
+            await self._follow_move(records, now)
+            return
+        reason = self._reason(records, now)
+        if not reason:
+            return
+        candidate = await asyncio.to_thread(  # (pure, and off the event loop: a large mesh takes a moment)
+            plan, self.head.capacity(), [capacity(r) for r in records if not r.draining], self.costs,
+            self.version + 1, lm_factor=self._lm_factor(records))
+        self.last_reason = reason
+        if not self._worth(candidate, records):
+            self._rebase(records)
+            return
+        self.version = candidate.version
+        self.target, self.phase, self._started = candidate, "preparing", now
+        self._target_signature = _signature(records)  # (a node that joins meanwhile is planned for after)
+        self._target_speeds = self._speeds(records)  # what drift is measured from once it is in force
+        log.info("plan %d (%s): %s", candidate.version, reason, _summary(candidate))
+        head = candidate.span_of("head")
+        if self.head_auto and head is not None and head.layers != self.head.span():
+            asyncio.get_running_loop().create_task(self._prepare_head(candidate.version, head.layers))
+        else:
+            self._head_prepared = candidate.version
+
+    def _reason(self, records: list[NodeRecord], now: float) -> str:
+        """Why to plan again now ("" for no reason)."""
+        if self._signature != _signature(records):
+            return "nodes joined, left or changed their budgets" if self.live is not None else "first plan"
+        if self.replan_seconds <= 0 or now < self._quiet_until or self.live is None:
+            return ""
+        speeds = self._speeds(records)
+        for node, basis in self._basis.items():
+            speed = speeds.get(node)
+            if speed is None or abs(speed / basis - 1) <= DRIFT:
+                self._drift_since.pop(node, None)
+                continue
+            since = self._drift_since.setdefault(node, now)
+            if now - since >= self.replan_seconds:
+                return f"{node} runs at {speed * 1000:.3g} ms per layer, {basis * 1000:.3g} when planned"
+        return ""
+
+    def _worth(self, candidate: Plan, records: list[NodeRecord]) -> bool:
+        """Whether to move to `candidate`: no plan in force, or it lost a node, or the candidate is faster enough,
+        or it only adds replicas to the same chain."""
+        live = self.live
+        if live is None or not live.spans:
+            return True
+        present = {record.url: record for record in records if not record.draining}
+        if any(span.node != "head" and span.node not in present for span in live.spans):
+            return True  # a member left or drains
+        if not candidate.spans:
+            return False
+        now_seconds = _chain_seconds(live, self.head.capacity(), present, self.costs, self._lm_factor(records))
+        same_chain = [(s.node, s.layers) for s in live.chain] == [(s.node, s.layers) for s in candidate.chain]
+        if same_chain:
+            return [(s.node, s.layers) for s in candidate.spans] != [(s.node, s.layers) for s in live.spans]
+        return candidate.seconds_per_token < now_seconds * (1 - MIN_GAIN)
+
+    def _rebase(self, records: list[NodeRecord]) -> None:
+        """The plan in force stays: today's members, budgets and speeds become what drift is measured from."""
+        self._signature = _signature(records)
+        self._basis = self._speeds(records)
+        self._drift_since.clear()
+
+    def _lm_factor(self, records: list[NodeRecord]) -> float:
+        """How much slower (or faster) per byte tails measure their LM head than their layers: the median."""
+        ratios = [record.lm_head_seconds / (record.layer_seconds * self.costs.lm_head_units) for record in records
+                  if record.lm_head_seconds and record.layer_seconds and self.costs.lm_head_units > 0]
+        return min(10.0, max(0.1, statistics.median(ratios))) if ratios else 1.0
+
+    def _speeds(self, records: list[NodeRecord]) -> dict[str, float]:
+        speeds = {record.url: record.layer_seconds for record in records if record.layer_seconds}
+        return {**speeds, "head": self.head.capacity().layer_seconds}
+
+    async def _prepare_head(self, version: int, span: tuple[int, int]) -> None:
+        try:
+            await self.head.prepare(span)
+            self._head_prepared = version
+        except Exception:
+            log.exception("the head could not load layers %d-%d", span[0], span[1] - 1)
+
+    async def _follow_move(self, records: list[NodeRecord], now: float) -> None:
+        target = self.target
+        assert target is not None
+        present = {record.url: record for record in records if not record.draining}
+        automatic = [record for record in present.values() if record.auto]
+        gone = [span.node for span in target.spans if span.node != "head" and span.node not in present]
+        ready = self._head_prepared >= target.version and all(
+            record.prepared >= target.version or record.serving >= target.version for record in automatic)
+        if gone or now - self._started > PREPARE_TIMEOUT:
+            why = f"{', '.join(gone)} left" if gone else f"not every node loaded its span within {PREPARE_TIMEOUT:g} s"
+            log.warning("plan %d abandoned: %s", target.version, why)
+            self.target, self.phase = None, "live" if self.live is not None else "idle"
+            self.abandoned += 1
+            self._signature = None if gone else _signature(records)  # (a node gone: plan again at once)
+            self._quiet_until = now + COOLDOWN
+            return
+        if ready:
+            await self._switch(target, present)
+
+    async def _switch(self, target: Plan, present: dict[str, NodeRecord]) -> None:
+        """Park what runs on spans that change, tell every node to take its new span, and wait until they have."""
+        self.phase = "switching"
+        head = target.span_of("head")
+        head_moves = head is not None and self.head_auto and head.layers != self.head.span()
+        live = self.live
+        changes = head_moves or (live is not None and any(
+            (target.span_of(span.node) or span).layers != span.layers or target.span_of(span.node) is None
+            for span in live.spans))
+        if changes:
+            self.settled.clear()
+            await self.head.end_kept()
+            await until(lambda: self.head.running() <= self.parked, PARK_TIMEOUT)
+        self.committing = True  # the nodes first: a step still under way meets a node that answers "lost"
+        wanted = {url: (target.span_of(url).layers if target.span_of(url) is not None
+                        else probe_span(self.costs.total_layers)) for url, record in present.items() if record.auto}
+        await until(lambda: all(self._reports(url, layers, target.version) for url, layers in wanted.items()),
+                     COMMIT_TIMEOUT)
+        if head_moves:
+            await self.head.commit()
+        self.live, self.target, self.phase, self.committing = target, None, "live", False
+        self.moves += 1
+        self._signature, self._basis = self._target_signature, self._target_speeds  # (what it was planned with)
+        self._drift_since.clear()
+        self._quiet_until = self._clock() + SETTLE
+        self.settled.set()
+        log.info("plan %d in force: %s", target.version, _summary(target))
+
+    def _reports(self, url: str, layers: tuple[int, int], version: int) -> bool:
+        record = next((r for r in self.registry.nodes() if r.url == url), None)
+        return record is None or (record.layers == layers and record.serving >= version)
+
+
+def capacity(record: NodeRecord) -> Capacity:
+    """A joined node as the planner sees it."""
+    return Capacity(record.url, record.layer_seconds or UNMEASURED, record.memory or 0, record.link_seconds,
+                    None if record.auto else record.layers, frozenset(record.roles))
+
+
+def _signature(records: list[NodeRecord]) -> tuple:
+    return tuple(sorted((r.url, r.auto, None if r.auto else r.layers, r.memory, r.draining, r.roles)
+                        for r in records))
+
+
+def _chain_seconds(live: Plan, head: Capacity, present: dict[str, NodeRecord], costs: ModelCosts,
+                   lm_factor: float) -> float:
+    """The plan in force's time per token at today's speeds."""
+    total = 0.0
+    for span in live.chain:
+        speed = head.layer_seconds if span.node == "head" else capacity(present[span.node]).layer_seconds
+        lm_head = costs.lm_head_units * lm_factor if span.layers[1] == costs.total_layers else 0.0
+        link = 0.0 if span.node == "head" else present[span.node].link_seconds + HOP_SECONDS
+        total += speed * (costs.units(*span.layers) + lm_head) + link
+    return total
+
+
+def _summary(plan_: Plan) -> str:
+    if not plan_.spans:
+        return plan_.missing
+    return ", ".join(f"{span.node} {span.layers[0]}-{span.layers[1] - 1}{' (replica)' if span.replica else ''}"
+                     for span in plan_.spans) + f"; {plan_.seconds_per_token * 1000:.1f} ms per token predicted"

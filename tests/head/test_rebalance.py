@@ -1,0 +1,201 @@
+"""The plan in force and its moves, with the registry fed by hand and the nodes' side played by the test: a move
+waits for every node to load its span, parks running answers before any node changes span, commits, and comes
+into force only when the nodes report their new spans; speed that drifts for long enough re-plans, and a short
+blip does not."""
+
+import asyncio
+
+import pytest
+
+from meshws.head import rebalance
+from meshws.head.placement import Capacity
+from meshws.head.rebalance import HeadSide, Placement, probe_span
+from meshws.head.registry import Registry
+from meshws.head.routes import NodeRecord
+from meshws.model.costs import ModelCosts
+
+MIB = 2**20
+COSTS = ModelCosts(tuple([10 * MIB] * 8), 8 * MIB, 12 * MIB, 0)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+class Head:
+    """The head's side: its own span and what it was asked to do."""
+
+    def __init__(self):
+        self.span, self.prepared, self.running, self.ended_kept = (0, 1), None, set(), 0
+        self.layer_seconds = 0.001
+
+    def side(self):
+        async def prepare(span):
+            self.prepared = span
+
+        async def commit():
+            self.span, self.prepared = self.prepared, None
+
+        async def end_kept():
+            self.ended_kept += 1
+
+        return HeadSide(lambda: Capacity("head", self.layer_seconds, 40 * MIB, 0.0, None, frozenset({"head"})),
+                        lambda: self.span, prepare, commit, lambda: set(self.running), end_kept)
+
+
+def record(url, seconds=0.001, memory=200 * MIB, layers=(1, 2)):
+    return NodeRecord(url=url, node=url, model="m", layers=layers, auto=True, layer_seconds=seconds, memory=memory)
+
+
+def follow(registry, placement, url):
+    """A node's side: take the instruction the heartbeat answer would carry, as `PlanFollower` does."""
+    node = next(r for r in registry.nodes() if r.url == url)
+    told = placement.instruction(url)
+    if told is None:
+        return
+    fresh = record(url, node.layer_seconds, node.memory, node.layers)
+    fresh.serving, fresh.prepared = node.serving, node.prepared
+    if tuple(told["layers"]) == node.layers:
+        fresh.serving = told["version"]
+    elif told["commit"] and node.prepared == told["version"]:
+        fresh.layers, fresh.serving = tuple(told["layers"]), told["version"]
+    else:
+        fresh.prepared = told["version"]
+    registry.announce(fresh)
+
+
+async def settle(registry, placement, urls, rounds=40):
+    for _ in range(rounds):
+        await placement.tick()
+        for url in urls:
+            follow(registry, placement, url)
+        await asyncio.sleep(0)
+        if placement.phase == "live" and placement.target is None:
+            return
+
+
+@pytest.fixture(autouse=True)
+def quick(monkeypatch):
+    monkeypatch.setattr(rebalance, "PARK_TIMEOUT", 0.5)
+    monkeypatch.setattr(rebalance, "COMMIT_TIMEOUT", 0.5)
+
+
+async def test_a_move_loads_first_parks_answers_then_commits_and_comes_into_force_when_reported():
+    clock, head = Clock(), Head()
+    registry = Registry("m", 8, ttl=1e9, clock=clock)
+    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    registry.announce(record("ws://a"))
+    await placement.tick()
+    assert placement.phase == "preparing" and placement.target is not None
+    told = placement.instruction("ws://a")
+    assert told["commit"] is False and told["layers"] != [1, 2]  # load it beside what it serves; do not take it
+    assert placement.routable(registry.nodes()[0]) is False  # nothing in force yet
+    await settle(registry, placement, ["ws://a"])
+    assert placement.phase == "live" and placement.live.version == 1
+    node = registry.nodes()[0]
+    assert placement.routable(node) and node.layers == placement.live.span_of("ws://a").layers
+    assert head.span == placement.live.span_of("head").layers  # the head took its own span too
+    assert head.span[1] == node.layers[0] and node.layers[1] == 8
+
+
+async def test_a_switch_waits_for_running_answers_to_park_before_any_node_commits():
+    clock, head = Clock(), Head()
+    registry = Registry("m", 8, ttl=1e9, clock=clock)
+    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    registry.announce(record("ws://a"))
+    await settle(registry, placement, ["ws://a"])
+    head.running, kept_ends = {"answer-1"}, head.ended_kept
+    registry.announce(record("ws://b", seconds=0.0005))  # a faster node joins: the plan will change spans
+
+    async def ticks():
+        while True:
+            await placement.tick()
+            await asyncio.sleep(0.01)
+
+    async def nodes_until(done):
+        while not done():
+            for url in ("ws://a", "ws://b"):
+                follow(registry, placement, url)
+            await asyncio.sleep(0.01)
+
+    ticking = asyncio.create_task(ticks())
+    try:
+        await asyncio.wait_for(nodes_until(lambda: placement.switching), 10)
+        await asyncio.sleep(0.1)
+        assert placement.instruction("ws://a")["commit"] is False  # still parking: no node may change span
+        switching = [placement.switching]
+        with placement.waiting("answer-1"):  # the answer parks at its next step; then the nodes commit
+            await asyncio.wait_for(nodes_until(placement.settled.is_set), 10)
+    finally:
+        ticking.cancel()
+    assert switching == [True] and head.ended_kept == kept_ends + 1  # kept conversations closed, once
+    assert placement.phase == "live" and placement.live.version == 2
+    assert placement.live.span_of("ws://b") is not None
+
+
+async def test_speed_that_stays_off_re_plans_and_a_blip_does_not():
+    clock, head = Clock(), Head()
+    registry = Registry("m", 8, ttl=1e9, clock=clock)
+    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    registry.announce(record("ws://fast", 0.001, memory=60 * MIB))
+    registry.announce(record("ws://slow", 0.008, memory=60 * MIB))
+    await settle(registry, placement, ["ws://fast", "ws://slow"])
+    first = placement.live
+    assert first.span_of("ws://fast").layers[1] - first.span_of("ws://fast").layers[0] > \
+        first.span_of("ws://slow").layers[1] - first.span_of("ws://slow").layers[0]
+    clock.now += rebalance.SETTLE + 1
+
+    def report(fast, slow):
+        for url, seconds in (("ws://fast", fast), ("ws://slow", slow)):
+            node = next(r for r in registry.nodes() if r.url == url)
+            node.layer_seconds = seconds
+
+    report(0.008, 0.001)  # they trade speeds ...
+    clock.now += 2
+    await placement.tick()
+    report(0.001, 0.008)  # ... for a moment only
+    clock.now += 10
+    await placement.tick()
+    assert placement.target is None and placement.live is first
+    report(0.008, 0.001)  # and now for good
+    await placement.tick()
+    assert placement.target is None
+    clock.now += 6
+    await settle(registry, placement, ["ws://fast", "ws://slow"])
+    assert placement.live.version > first.version
+    assert placement.live.span_of("ws://slow").layers == first.span_of("ws://fast").layers or \
+        "slow runs at" in placement.last_reason or "fast runs at" in placement.last_reason
+    assert "runs at" in placement.last_reason
+
+
+async def test_a_node_outside_the_plan_keeps_one_layer_and_a_lost_member_re_plans_at_once():
+    clock, head = Clock(), Head()
+    registry = Registry("m", 8, ttl=1e9, clock=clock)
+    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    registry.announce(record("ws://a"))
+    registry.announce(record("ws://crawler", 1.0))
+    await settle(registry, placement, ["ws://a", "ws://crawler"])
+    assert "ws://crawler" in placement.live.left_out
+    assert placement.instruction("ws://crawler")["layers"] == list(probe_span(8))
+    assert placement.instruction("ws://crawler")["placed"] is False
+    registry.leave("ws://a")
+    await settle(registry, placement, ["ws://crawler"])
+    assert placement.live.span_of("ws://crawler") is not None  # the only node left serves, however slow
+    assert placement.last_reason.startswith("nodes joined, left")
+
+
+async def test_a_move_whose_node_does_not_load_in_time_is_abandoned(monkeypatch):
+    monkeypatch.setattr(rebalance, "PREPARE_TIMEOUT", 5)
+    clock, head = Clock(), Head()
+    registry = Registry("m", 8, ttl=1e9, clock=clock)
+    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    registry.announce(record("ws://a"))
+    await placement.tick()
+    assert placement.phase == "preparing"
+    clock.now += 6  # the node never says it loaded its span
+    await placement.tick()
+    assert placement.phase == "idle" and placement.target is None and placement.abandoned == 1
