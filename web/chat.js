@@ -569,16 +569,40 @@ function setConn(state) {
 // -- the mesh panel ------------------------------------------------------------
 const layerText = (layers) => `layers ${layers[0]}-${layers[1] - 1}`;
 
-// The route as boxes (node, its layers and load) and the links between (their share of the last answer's laps).
+// The plan in force on a head that places layers (`plan` in /health): its chain in order, each node with its
+// span, its predicted time per token and its measured time per layer, and the replicas of each span.
+function plannedHops(health) {
+  const plan = health.plan;
+  if (!plan || !plan.automatic || !plan.spans || !plan.spans.length) return null;
+  const joined = new Map((health.nodes || []).map((node) => [node.url, node]));
+  const name = (url) => (url === "head" ? health.node || "head" : (joined.get(url) || {}).node || url);
+  const layerMs = (url) => (url === "head" ? (health.capacity || {}).layer_ms : ((joined.get(url) || {}).measured || {}).layer_ms);
+  const same = (a, b) => a.layers[0] === b.layers[0] && a.layers[1] === b.layers[1];
+  return plan.spans.filter((span) => !span.replica).map((span) => ({
+    node: name(span.node), layers: span.layers, ms: span.ms, layerMs: layerMs(span.node),
+    replicas: plan.spans.filter((other) => other.replica && same(other, span)).map((other) => name(other.node)),
+  }));
+}
+
+// The route as boxes (node, its layers and load; on a head that places layers, its plan with each node's time) and
+// the links between (their share of the last answer's laps).
 function drawRoute(health) {
   const route = $("route");
   route.replaceChildren();
-  const hops = health.chain && health.chain.length ? health.chain : [{ node: health.node || health.role, layers: health.layers }];
+  const planned = plannedHops(health);
+  const hops = planned || (health.chain && health.chain.length ? health.chain : [{ node: health.node || health.role, layers: health.layers }]);
   const recent = health.recent_laps || { links: [], loads: [] };
   // a shard's load: from its heartbeats (a joined node), else as it reported with the last answer
   const loads = new Map(recent.loads.map((hop) => [hop.node, hop.sessions]));
   for (const node of health.nodes || []) loads.set(node.node, node.load);
   const linkTimes = recent.links;
+  if (planned) {
+    const plan = health.plan;
+    const header = element("div", "route-plan", `plan ${plan.version} · ${plan.ms_per_token} ms per token predicted` +
+      (plan.state === "live" ? "" : ` · ${plan.state}`));
+    header.title = plan.reason ? `planned for: ${plan.reason}` : "";
+    route.appendChild(header);
+  }
   hops.forEach((hop, index) => {
     if (index > 0) {
       const from = index === 1 ? "head" : hops[index - 1].node;
@@ -592,10 +616,19 @@ function drawRoute(health) {
     const load = index === 0 ? health.generations ?? health.sessions : loads.get(hop.node);
     const box = element("div", "route-node");
     box.setAttribute("role", "listitem");
-    box.append(element("div", "route-name", String(hop.node)),
-      element("div", "route-detail", layerText(hop.layers) + (load === undefined ? "" : ` · load ${load}`)));
+    let detail = layerText(hop.layers) + (load === undefined ? "" : ` · load ${load}`);
+    if (hop.ms !== undefined) {
+      detail += ` · ${hop.ms} ms per token` + (hop.layerMs ? ` (${hop.layerMs} ms a layer, measured)` : "");
+    }
+    box.append(element("div", "route-name", String(hop.node)), element("div", "route-detail", detail));
+    if (hop.replicas && hop.replicas.length) box.append(element("div", "route-detail", `replica: ${hop.replicas.join(", ")}`));
     route.appendChild(box);
   });
+  const leftOut = planned && health.plan.left_out ? health.plan.left_out : [];
+  if (leftOut.length) {
+    const names = new Map((health.nodes || []).map((node) => [node.url, node.node]));
+    route.appendChild(element("div", "route-plan", `left out: ${leftOut.map((url) => names.get(url) || url).join(", ")}`));
+  }
 }
 
 async function refreshMesh() {

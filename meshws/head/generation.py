@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Callable
 from ..mesh.aio import run_uncancelled
 from ..mesh.compute import ComputeWorker
 from ..model.backend import DecodeStep, PrefillStep, ShardBackend, TailTokenResult
-from ..model.cache_store import KVCacheMiss
+from ..model.cache_store import CacheBudgetExceeded, KVCacheMiss
 from ..model.sampling import SamplingParams
 from .admission import Slot
 from .channel import MAX_FAILOVERS, PipelineError, RoutedPath
@@ -243,8 +243,8 @@ class Generator:
                     await path.failover(exc, sampling, len(sequence.prompt_ids), stats)
                     need_prefill, sequence.reuse = True, 0
                     continue
-                except ValueError as exc:  # a step refused by a backend (bad length, dtype...)
-                    raise PipelineError(str(exc)) from exc
+                except (ValueError, CacheBudgetExceeded) as exc:  # a step refused by the head's own shard (bad
+                    raise PipelineError(str(exc)) from exc  # length, dtype; a session its KV budget cannot hold)
                 finally:
                     self.worker.returned(sid)  # back from the route: the head's wave no longer waits for it
                 misses = 0

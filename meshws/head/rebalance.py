@@ -114,8 +114,8 @@ class Placement:
         """What a heartbeat's answer tells an automatic node: the span of the plan it should serve, and whether to
         take it now."""
         plan_ = self.target or self.live
-        if plan_ is None:
-            return None
+        if plan_ is None or not plan_.spans:
+            return None  # (no plan, or one that cannot serve: every node keeps what it holds)
         span = plan_.span_of(url)
         return {"version": plan_.version,
                 "layers": list(span.layers if span is not None else probe_span(self.costs.total_layers)),
@@ -268,7 +268,7 @@ class Placement:
         target = self.target
         assert target is not None
         present = {record.url: record for record in records if not record.draining}
-        automatic = [record for record in present.values() if record.auto]
+        automatic = [record for record in present.values() if record.auto and target.spans]  # (told to move)
         gone = [span.node for span in target.spans if span.node != "head" and span.node not in present]
         ready = self._head_prepared >= target.version and all(
             record.prepared >= target.version or record.serving >= target.version for record in automatic)
@@ -298,7 +298,8 @@ class Placement:
             await until(lambda: self.head.running() <= self.parked, PARK_TIMEOUT)
         self.committing = True  # the nodes first: a step still under way meets a node that answers "lost"
         wanted = {url: (target.span_of(url).layers if target.span_of(url) is not None
-                        else probe_span(self.costs.total_layers)) for url, record in present.items() if record.auto}
+                        else probe_span(self.costs.total_layers))
+                  for url, record in present.items() if record.auto and target.spans}
         await until(lambda: all(self._reports(url, layers, target.version) for url, layers in wanted.items()),
                      COMMIT_TIMEOUT)
         if head_moves:

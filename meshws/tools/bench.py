@@ -306,11 +306,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     else:
         prompt_ids = tokenizer(PROMPT)["input_ids"]
     if suite == "placement":
-        from .bench_placement import run_placement
+        from .bench_placement import run_placement, write_placement_plot
 
         section = run_placement(str(gguf or resolved.gguf), prompt_ids, resolved.model_id, args.node_memory,
-                                args.slow_share, args.tokens, args.long_tokens, args.chains)
-        write_report({"model": resolved.model_id, "placement": section}, out)
+                                args.slow_share, args.tokens, args.long_tokens, args.chains, out.parent / "logs")
+        plot = write_placement_plot(section, out.with_suffix(".png"))
+        write_report({"model": resolved.model_id, "placement": section, "plot": str(plot) if plot else None}, out)
         print(json.dumps(section["targets"], indent=1))
         return
     report: dict[str, Any] = {

@@ -3,17 +3,18 @@ machines simulated on one host (`machines`), and the plan's moves while answers 
 
 The scenario is issue 60's: a head on core 0 and two joiners on core 1, one at a full core and one at
 `--slow-share` of one, every node `--node-memory` (no node holds the model), drafts off, links in float32, the
-default dtype. In one run:
-1. *plan*: the automatic plan's decode (ms per token) against hand-placed chains (explicit `--layers`, the same
-   quotas and budgets): every chain the budgets allow is predicted from the speeds the nodes measured, and the
-   `--chains` best predicted (the automatic plan's own among them, if it is) are started and measured; the best
-   measured is the baseline;
+default dtype. In one run, on one automatic mesh, then hand-placed chains:
+1. *plan*: the automatic plan's decode (ms per token), against hand-placed chains (explicit `--layers`, the same
+   quotas and budgets, run last): every chain the budgets allow is predicted from the speeds the nodes measured,
+   and the `--chains` best predicted (with the automatic plan's own) are started and measured; the best measured
+   is the baseline;
 2. *swap*: the joiners trade speeds while a `--long-tokens` answer streams: seconds from the swap until a new plan
    is in force, the answer against a full node's (text), and the decode afterwards over the baseline (the
    machines trade places, so the same chains stand);
 3. *join*: a fourth node (a full core 0) joins: seconds until the plan gives it layers;
 4. *leave*: a node of the plan gets SIGTERM while an answer streams: seconds until the plan re-forms without it,
    and the answer against a full node's.
+Each node's log is kept beside the report (`logs/`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ LEAVE_TOKENS = 300
 
 
 def run_placement(model: str, prompt_ids: list[int], model_id: str, memory: str, slow: float, tokens: int,
-                  long_tokens: int, chains: int) -> dict[str, Any]:
+                  long_tokens: int, chains: int, logs: Path) -> dict[str, Any]:
     """Every figure of the scenario (the module's docstring), as a report section."""
     gguf = Path(model)
     costs = gguf_costs(gguf)
@@ -53,25 +54,15 @@ def run_placement(model: str, prompt_ids: list[int], model_id: str, memory: str,
     finally:
         full.stop()
 
-    mesh = _AutoMesh(common, slow)
+    mesh = _AutoMesh(common, slow, logs)
     try:
         plan = mesh.wait_plan(lambda p: bool(p["spans"]), 180)
-        auto = _decode_ms(mesh.url, model_id, prompt_ids, tokens)
+        auto = min(_decode_ms(mesh.url, model_id, prompt_ids, tokens) for _ in range(2))  # (as each chain's)
         speeds = mesh.speeds()
         report["plan"] = {"spans": plan["spans"], "predicted_ms": plan.get("ms_per_token"), "decode_ms": auto,
                           "speeds_ms": speeds}
         print(f"placement: automatic plan {_spans(plan)}: {auto} ms per token", flush=True)
         roles = mesh.role_of(plan)
-    finally:
-        mesh.stop()  # (the hand-placed chains run on the same cores)
-    hand = _hand_placed(costs, budget, speeds, roles, chains, common, slow, model_id, prompt_ids, tokens)
-    best = min(hand, key=lambda chain: chain["decode_ms"])
-    report["hand_placed"] = hand
-    report["plan"]["over_best_hand_placed"] = round(auto / best["decode_ms"], 3)
-
-    mesh = _AutoMesh(common, slow)
-    try:
-        mesh.wait_plan(lambda p: bool(p["spans"]), 180)
         version = mesh.plan()["version"]
         swapped: list[float] = []
 
@@ -83,11 +74,10 @@ def run_placement(model: str, prompt_ids: list[int], model_id: str, memory: str,
 
         watch = _Watch(mesh, lambda p: p["version"] > version and p["state"] == "live")
         text, gaps = _answer(mesh.url, model_id, prompt_ids, long_tokens, swap)
-        after = _decode_ms(mesh.url, model_id, prompt_ids, tokens)
+        after = min(_decode_ms(mesh.url, model_id, prompt_ids, tokens) for _ in range(2))
         report["swap"] = {"replan_s": watch.seconds_since(swapped[0]) if swapped else None,
                           "identical": text == reference[long_tokens], "max_gap_s": round(max(gaps), 3),
-                          "plan_after": _spans(mesh.plan()), "decode_ms_after": after,
-                          "after_over_best_hand_placed": round(after / best["decode_ms"], 3)}
+                          "plan_after": _spans(mesh.plan()), "decode_ms_after": after}
         print(f"placement: swap {report['swap']}", flush=True)
 
         joined = time.monotonic()
@@ -113,7 +103,12 @@ def run_placement(model: str, prompt_ids: list[int], model_id: str, memory: str,
                            "identical": text == reference[LEAVE_TOKENS], "plan": _spans(mesh.plan())}
         print(f"placement: leave {report['leave']}", flush=True)
     finally:
-        mesh.stop()
+        mesh.stop()  # (the hand-placed chains run on the same cores)
+    hand = _hand_placed(costs, budget, speeds, roles, chains, common, slow, model_id, prompt_ids, tokens)
+    best = min(hand, key=lambda chain: chain["decode_ms"])
+    report["hand_placed"] = hand
+    report["plan"]["over_best_hand_placed"] = round(auto / best["decode_ms"], 3)
+    report["swap"]["after_over_best_hand_placed"] = round(report["swap"]["decode_ms_after"] / best["decode_ms"], 3)
     report["targets"] = {
         "plan_le_1_10x_best_hand_placed": report["plan"]["over_best_hand_placed"] <= 1.10,
         "replan_within_45_s": (report["swap"]["replan_s"] or 1e9) <= 45,
@@ -129,8 +124,8 @@ def run_placement(model: str, prompt_ids: list[int], model_id: str, memory: str,
 class _AutoMesh:
     """The automatic mesh: a head on core 0, a fast and a slow joiner on core 1."""
 
-    def __init__(self, common: tuple[str, ...], slow: float) -> None:
-        self.common, self.port = common, free_port()
+    def __init__(self, common: tuple[str, ...], slow: float, logs: Path) -> None:
+        self.common, self.port, self.logs = common, free_port(), logs
         self.head = Machine("--role", "head", "--layers", "auto", *common, name="head", core=0, port=self.port)
         self.joiners: list[Machine] = []
         self.fast = self.join("fast", 1, 1.0)
@@ -167,8 +162,11 @@ class _AutoMesh:
         return {tuple(span["layers"]): names.get(span["node"], span["node"]) for span in plan["spans"]}
 
     def stop(self) -> None:
+        """Stop every machine; each node's log goes to `logs`/NAME.log."""
+        self.logs.mkdir(parents=True, exist_ok=True)
         for machine in [*self.joiners, self.head]:
             machine.stop()
+            (self.logs / f"{machine.node.name}.log").write_text("\n".join(machine.node.lines) + "\n")
 
 
 class _Watch:
@@ -289,6 +287,34 @@ def _answer(url: str, model_id: str, prompt_ids: list[int], tokens: int,
             if on_chunk is not None:
                 on_chunk(len(parts))
     return "".join(parts), [b - a for a, b in zip(times, times[1:])]
+
+
+def write_placement_plot(report: dict[str, Any], path: Path) -> Path | None:
+    """Decode time per token of each hand-placed chain measured, the automatic plan's, and the plan's after the
+    machines traded speeds (none without matplotlib: `pip install meshws[bench]`)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [(f"by hand: head 0-{c['layers'][0][1] - 1}, {c['middle']} {c['layers'][1][0]}-{c['layers'][1][1] - 1}, "
+             f"{c['tail']} {c['layers'][2][0]}-{c['layers'][2][1] - 1}", c["decode_ms"], "#9aa5b1")
+            for c in sorted(report["hand_placed"], key=lambda chain: -chain["decode_ms"])]
+    rows += [("automatic plan", report["plan"]["decode_ms"], "#1f77b4"),
+             ("automatic, after the machines swapped speeds", report["swap"]["decode_ms_after"], "#2ca02c")]
+    figure, axis = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.4))
+    axis.barh([label for label, _, _ in rows], [value for _, value, _ in rows], color=[color for _, _, color in rows])
+    for index, (_, value, _) in enumerate(rows):
+        axis.text(value, index, f" {value:.1f}", va="center", fontsize=8)
+    axis.set_xlabel("decode, ms per token (lower is better)")
+    axis.set_title(f"{report['model']}: head on a core, two machines on another (one at {report['slow_share']:.0%}), "
+                   f"--memory {report['memory']} each", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
 
 
 def _url(machine: Machine) -> str:

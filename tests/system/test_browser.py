@@ -413,3 +413,37 @@ def test_dark_mode_follows_the_system(browser, mesh):
         page.screenshot(path=str(SHOTS / "dark.png"), full_page=True)
     finally:
         context.close()
+
+
+def test_the_route_picture_shows_the_plan_with_each_nodes_measured_time(browser):
+    """A head that places layers: the picture is its plan in force, each node with its span and times."""
+    from meshws.tools.launch import free_port
+    from meshws.tools.machines import wait_for_plan
+
+    port = free_port()
+    common = ("--layers", "auto", "--memory", "70M", "--dtype", "float32")  # no node holds the whole model
+    head = NodeProcess("--role", "head", *common, name="head", port=port)
+    nodes = [NodeProcess("--role", "auto", *common, "--join", f"http://127.0.0.1:{port}", name=f"auto {n}")
+             for n in range(2)]
+    context = None
+    try:
+        for node in (head, *nodes):
+            node.wait_started()
+        plan = wait_for_plan(head, lambda plan: len(plan["spans"]) == 3, 90)
+        context = browser.new_context(viewport={"width": 1280, "height": 820})
+        page = context.new_page()
+        page.goto(head.url + "/")
+        expect(page.locator("#route .route-plan").first).to_have_text(
+            re.compile(rf"^plan {plan['version']} · [\d.]+ ms per token predicted$"), timeout=15_000)
+        boxes = page.locator("#route .route-node")
+        expect(boxes).to_have_count(3)
+        for index, span in enumerate(plan["spans"]):
+            expect(boxes.nth(index)).to_contain_text(f"layers {span['layers'][0]}-{span['layers'][1] - 1}")
+            expect(boxes.nth(index)).to_contain_text(re.compile(r"[\d.]+ ms per token \([\d.]+ ms a layer, measured\)"))
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / "plan.png"), full_page=True)
+    finally:
+        if context is not None:
+            context.close()
+        for node in (*nodes, head):
+            node.stop()
