@@ -304,13 +304,13 @@ def write_placement_plot(report: dict[str, Any], path: Path) -> Path | None:
             for c in sorted(report["hand_placed"], key=lambda chain: -chain["decode_ms"])]
     rows += [("automatic plan", report["plan"]["decode_ms"], "#1f77b4"),
              ("automatic, after the machines swapped speeds", report["swap"]["decode_ms_after"], "#2ca02c")]
-    figure, axis = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.4))
+    figure, axis = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.5))
     axis.barh([label for label, _, _ in rows], [value for _, value, _ in rows], color=[color for _, _, color in rows])
     for index, (_, value, _) in enumerate(rows):
         axis.text(value, index, f" {value:.1f}", va="center", fontsize=8)
     axis.set_xlabel("decode, ms per token (lower is better)")
-    axis.set_title(f"{report['model']}: head on a core, two machines on another (one at {report['slow_share']:.0%}), "
-                   f"--memory {report['memory']} each", fontsize=9)
+    axis.set_title(f"{report['model']}: the head on one core, two machines on the other (one at "
+                   f"{report['slow_share']:.0%} of it),\n--memory {report['memory']} each, drafts off", fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
