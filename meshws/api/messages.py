@@ -10,6 +10,10 @@ from .errors import ApiError, shown
 from .fields import check_message_fields
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+TEMPLATE_CHARS_PER_MESSAGE = 16  # what a chat template adds around a message (role markers), at the least
+TEMPLATE_CHARS_PER_CALL = 48  # ... and around a tool call: `<tool_call>{"name": "", "arguments": {}}</tool_call>`
+MAX_MESSAGES = 1024
+MAX_TOOL_CALLS = 256  # earlier tool calls in one request's messages, all together
 
 
 def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
@@ -20,6 +24,12 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         raise ApiError(400, "'messages' must be a list", param="messages", code="invalid_type")
     if not messages:
         raise ApiError(400, "'messages' must not be empty", param="messages", code="invalid_value")
+    if len(messages) > MAX_MESSAGES:  # (before any of them is read)
+        raise ApiError(400, f"at most {MAX_MESSAGES} messages per request", param="messages", code="invalid_value")
+    calls = sum(len(m["tool_calls"]) for m in messages if isinstance(m, dict) and isinstance(m.get("tool_calls"), list))
+    if calls > MAX_TOOL_CALLS:
+        raise ApiError(400, f"at most {MAX_TOOL_CALLS} earlier tool calls per request, got {calls}", param="messages",
+                       code="invalid_value")
     plain: list[dict[str, str]] = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
@@ -36,11 +46,12 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def message_chars(message: dict[str, Any]) -> int:
-    """A parsed message's characters the template will render: its content, tool calls and tool call id."""
+    """A parsed message's characters the template will render: its content, tool calls and tool call id, and what
+    the template adds around the message and each call (an empty call still renders its `<tool_call>` block)."""
     calls = message.get("tool_calls") or []
-    return len(message["content"]) + len(message.get("tool_call_id") or "") + sum(
-        len(call["function"]["name"]) + len(call["function"].get("arguments", "")) + len(str(call.get("id", "")))
-        for call in calls)
+    return TEMPLATE_CHARS_PER_MESSAGE + len(message["content"]) + len(message.get("tool_call_id") or "") + sum(
+        TEMPLATE_CHARS_PER_CALL + len(call["function"]["name"]) + len(call["function"].get("arguments", ""))
+        + len(str(call.get("id", ""))) for call in calls)
 
 
 def _tool_fields(message: dict[str, Any], where: str) -> dict[str, Any]:

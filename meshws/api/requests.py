@@ -9,14 +9,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..head.service import HeadService
-from ..model.constraints import GrammarError, json_grammar
+import orjson
+
+from ..model.constraints import GrammarError
 from ..model.sampling import MAX_PROMPT_LOGPROBS, MAX_PROMPT_TOP_LOGPROBS, MAX_TOP_LOGPROBS, SamplingParams
 from .errors import ApiError, shown
 from .fields import check_fields
-from .messages import message_chars, parse_messages
+from .messages import MAX_MESSAGES, message_chars, parse_messages
 from .tools import ToolSpec, check_schema_size, parse_tools, plain_messages
 
-MAX_MESSAGES = 1024
 MAX_CHOICES = 8  # `n`
 CHARS_PER_TOKEN_CAP = 16  # a prompt longer than context x this many characters cannot fit: refused unread
 DEFAULT_MAX_TOKENS = 1024
@@ -108,8 +109,9 @@ def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
-def parse_response_format(body: dict[str, Any]) -> str | None:
-    """`response_format` as the grammar the tail samples under (None: free text)."""
+def parse_response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`response_format` as the JSON schema the answer must follow (None: free text), compiled into the grammar the
+    tail samples under once the request is admitted (`complete_spec`)."""
     spec = body.get("response_format")
     if spec is None:
         return None
@@ -127,11 +129,7 @@ def parse_response_format(body: dict[str, Any]) -> str | None:
         raise ApiError(400, "'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
                        param="response_format", code="invalid_value")
     check_schema_size(schema, "response_format")
-    try:
-        return json_grammar(schema)
-    except GrammarError as exc:
-        raise ApiError(400, f"'response_format': {str(exc)[:300]}", param="response_format",
-                       code="invalid_value") from None
+    return schema if schema is not None else {"type": "object"}
 
 
 def parse_stop(body: dict[str, Any]) -> list[str]:
@@ -181,6 +179,7 @@ class RequestDraft:
     prompt_ids: list[int] | None = None  # ... or the token ids
     batch: list[tuple[str, list[int] | None]] = field(default_factory=list)  # completions: several prompts
     tools: ToolSpec | None = None  # chat: the functions the model may call
+    schema: dict[str, Any] | None = None  # chat: the schema `response_format` asks the answer to follow
 
 
 def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> RequestDraft:
@@ -196,20 +195,21 @@ def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> Reques
                        f"{' or '.join(repr(name) for name in head.served_names)}", param="model", code="model_not_found")
     logprobs = parse_logprobs(body, chat)
     tools = parse_tools(body) if chat else None
-    grammar = parse_response_format(body) if chat else None
-    if grammar is not None and tools is not None and tools.forced:
+    schema = parse_response_format(body) if chat else None
+    if schema is not None and tools is not None and tools.forced:
         raise ApiError(400, "'response_format' and a required tool call cannot both shape the answer",
                        param="response_format", code="invalid_value")
     sampling = replace(parse_sampling(body), logprobs=logprobs,
-                       prompt_logprobs=bool(body.get("echo")) and logprobs is not None,
-                       grammar=grammar or (tools.grammar if tools is not None else None))
-    if sampling.grammar is not None and body.get("ignore_eos"):
+                       prompt_logprobs=bool(body.get("echo")) and logprobs is not None)
+    if (schema is not None or (tools is not None and tools.forced)) and body.get("ignore_eos"):
         raise ApiError(400, "'ignore_eos' cannot go past the end of a structured answer", param="ignore_eos",
                        code="invalid_value")
-    draft = RequestDraft(body, chat, sampling, parse_stop(body), tools=tools)
+    draft = RequestDraft(body, chat, sampling, parse_stop(body), tools=tools, schema=schema)
     if chat:
         draft.messages = parse_messages(body)
-        _check_size(sum(message_chars(m) for m in draft.messages), len(draft.messages), head.context_length)
+        tool_chars = len(orjson.dumps(tools.functions)) if tools is not None else 0  # (listed in the prompt too)
+        _check_size(sum(message_chars(m) for m in draft.messages) + tool_chars, len(draft.messages),
+                    head.context_length)
     else:
         prompts = _completion_prompts(body)
         for text, ids in prompts:
@@ -244,6 +244,13 @@ async def build_spec(body: dict[str, Any], chat: bool, head: HeadService) -> Com
 async def complete_spec(draft: RequestDraft, head: HeadService) -> CompletionSpec:
     """The prompt of an admitted request templated and tokenized, and the checks that need its length."""
     body, chat, stop = draft.body, draft.chat, list(draft.stop)
+    schema = draft.schema if draft.schema is not None else draft.tools.schema if draft.tools is not None else None
+    if schema is not None:  # (compiled now, admitted: off the event loop, a few at a time, within a budget)
+        param = "response_format" if draft.schema is not None else "tools"
+        try:
+            draft = replace(draft, sampling=replace(draft.sampling, grammar=await head.grammars.compile(schema)))
+        except GrammarError as exc:
+            raise ApiError(400, f"'{param}': {str(exc)[:300]}", param=param, code="invalid_value") from None
     builder = head.prompts
     prompt, prompt_ids = draft.prompt, draft.prompt_ids
     if draft.messages is not None:

@@ -21,6 +21,7 @@ from ..head.generation import GenerationStats
 from .answers import finish_reason
 from .errors import ApiError, shown
 from .fields import check_response_fields
+from .messages import MAX_MESSAGES, MAX_TOOL_CALLS
 from .requests import CompletionSpec
 from .tools import calls_in
 
@@ -63,6 +64,9 @@ def _input_messages(items: Any) -> list[dict[str, Any]]:
     if not isinstance(items, list) or not items:
         raise ApiError(400, "'input' must be a string or a non-empty list of items", param="input",
                        code="invalid_type")
+    if len(items) > MAX_MESSAGES + MAX_TOOL_CALLS:  # (calls in a row become one message: counted as items here)
+        raise ApiError(400, f"'input' takes at most {MAX_MESSAGES + MAX_TOOL_CALLS} items", param="input",
+                       code="invalid_value")
     messages: list[dict[str, Any]] = []
     for index, item in enumerate(items):
         where = f"input[{index}]"

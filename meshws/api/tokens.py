@@ -5,7 +5,9 @@
 would prefill: `{"tokens", "count", "max_model_len"}`, and with `with_pieces` (llama-
 server) or `return_token_strs` (vLLM) each token's text too. `/detokenize` takes
 `tokens` and answers the text as `prompt` (vLLM) and `content` (llama-server). Both are
-guarded like `/v1/*` (API key, Host, Origin) and bounded like a completion's prompt.
+guarded like `/v1/*` (API key, Host, Origin), bounded like a completion's prompt, at most
+`MAX_TOKENIZING` at once, and admitted as generations are (each holds a generation slot while
+it works, so a flood of them waits in the same queue and cannot crowd out the head).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from ..head.service import HeadService
+from ..head.service import HeadService, Unavailable
+from .answers import unavailable
 from .errors import ApiError, json_response, read_json, shown
 from .messages import message_chars, parse_messages
 from .requests import CHARS_PER_TOKEN_CAP
@@ -46,8 +49,14 @@ class TokenRoutes:
                             code="rate_limit_exceeded", kind="rate_limit_error").response()
         self.working += 1
         try:
+            slot = await self.head.admit_local()
+        except Unavailable as exc:
+            self.working -= 1
+            return unavailable(exc).response()
+        try:
             return await handler(request)
         finally:
+            slot.release()
             self.working -= 1
 
     async def _tokenize(self, request: web.Request) -> web.Response:

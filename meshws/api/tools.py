@@ -6,8 +6,9 @@ template knows none) get them the way Hermes-style templates do: a system block 
 the functions as JSON and asking for `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
 earlier calls and their results go back into the conversation in the same form. With
 `tool_choice` `required` or a named function, the answer is sampled under a grammar
-(`model.constraints`) that only allows such a call — one call, to one of the functions,
-with arguments valid against its `parameters` — so it always parses. With `auto` the
+(`model.constraints`, compiled once the request is admitted: `head.grammars`) that only
+allows such a call — one call, to one of the functions, with arguments valid against its
+`parameters` — so it always parses. With `auto` the
 model chooses: a `<tool_call>` block in its text becomes a call; with `none`, none is read.
 """
 
@@ -21,7 +22,6 @@ import orjson
 from dataclasses import dataclass
 from typing import Any
 
-from ..model.constraints import GrammarError, json_grammar
 from .errors import ApiError
 
 MAX_TOOLS = 128
@@ -36,11 +36,11 @@ class ToolSpec:
     functions: list[dict[str, Any]]  # {"name", "description"?, "parameters"?}
     choice: str = "auto"  # auto, none, required, or "function" with `name`
     name: str | None = None
-    grammar: str | None = None  # required / named: the answer is one call
+    schema: dict[str, Any] | None = None  # required / named: the answer is one call, valid against this
 
     @property
     def forced(self) -> bool:
-        return self.grammar is not None
+        return self.schema is not None
 
     def system_block(self) -> str:
         """The tools as a system message says them (for templates that do not render tools)."""
@@ -95,14 +95,10 @@ def parse_tools(body: dict[str, Any]) -> ToolSpec | None:
                        "{\"name\": <one of the tools>}}", param="tool_choice", code="invalid_value")
     if spec.choice in ("required", "function"):
         chosen = [f for f in functions if spec.name in (None, f["name"])]
-        schema = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                             "properties": {"name": {"const": f["name"]},
-                                            "arguments": f.get("parameters", {"type": "object"})}}
-                            for f in chosen]}
-        try:
-            spec.grammar = json_grammar(schema)
-        except GrammarError as exc:
-            raise ApiError(400, f"'tools': {str(exc)[:300]}", param="tools", code="invalid_value") from None
+        spec.schema = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                                  "properties": {"name": {"const": f["name"]},
+                                                 "arguments": f.get("parameters", {"type": "object"})}}
+                                 for f in chosen]}
     return spec
 
 

@@ -1,7 +1,7 @@
 """`HeadService`: what the public surfaces may ask of a head, and nothing more.
 
 The API and `/ws/chat` learn the model's facts here, tokenize and detokenize
-through it, ask it to admit a request (a route must exist, and a generation slot be
+through it, compile structured output's grammars with it, ask it to admit a request (a route must exist, and a generation slot be
 free or become free while the request waits in the admission queue) and run
 generations as streams of text. They never see the node.
 """
@@ -20,6 +20,7 @@ from ..model.backend import ShardBackend
 from .admission import AdmissionQueue, Refused, Slot
 from .conversation import Conversation, WarmPool
 from .generation import GenerationRequest, GenerationStats, Generator
+from .grammars import GrammarCompiler
 from .planner import RoutePlanner
 from .prompts import PromptBuilder
 from .routes import NoRoute, Route
@@ -79,6 +80,7 @@ class HeadService:
         self.context_length = backend.context_length
         self.vocab_size = backend.vocab_size
         self.prompts = PromptBuilder(backend.tokenizer)
+        self.grammars = GrammarCompiler()  # structured output's grammars: off the loop, bounded (`grammars`)
         self.warm = WarmPool(warm_sessions, warm_ttl, generator.end)
 
     @property
@@ -122,6 +124,14 @@ class HeadService:
         except NoRoute as exc:
             slot.release()
             raise Unavailable(str(exc), "no_route", retry_after=2) from exc
+
+    async def admit_local(self) -> Slot:
+        """A generation slot for work on this head alone (tokenizing a request's text): no route needed, the same
+        queue and limits as generations. Unavailable when there is none to have."""
+        try:
+            return await self.queue.enter()
+        except Refused as exc:
+            raise Unavailable(str(exc), exc.code, exc.retry_after) from exc
 
     def stream(self, request: GenerationRequest, stop: Sequence[str], stats: GenerationStats, admission: Admission,
                token_ids: list[int] | None = None, conversation: Conversation | None = None,

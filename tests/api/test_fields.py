@@ -85,14 +85,19 @@ def test_a_response_echoes_its_text_format_only():
         == {"format": {"type": "text"}}
 
 
-def test_tool_calls_and_ids_count_toward_a_prompts_size():
+def test_tool_calls_ids_and_what_the_template_adds_count_toward_a_prompts_size():
+    from meshws.api.messages import TEMPLATE_CHARS_PER_CALL as CALL, TEMPLATE_CHARS_PER_MESSAGE as MESSAGE
     from meshws.api.messages import message_chars, parse_messages
 
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "x" * 5000}}
+    empty = {"id": "", "type": "function", "function": {"name": "f", "arguments": ""}}
     messages = parse_messages({"messages": [{"role": "user", "content": "hi"},
                                             {"role": "assistant", "content": "", "tool_calls": [call]},
-                                            {"role": "tool", "content": "ok", "tool_call_id": "call_1"}]})
-    assert [message_chars(m) for m in messages] == [2, 1 + 5000 + 6, 2 + 6]
+                                            {"role": "tool", "content": "ok", "tool_call_id": "call_1"},
+                                            {"role": "assistant", "content": "", "tool_calls": [empty] * 3}]})
+    assert [message_chars(m) for m in messages] == [
+        MESSAGE + 2, MESSAGE + CALL + 1 + 5000 + 6, MESSAGE + 2 + 6, MESSAGE + 3 * (CALL + 1)]
+    assert CALL >= 45 and MESSAGE >= 10  # an empty call renders about 45 characters (issue 61)
 
 
 def test_a_whole_answer_bounds_its_log_probabilities():

@@ -1,4 +1,5 @@
-"""/tokenize and /detokenize: a bounded number at work at once; past it a 429, nothing queued."""
+"""/tokenize and /detokenize: a bounded number at work at once (past it a 429, nothing queued), each admitted as a
+generation is (a slot from the head's queue: when every slot is busy they wait, and time out with a 503)."""
 
 import asyncio
 from types import SimpleNamespace
@@ -8,6 +9,33 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from meshws.api.tokens import MAX_TOKENIZING, TokenRoutes
+from meshws.head.admission import AdmissionQueue
+from meshws.head.service import HeadService
+
+
+def fake_head(tokenize, slots=8, timeout=60.0):
+    queue = AdmissionQueue(slots, 4, timeout)
+    head = SimpleNamespace(served_names=["m"], context_length=64, vocab_size=10, tokenize=tokenize,
+                           decode=lambda ids: "x" * len(ids), queue=queue)
+    head.admit_local = lambda: HeadService.admit_local(head)
+    return head
+
+
+async def test_tokenize_waits_for_a_generation_slot_and_gets_503_when_none_comes():
+    async def tokenize(text):
+        return [1]
+
+    head = fake_head(tokenize, slots=1, timeout=0.3)
+    busy = await head.queue.enter()  # a generation holds the only slot
+    app = web.Application()
+    app.router.add_post("/tokenize", TokenRoutes(head).tokenize)
+    async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as client:
+        async with client.post(str(server.make_url("/tokenize")), json={"prompt": "x"}) as response:
+            assert response.status == 503 and "Retry-After" in response.headers
+        busy.release()
+        async with client.post(str(server.make_url("/tokenize")), json={"prompt": "x"}) as response:
+            assert response.status == 200 and (await response.json())["tokens"] == [1]
+    assert head.queue.running == 0
 
 
 async def test_tokenize_requests_beyond_the_bound_get_429_and_the_rest_answer():
@@ -19,8 +47,7 @@ async def test_tokenize_requests_beyond_the_bound_get_429_and_the_rest_answer():
         await release.wait()
         return [1, 2]
 
-    head = SimpleNamespace(served_names=["m"], context_length=64, vocab_size=10, tokenize=tokenize,
-                           decode=lambda ids: "x" * len(ids))
+    head = fake_head(tokenize)
     routes = TokenRoutes(head)
     app = web.Application()
     app.router.add_post("/tokenize", routes.tokenize)
