@@ -156,7 +156,7 @@ class Node(NodeReports):
             self._mount_head(app)
         if self.role in ("head", "middle"):  # a node after this one may not be dialable: it dials in
             ReverseEndpoint(self.links, lambda request: self.access.authorize(request, b""),
-                            self.settings.max_frame_bytes, self.registry and self.registry.urls,
+                            self.settings.max_frame_bytes, self.registry and self.registry.spans,
                             self.metrics.frame_bytes.labels("relayed", "relay").inc).add_routes(app)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=10.0)
         await self._runner.setup()

@@ -44,8 +44,9 @@ class Registry:
         self.expire()
         return sorted(self._nodes.values(), key=lambda r: (r.layers, r.url))
 
-    def urls(self) -> list[str]:
-        return [record.url for record in self.nodes()]
+    def spans(self) -> dict[str, tuple[int, int]]:
+        """Each joined node's layers, by URL."""
+        return {record.url: record.layers for record in self.nodes()}
 
     def expire(self) -> list[NodeRecord]:
         """Drop the nodes not heard from within the TTL, telling `on_expire` of each; which they were."""

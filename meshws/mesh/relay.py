@@ -5,8 +5,11 @@ waiting); the middle's link to the tail dials the head's `/mesh/relay/<tail>/<mi
 (`Link.relay_via`), and the head pipes the two sockets together message by message. The middle and the tail trade
 hellos and session frames end to end (routes signed by the head included); the head reads only their sizes
 (`meshws_frame_bytes` with direction `relayed`). What it costs the head is in the open and capped: RELAYS pipes at
-once, WAITING relay-back sockets per pair, one message in flight each way, and only between joined nodes it could not
-dial itself. It dials nobody for a relay, so a relay cannot be pointed at any other address.
+once, WAITING relay-back sockets and WAITING middles' requests per pair and RELAYS of each in all (a request waiting
+for its pair holds no pipe), one message in flight each way, a tail's messages of at most BACK_MESSAGE_BYTES (it
+sends control frames alone), nothing at all from a socket not yet paired (it is closed), and only between two
+distinct, adjacent joined nodes it could not dial itself. It dials nobody for a relay, so a relay cannot be pointed
+at any other address. When the last pipe and socket go, the heap's free pages go back to the system.
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ from typing import Any, Callable
 
 from aiohttp import WSMsgType, web
 
+from ..model.memory import give_back
+
 log = logging.getLogger("meshws.relay")
 
 RELAYS = 32  # pipes a head runs at once
-WAITING = 2  # relay-back sockets a head keeps waiting per (tail, middle)
+WAITING = 2  # relay-back sockets a head keeps waiting per (tail, middle), and middles' requests waiting for them
 PAIR_WAIT = 10.0  # seconds a middle's relay request waits for the tail's relay-back socket
+BACK_MESSAGE_BYTES = 2 * 1024 * 1024  # a tail's messages: tokens and errors (control frames are at most 1 MiB)
 
 
 class _Back:
@@ -43,21 +49,26 @@ class Relay:
         self.relayed = relayed  # counts the bytes piped
         self.max_frame_bytes = max_frame_bytes
         self.waiting: dict[tuple[str, str], list[_Back]] = {}
+        self.joining: dict[tuple[str, str], int] = {}  # middles' requests waiting for a relay-back socket, per pair
         self.pipes = 0
         self._arrived = asyncio.Condition()
 
     def describe(self) -> dict[str, Any]:
-        return {"pipes": self.pipes, "waiting": sum(len(backs) for backs in self.waiting.values()),
+        return {"pipes": self.pipes, "waiting": self._waiting(), "joining": sum(self.joining.values()),
                 "limit": RELAYS}
+
+    def _waiting(self) -> int:
+        return sum(len(backs) for backs in self.waiting.values())
 
     async def wait_back(self, request: web.Request, tail: str, middle: str) -> web.WebSocketResponse:
         """The tail's relay-back socket: kept until a middle's relay request takes it, and while the pipe runs (its
         heartbeats answered all along, so a tail gone silent is seen)."""
-        if not self.allowed(tail, middle) or len(self.waiting.get((tail, middle), [])) >= WAITING:
-            raise web.HTTPForbidden(text="no relay between those nodes (not both joined and undialable, or enough "
-                                         "sockets wait already)")
+        if tail == middle or not self.allowed(tail, middle) or len(self.waiting.get((tail, middle), [])) >= WAITING \
+                or self._waiting() >= RELAYS:
+            raise web.HTTPForbidden(text="no relay between those nodes (not two adjacent nodes both joined and "
+                                         "undialable, or enough sockets wait already)")
         backs = self.waiting.setdefault((tail, middle), [])
-        ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=2 * self.max_frame_bytes + 65536)
+        ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=BACK_MESSAGE_BYTES)
         back = _Back(ws)
         backs.append(back)  # (counted before the handshake's await: requests at once cannot pass the cap)
         try:
@@ -65,17 +76,21 @@ class Relay:
             async with self._arrived:
                 self._arrived.notify_all()
             async for message in ws:
-                if message.type not in (WSMsgType.TEXT, WSMsgType.BINARY) or not await self._handed(back, message):
-                    break
+                if message.type not in (WSMsgType.TEXT, WSMsgType.BINARY) or not back.taken \
+                        or not await self._handed(back, message):
+                    break  # (a tail speaks only once a middle's hello came through it: not while it waits)
         finally:
             back.closed = True
             if back in backs:
                 backs.remove(back)
-            if not backs:
-                self.waiting.pop((tail, middle), None)
+            if not backs and self.waiting.get((tail, middle)) is backs:  # (a newer list may stand there now)
+                del self.waiting[(tail, middle)]
             if back.taken:
                 await self._handed(back, None)
                 await back.done  # the pipe ends now that this side has
+            if not ws.closed:
+                await ws.close()
+            self._idle()
         return ws
 
     @staticmethod
@@ -90,17 +105,30 @@ class Relay:
 
     async def join(self, request: web.Request, tail: str, middle: str) -> web.WebSocketResponse:
         """The middle's side: its socket piped to a relay-back socket of the tail's, until either closes."""
-        if not self.allowed(tail, middle):
-            raise web.HTTPForbidden(text="no relay between those nodes (not both joined and undialable)")
-        if self.pipes >= RELAYS:
-            raise web.HTTPServiceUnavailable(text=f"this head relays {RELAYS} links at once already")
-        self.pipes += 1  # (counted before any await: requests at once cannot pass the cap)
-        back = None
-        ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=2 * self.max_frame_bytes + 65536)
-        try:
+        if tail == middle or not self.allowed(tail, middle):
+            raise web.HTTPForbidden(text="no relay between those nodes (not two adjacent nodes both joined and "
+                                         "undialable)")
+        pair = (tail, middle)
+        if self.pipes >= RELAYS or self.joining.get(pair, 0) >= WAITING or sum(self.joining.values()) >= RELAYS:
+            raise web.HTTPServiceUnavailable(text=f"this head relays {RELAYS} links at once already, or enough "
+                                                  "requests wait for this pair")
+        self.joining[pair] = self.joining.get(pair, 0) + 1  # (counted before any await: requests at once cannot
+        try:  # pass the cap; a request that waits for its pair holds no pipe)
             back = await self._take_back(tail, middle)
-            if back is None:
-                raise web.HTTPServiceUnavailable(text="the tail has no socket waiting for a relay; try again")
+        finally:
+            self.joining[pair] -= 1
+            if not self.joining[pair]:
+                del self.joining[pair]
+        if back is None:
+            self._idle()
+            raise web.HTTPServiceUnavailable(text="the tail has no socket waiting for a relay; try again")
+        if self.pipes >= RELAYS:  # (filled while this one waited: the socket it took goes back to its tail)
+            back.done.set_result(None)
+            await back.ws.close()
+            raise web.HTTPServiceUnavailable(text=f"this head relays {RELAYS} links at once already")
+        self.pipes += 1
+        ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=self.max_frame_bytes + 65536)
+        try:
             await ws.prepare(request)
             log.info("relaying the link %s -> %s (neither can dial the other)", middle, tail)
             pumps = [asyncio.create_task(self._to_tail(ws, back)), asyncio.create_task(self._to_middle(back, ws))]
@@ -110,14 +138,19 @@ class Relay:
             await asyncio.gather(*pumps, return_exceptions=True)
         finally:
             self.pipes -= 1
-            if back is not None:
-                if not back.done.done():
-                    back.done.set_result(None)
-                if not back.ws.closed:
-                    await back.ws.close()
+            if not back.done.done():
+                back.done.set_result(None)
+            if not back.ws.closed:
+                await back.ws.close()
             if not ws.closed and ws.prepared:
                 await ws.close()
+            self._idle()
         return ws
+
+    def _idle(self) -> None:
+        """Nothing relayed or waiting any more: the buffers the pipes used go back to the system."""
+        if not self.pipes and not self.waiting and not self.joining:
+            give_back()
 
     async def _take_back(self, tail: str, middle: str) -> _Back | None:
         def ready() -> _Back | None:

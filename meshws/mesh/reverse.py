@@ -64,18 +64,20 @@ class ReverseEndpoint:
     """The dialed side (a head, a middle): `/mesh/reverse/...` sockets handed to the links they stand for."""
 
     def __init__(self, links: LinkPool, authorize: Callable[[web.Request], str | None], max_frame_bytes: int,
-                 joined: Callable[[], Iterable[str]] | None = None,
+                 joined: Callable[[], dict[str, tuple[int, int]]] | None = None,
                  relayed: Callable[[int], None] = lambda size: None) -> None:
         self.links = links
         self.authorize = authorize
         self.max_frame_bytes = max_frame_bytes
-        self.joined = joined  # a head: the URLs of its joined nodes, the only ones it links to this way
+        self.joined = joined  # a head: its joined nodes' layers by URL, the only nodes it links to this way
         self.relay = Relay(self.may_relay, relayed, max_frame_bytes) if joined is not None else None
 
     def may_relay(self, tail: str, middle: str) -> bool:
-        """Both joined, and this head could dial neither (so neither can dial the other, as far as it knows)."""
-        joined = set(self.joined()) if self.joined is not None else set()
-        return {tail, middle} <= joined and cannot_dial(self.links, tail) and cannot_dial(self.links, middle)
+        """Two distinct joined nodes, adjacent (the middle's layers end where the tail's begin: hops of one route),
+        and this head could dial neither (so neither can dial the other, as far as it knows)."""
+        joined = self.joined() if self.joined is not None else {}
+        return tail != middle and tail in joined and middle in joined and joined[middle][1] == joined[tail][0] \
+            and cannot_dial(self.links, tail) and cannot_dial(self.links, middle)
 
     def may_link(self, url: str) -> bool:
         """A head links this way only to its joined nodes, a middle to any hop (the secret says it is one of the
