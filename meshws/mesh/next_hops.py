@@ -25,7 +25,9 @@ from .wire import Open, RouteHop
 
 log = logging.getLogger("meshws.next_hops")
 
-MAX_ROUTE_LINKS = 32  # next hops a middle keeps links to at once
+MAX_ROUTE_LINKS = 32  # next hops a middle dials and keeps links to at once
+MAX_DIAL_INS = 8  # next hops that dialed in to a middle (they cannot be dialed): capped apart, so that sockets
+# dialed in for invented addresses never fill the links a head's signed route needs
 IDLE_LINK_SECONDS = 60.0  # a link to a next hop no session used for this long is closed
 
 
@@ -80,7 +82,7 @@ class NextHops:
         elif not (self.open_routes or all(is_loopback_url(hop.url) for hop in message.route)):
             raise ValueError("without a mesh secret this node follows routes to loopback nodes only")
         url = message.route[0].url.rstrip("/")
-        if url not in self.links and len(self.links.all()) >= MAX_ROUTE_LINKS:
+        if url not in self.links and sum(not link.reversed for link in self.links.all()) >= MAX_ROUTE_LINKS:
             raise ValueError(f"this node already keeps {MAX_ROUTE_LINKS} links to next hops")
 
     async def idle_ctx(self, app: web.Application) -> AsyncIterator[None]:

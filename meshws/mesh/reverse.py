@@ -23,7 +23,7 @@ from aiohttp import web
 from .auth import http_base, signed_headers
 from .link import DIAL_TIMEOUT
 from .link_pool import LinkPool
-from .next_hops import MAX_ROUTE_LINKS
+from .next_hops import MAX_DIAL_INS
 from .relay import Relay
 
 log = logging.getLogger("meshws.reverse")
@@ -81,13 +81,13 @@ class ReverseEndpoint:
 
     def may_link(self, url: str) -> bool:
         """A head links this way only to its joined nodes, a middle to any hop (the secret says it is one of the
-        mesh's) within its cap of links; and neither to a node it dials: a socket offered for a reachable node
-        does not take its place."""
+        mesh's) within its cap of dialed-in links (apart from the links it dials for routes); and neither to a node
+        it dials: a socket offered for a reachable node does not take its place."""
         if self.joined is not None:
             return url in set(self.joined()) and cannot_dial(self.links, url)
         if url in self.links:
             return cannot_dial(self.links, url)
-        return len(self.links.all()) < MAX_ROUTE_LINKS
+        return sum(link.reversed for link in self.links.all()) < MAX_DIAL_INS
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get(REVERSE_PATH + "/{url}", self.handle)

@@ -72,3 +72,40 @@ def test_loopback_urls_are_parsed_not_guessed():
     assert is_loopback_url("ws://127.0.0.1:8701") and is_loopback_url("wss://[::1]:9") and is_loopback_url("ws://localhost:1")
     for url in ("ws://127.0.0.1@evil.example:80", "ws://127.evil.example:80", "ws://10.0.0.2:8701", "ws://[::1"):
         assert not is_loopback_url(url), url
+
+
+async def test_dial_ins_for_invented_addresses_never_crowd_out_a_signed_route():
+    """Issue 61: a member dialing in to a middle for invented URLs filled its 32 next-hop links; now dial-ins have
+    a cap of their own, and a route the head signed still gets its link."""
+    from meshws.mesh.next_hops import MAX_DIAL_INS
+    from meshws.mesh.reverse import reverse_path
+
+    middle = Node(NodeSettings(role="middle", port=0, layers=(6, 9), secret=SECRET), backend=_Middle())
+    port = await middle.start()
+    url = f"http://127.0.0.1:{port}"
+    sockets = []
+    try:
+        async with aiohttp.ClientSession() as client:
+            refused = 0
+            for n in range(40):
+                path = reverse_path(f"ws://fake-{n}.invalid:1")
+                headers = await signed_headers(client, url, SECRET, "GET", path)
+                try:
+                    sockets.append(await client.ws_connect(f"ws://127.0.0.1:{port}{path}", headers=headers))
+                except aiohttp.WSServerHandshakeError as exc:
+                    assert exc.status == 403
+                    refused += 1
+            assert len(sockets) == MAX_DIAL_INS and refused == 40 - MAX_DIAL_INS
+            headers = await signed_headers(client, url, SECRET, "GET", "/ws/shard")
+            async with client.ws_connect(f"ws://127.0.0.1:{port}/ws/shard", headers=headers) as ws:
+                await ws.send_str(encode_control(Hello("fake-model", (0, 6), "head", "test-head", 12)))
+                assert (await ws.receive_json())["type"] == "hello"
+                target = (RouteHop("ws://127.0.0.1:1", (9, 12)),)
+                signed = await _open_and_answer(ws, Open("s1", route=target, route_mac=sign_route(
+                    SECRET, "s1", [hop.to_wire() for hop in target])))
+                assert signed is None  # accepted: the open travels on to the real next hop's link
+                assert "ws://127.0.0.1:1" in {link.url for link in middle.links.all()}
+            for socket in sockets:
+                await socket.close()
+    finally:
+        await middle.stop()
