@@ -21,7 +21,7 @@ from collections import deque
 from typing import Any, AsyncIterator
 
 from . import heap
-from .head.placement import RESERVE_TOKENS, Capacity
+from .head.placement import RESERVE_TOKENS, Capacity, span_fits
 from .head.rebalance import UNMEASURED, HeadSide, Placement
 from .model.costs import ModelCosts
 from .model.memory import available_memory
@@ -29,6 +29,7 @@ from .model.speed import SpeedMeter, probe
 
 log = logging.getLogger("meshws.placement")
 
+MAX_VERSION = 2**53  # plan versions a head may name (as the head checks a node's report of them)
 PROBE_EVERY = 3.0  # seconds without a lone decode step before the node times a probe
 MEMORY_MARGIN = 0.1  # of the memory free at start, left out of the default budget
 ROLES = {"auto": ("middle", "tail"), "middle": ("middle",), "tail": ("tail",), "head": ("head",)}
@@ -116,6 +117,7 @@ class PlanFollower:
     def __init__(self, node: Any) -> None:
         self.node = node
         self.roles = ROLES[node.settings.role]
+        self.epoch = ""  # whose plan versions these are (the head's)
         self.serving = 0  # the plan version this node serves
         self._prepared: tuple[int, tuple[int, int], Any] | None = None  # (version, span, the span's parts)
         self._loading: tuple[int, int] | None = None
@@ -129,22 +131,29 @@ class PlanFollower:
 
     def report(self) -> dict[str, Any]:
         prepared = self._prepared[0] if self._prepared is not None else 0
-        return {"auto": True, "roles": list(self.roles), "plan": {"serving": self.serving, "prepared": prepared}}
+        return {"auto": True, "roles": list(self.roles),
+                "plan": {"epoch": self.epoch, "serving": self.serving, "prepared": prepared}}
 
     def heard(self, answer: Any) -> None:
         """The first head's answer to a heartbeat (checked as any input from the network)."""
         instruction = _instruction(answer, self.node.shard.total_layers, self.roles)
         if instruction is None:
             return
-        version, span, commit = instruction
-        if version < self.serving:  # another head's count (it restarted): what this node serves is news to it
-            self.serving = 0
+        epoch, version, span, commit = instruction
+        if epoch != self.epoch:  # another head's count (it restarted): what this node serves is news to it
+            self.epoch, self.serving, self._prepared = epoch, 0, None
+        memory = self.node.capacity.memory
+        if memory and span != self.node.span and not span_fits(self.node.shard.costs, memory, *span):
+            log.warning("ignored a plan whose layers %d-%d do not fit this node's budget (%d MiB)", span[0],
+                        span[1] - 1, memory // 2**20)
+            return
         if span == self.node.span:
             self._prepared = None
             self.serving = max(self.serving, version)
         elif self._prepared is not None and self._prepared[1] == span:
             self._prepared = (version, span, self._prepared[2])
             if commit and not self._committing:
+                self._committing = True  # (before the task runs: the next answer must not start another)
                 self._spawn(self._commit())
         elif self._loading != span:
             self._spawn(self._prepare(version, span))
@@ -167,7 +176,7 @@ class PlanFollower:
     async def _commit(self) -> None:
         assert self._prepared is not None and self.node.shard_service is not None
         version, span, parts = self._prepared
-        node, self._committing = self.node, True
+        node = self.node
         try:
             ended = await node.shard_service.move(lambda: node.worker.call(node.shard.adopt, parts))
         finally:
@@ -190,13 +199,15 @@ class PlanFollower:
         task.add_done_callback(self._tasks.discard)
 
 
-def _instruction(answer: Any, total: int, roles: tuple[str, ...]) -> tuple[int, tuple[int, int], bool] | None:
-    """(version, span, commit) from a heartbeat's answer, or None where it has none or it does not fit."""
+def _instruction(answer: Any, total: int,
+                 roles: tuple[str, ...]) -> tuple[str, int, tuple[int, int], bool] | None:
+    """(epoch, version, span, commit) from a heartbeat's answer, or None where it has none or it does not fit."""
     plan = answer.get("plan") if isinstance(answer, dict) else None
     if not isinstance(plan, dict):
         return None
-    version, layers, commit = plan.get("version"), plan.get("layers"), plan.get("commit")
-    if not (isinstance(version, int) and not isinstance(version, bool) and version > 0 and isinstance(commit, bool)
+    version, layers, commit, epoch = plan.get("version"), plan.get("layers"), plan.get("commit"), plan.get("epoch")
+    if not (isinstance(version, int) and not isinstance(version, bool) and 0 < version <= MAX_VERSION
+            and isinstance(commit, bool) and isinstance(epoch, str) and len(epoch) <= 64
             and isinstance(layers, list) and len(layers) == 2
             and all(isinstance(n, int) and not isinstance(n, bool) for n in layers)
             and 0 < layers[0] < layers[1] <= total):
@@ -206,19 +217,21 @@ def _instruction(answer: Any, total: int, roles: tuple[str, ...]) -> tuple[int, 
     if plan.get("placed") is not False and ("tail" if span[1] == total else "middle") not in roles:
         log.warning("ignored a plan that makes this node a role it may not take: %s", plan)
         return None
-    return version, span, commit
+    return epoch, version, span, commit
 
 
 def head_placement(node: Any, capacity: NodeCapacity) -> Placement:
     """The head's placement, wired to this head node: its own span, capacity and generations."""
     shard, auto = node.shard, node.settings.layers == "auto"
-    prepared: list[Any] = []
+    prepared: dict[tuple[int, int], Any] = {}  # by span (a load for a move given up may end during a later one)
 
     async def prepare(span: tuple[int, int]) -> None:
-        prepared[:] = [await asyncio.to_thread(shard.prepare_span, *span)]
+        parts = await asyncio.to_thread(shard.prepare_span, *span)
+        prepared.clear()
+        prepared[span] = parts
 
-    async def commit() -> None:
-        await node.worker.call(shard.adopt, prepared.pop())
+    async def commit(span: tuple[int, int]) -> None:
+        await node.worker.call(shard.adopt, prepared.pop(span))  # (KeyError: not loaded; the move is given up)
         heap.refreeze()
 
     assert node.head is not None and node.registry is not None

@@ -198,6 +198,10 @@ def _record(data: Any) -> NodeRecord:
     plan = data.get("plan", {})
     if not isinstance(plan, dict):
         raise ValueError("plan must be an object")
+    epoch = plan.get("epoch", "")
+    if not isinstance(epoch, str) or len(epoch) > 64:
+        raise ValueError("plan.epoch must be a short string")
+    record.epoch = epoch
     for name in ("serving", "prepared"):
         value = plan.get(name, 0)
         if not _is_int(value) or not 0 <= value <= MAX_VERSION:

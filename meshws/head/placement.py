@@ -18,6 +18,7 @@ fastest-first order is exact when layers weigh alike (then a middle's place in t
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -73,6 +74,13 @@ class Plan:
     def span_of(self, node: str) -> PlanSpan | None:
         return next((span for span in self.spans if span.node == node), None)
 
+    def summary(self) -> str:
+        """The plan in a log line."""
+        if not self.spans:
+            return self.missing
+        return ", ".join(f"{span.node} {span.layers[0]}-{span.layers[1] - 1}{' (replica)' if span.replica else ''}"
+                         for span in self.spans) + f"; {self.seconds_per_token * 1000:.1f} ms per token predicted"
+
     def describe(self) -> dict[str, Any]:
         view: dict[str, Any] = {"version": self.version, "spans": [span.describe() for span in self.spans]}
         if self.spans:
@@ -84,14 +92,34 @@ class Plan:
         return view
 
 
-_Candidate = tuple[float, int, float, list[tuple[Capacity, int, int]]]  # (seconds, hops, slowest hop, [(node, a, b)])
+def span_fits(costs: ModelCosts, memory: int, start: int, end: int, reserve_tokens: int = RESERVE_TOKENS) -> bool:
+    """Whether a budget of `memory` bytes holds `[start, end)`: its weights (the embeddings from layer 0, the LM head
+    through the last), and room for `reserve_tokens` of KV per layer."""
+    return costs.weight_bytes(start, end) + reserve_tokens * costs.kv_bytes_per_token * (end - start) <= memory
+
+
+def chain_seconds(plan_: Plan, nodes: dict[str, Capacity], costs: ModelCosts, lm_factor: float = 1.0) -> float:
+    """A plan's chain's time per token at these nodes' speeds and links (every node of the chain among them)."""
+    search = _Search(costs, 0, lm_factor)
+    return sum(search.seconds(nodes[span.node], *span.layers) + (search.hop(nodes[span.node]) if span.layers[0] else 0)
+               for span in plan_.chain)
+
+
+_Chain = tuple  # a chain so far, as a linked list: (the chain before, node, start, end), or () before the head
+_Candidate = tuple[float, int, _Chain]  # (seconds, hops, the chain)
 
 
 def _better(candidate: _Candidate, known: _Candidate | None) -> bool:
-    """Faster (to a nanosecond), then fewer hops, then a lighter slowest hop (a balanced chain serves more)."""
-    if known is None:
-        return True
-    return (round(candidate[0], 9), candidate[1], candidate[2]) < (round(known[0], 9), known[1], known[2])
+    """Faster (to a nanosecond), then fewer hops."""
+    return known is None or (round(candidate[0], 9), candidate[1]) < (round(known[0], 9), known[1])
+
+
+def _spans_of(chain: _Chain) -> list[tuple[Capacity, int, int]]:
+    spans = []
+    while chain:
+        chain, node, start, end = chain
+        spans.append((node, start, end))
+    return spans[::-1]
 
 
 @dataclass
@@ -100,20 +128,25 @@ class _Search:
 
     costs: ModelCosts
     reserve: int  # KV bytes each placed layer keeps room for
-    lm_factor: float = 1.0  # the LM head's seconds per mean layer, over the layers' 
-    best: "_Candidate | None" = None
+    lm_factor: float = 1.0  # the LM head's seconds per mean layer, over the layers'
+    best: _Candidate | None = None
     reached: int = 0  # the furthest layer any partial chain reached
-    prefix: list[int] = field(default_factory=list)
+    prefix: list[int] = field(default_factory=list)  # layer bytes before each position
+    held: list[int] = field(default_factory=list)  # ... with each layer's KV reserve
+    work: list[float] = field(default_factory=list)  # layer units (mean layers) before each position
 
     def __post_init__(self) -> None:
         self.prefix = [0, *itertools.accumulate(self.costs.layer_bytes)]
+        self.held = [size + self.reserve * index for index, size in enumerate(self.prefix)]
+        mean = max(1.0, self.costs.mean_layer_bytes)
+        self.work = [size / mean for size in self.prefix]
 
     def fits(self, node: Capacity, start: int, end: int) -> bool:
         if node.span is not None:
             return True  # placed by hand: it holds what it holds
         costs = self.costs
-        held = self.prefix[end] - self.prefix[start] + (costs.embedding_bytes if start == 0 else 0) + \
-            (costs.lm_head_bytes if end == costs.total_layers else 0) + self.reserve * (end - start)
+        held = self.held[end] - self.held[start] + (costs.embedding_bytes if start == 0 else 0) + \
+            (costs.lm_head_bytes if end == costs.total_layers else 0)
         return held <= node.memory
 
     def seconds(self, node: Capacity, start: int, end: int) -> float:
@@ -122,6 +155,9 @@ class _Search:
 
     def hop(self, node: Capacity) -> float:
         return node.link_seconds + HOP_SECONDS
+
+    def extend(self, known: _Candidate, node: Capacity, start: int, end: int) -> _Candidate:
+        return known[0] + self.seconds(node, start, end) + self.hop(node), known[1] + 1, (known[2], node, start, end)
 
 
 def plan(head: Capacity, nodes: Sequence[Capacity], costs: ModelCosts, version: int = 0,
@@ -142,12 +178,14 @@ def plan(head: Capacity, nodes: Sequence[Capacity], costs: ModelCosts, version: 
         middles = [node for node in automatic if node is not tail and "middle" in node.roles]
         orders = itertools.permutations(middles) if len(middles) <= EXACT_ORDERS_UP_TO else [middles]
         for order in orders:
-            _chain(search, heads, list(order), fixed, tail)
+            _chain(search, head, heads, list(order), fixed, tail)
     if search.best is None:
         return Plan(version, left_out=tuple(node.node for node in nodes), missing=_missing(search, nodes))
-    seconds, _, _, chain = search.best
+    chain = _balanced(search, _spans_of(search.best[2]))
+    seconds = sum(search.seconds(node, start, end) + (search.hop(node) if start else 0.0)
+                  for node, start, end in chain)
     spans = [PlanSpan(node.node, "head" if start == 0 else "tail" if end == total else "middle", (start, end),
-                      search.seconds(node, start, end)) for node, start, end in [(head, *chain[0][1:])] + chain[1:]]
+                      search.seconds(node, start, end)) for node, start, end in chain]
     used = {span.node for span in spans}
     replicas = _replicas(search, [node for node in nodes if node.node not in used], spans)
     used |= {span.node for span in replicas}
@@ -155,52 +193,106 @@ def plan(head: Capacity, nodes: Sequence[Capacity], costs: ModelCosts, version: 
                 tuple(node.node for node in nodes if node.node not in used))
 
 
-def _chain(search: _Search, heads: list[tuple[int, float]], middles: list[Capacity], fixed: list[Capacity],
-           tail: Capacity | None) -> None:
-    """The best chain with the middles taken in this order (each a span or none) and `tail` last (or a fixed tail);
-    kept in `search` if better than its best."""
-    total, count = search.costs.total_layers, len(middles)
-    best: list[dict[int, _Candidate]] = [{} for _ in range(count + 1)]  # [i][p]: at layer p, first i middles weighed
+def _chain(search: _Search, head: Capacity, heads: list[tuple[int, float]], middles: list[Capacity],
+           fixed: list[Capacity], tail: Capacity | None) -> None:
+    """The fastest chain with the middles taken in this order (each a span or none) and `tail` last (or a fixed
+    tail); kept in `search` if better than its best. Row i holds, by the layer reached, the best chain having weighed
+    the first i middles; a middle's spans come from a window of the row before (`_take`): linear in the layers."""
+    total = search.costs.total_layers
+    row: dict[int, _Candidate] = {}
     for end, seconds in heads:
-        best[0][end] = (seconds, 0, seconds, [(Capacity("head", 0.0, 0), 0, end)])
-
-    def offer(i: int, position: int, candidate: _Candidate) -> None:
-        if _better(candidate, best[i].get(position)):
-            best[i][position] = candidate
+        row[end] = (seconds, 0, ((), head, 0, end))
+    rows = [_with_fixed(search, row, fixed, tail)]
+    for node in middles:
+        rows.append(_with_fixed(search, _take(search, rows[-1], node), fixed, tail))
+    for row in rows:
+        for position, known in row.items():
             search.reached = max(search.reached, position)
-
-    def extend(known: _Candidate, node: Capacity, start: int, end: int) -> _Candidate:
-        seconds, hops, slowest, chain = known
-        own = search.seconds(node, start, end)
-        return seconds + own + search.hop(node), hops + 1, max(slowest, own), chain + [(node, start, end)]
-
-    for i in range(count + 1):
-        for position in range(total):  # in order: a hand-placed node's span adds a later position to this row
-            known = best[i].get(position)
-            if known is None:
-                continue
-            for node in fixed:  # a hand-placed node whose span starts here
-                if node.span is not None and node.span[0] == position and (node.span[1] < total or tail is None):
-                    offer(i, node.span[1], extend(known, node, *node.span))
-            if i < count:
-                node = middles[i]
-                offer(i + 1, position, known)  # this middle takes nothing
-                for end in range(position + 1, total):
-                    if not search.fits(node, position, end):
-                        break  # (a longer span holds more)
-                    offer(i + 1, end, extend(known, node, position, end))
-    for i in range(count + 1):
-        for position, known in best[i].items():
             if position == total and tail is None:
                 _keep(search, known)
             elif position < total and tail is not None and search.fits(tail, position, total):
                 search.reached = total
-                _keep(search, extend(known, tail, position, total))
+                _keep(search, search.extend(known, tail, position, total))
+
+
+def _take(search: _Search, row: dict[int, _Candidate], node: Capacity) -> dict[int, _Candidate]:
+    """The next row: every chain of `row` as it is (this middle takes nothing), or with `node` taking a span
+    [p, q) after it. The best p for each q is the least (seconds - speed x work before p) among the p whose span to
+    q fits the budget: a window that only moves forward, kept as a queue of rising values."""
+    total, speed = search.costs.total_layers, node.layer_seconds
+    taken = dict(row)
+    starts = sorted(position for position in row if position < total)
+    queue: collections.deque[int] = collections.deque()
+    added = 0
+
+    def value(position: int) -> tuple[float, int]:
+        return row[position][0] - speed * search.work[position], row[position][1]
+
+    for end in range(1, total):
+        while added < len(starts) and starts[added] < end:
+            position = starts[added]
+            while queue and value(queue[-1]) >= value(position):
+                queue.pop()
+            queue.append(position)
+            added += 1
+        while queue and not search.fits(node, queue[0], end):
+            queue.popleft()  # (its span to this end is too big: to every later end too)
+        if queue:
+            candidate = search.extend(row[queue[0]], node, queue[0], end)
+            if _better(candidate, taken.get(end)):
+                taken[end] = candidate
+    return taken
+
+
+def _with_fixed(search: _Search, row: dict[int, _Candidate], fixed: list[Capacity],
+                tail: Capacity | None) -> dict[int, _Candidate]:
+    """`row` with the hand-placed nodes whose spans start where a chain of it ends (in order: one may follow
+    another)."""
+    total = search.costs.total_layers
+    for position in range(total):
+        known = row.get(position)
+        if known is None:
+            continue
+        for node in fixed:
+            if node.span is not None and node.span[0] == position and (node.span[1] < total or tail is None):
+                candidate = search.extend(known, node, *node.span)
+                if _better(candidate, row.get(node.span[1])):
+                    row[node.span[1]] = candidate
+    return row
 
 
 def _keep(search: _Search, candidate: _Candidate) -> None:
     if _better(candidate, search.best):
         search.best = candidate
+
+
+def _balanced(search: _Search, chain: list[tuple[Capacity, int, int]]) -> list[tuple[Capacity, int, int]]:
+    """The same nodes in the same order, their boundaries moved to lighten the slowest hop where that costs no time
+    (nodes alike in speed split the layers evenly: a pipeline of many sessions goes as fast as its slowest stage).
+    Exhaustive over boundaries for a chain this short (its nodes x layers squared)."""
+    total, count = search.costs.total_layers, len(chain)
+    if count < 2 or count * total * total > 200_000:
+        return chain
+    # best[j][b]: (seconds, slowest, spans) for the first j nodes covering [0, b)
+    best: list[dict[int, tuple[float, float, list[tuple[Capacity, int, int]]]]] = [{0: (0.0, 0.0, [])}]
+    for index, (node, start, end) in enumerate(chain):
+        last, row = index == count - 1, {}
+        for begin, (seconds, slowest, spans) in best[-1].items():
+            ends = [end] if node.span is not None else [total] if last else range(begin + 1, total)
+            if node.span is not None and begin != start:
+                continue
+            for stop in ends:
+                if not search.fits(node, begin, stop):
+                    break
+                own = search.seconds(node, begin, stop)
+                candidate = (seconds + own + (search.hop(node) if begin else 0.0), max(slowest, own),
+                             spans + [(node, begin, stop)])
+                known = row.get(stop)
+                if known is None or (round(candidate[0], 9), candidate[1]) < (round(known[0], 9), known[1]):
+                    row[stop] = candidate
+        best.append(row)
+    found = best[-1].get(total)
+    return found[2] if found is not None and round(found[0], 9) <= round(search.best[0], 9) else chain
 
 
 def _replicas(search: _Search, spares: list[Capacity], chain: list[PlanSpan]) -> list[PlanSpan]:

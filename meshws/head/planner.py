@@ -122,8 +122,8 @@ class RoutePlanner:
         records = [r for r in self.registry.nodes() if not r.draining and self.links.get(r.url).is_up] \
             if self.registry else []
         placement = self.placement
-        if placement is not None and placement.active:
-            records = [record for record in records if placement.routable(record)]
+        if placement is not None and placement.active and placement.live is not None and placement.live.spans:
+            records = [record for record in records if placement.routable(record)]  # (before: as by hand)
         link = self._peer_link()
         peer = link.peer_hello if link is not None and link.is_up else None
         if link is not None and peer is not None and peer.chain:

@@ -3,7 +3,8 @@
 A head places layers when it runs `--layers auto` itself or a joined node does. Every `TICK` it asks whether to
 re-plan: a node joined, left or began draining, a budget changed, or a node's measured speed has stayed more than
 `DRIFT` off what it was when the plan was made for `replan_seconds`. A new plan (`placement.plan`) replaces the
-one in force if there is none, if that one lost a node, or if it is `MIN_GAIN` faster (or only adds replicas).
+one in force if there is none, if that one is broken (a node left, or may no longer hold its span), or if it is
+`MIN_GAIN` faster (or only adds replicas). Versions count within this head's `epoch`.
 
 A move goes in two halves, so no answer ever meets layers that are not the ones its route expects:
 
@@ -11,12 +12,11 @@ A move goes in two halves, so no answer ever meets layers that are not the ones 
    heartbeat's answer says which: `instruction`), and says so in its next heartbeat; the head loads its own.
 2. *Switching*, once all are ready: if any node of the plan in force changes span, running answers park at their
    next step (each leaves its route, so every hop drops its caches; `parked`), kept conversations close, and new
-   requests wait. Then every node takes its new span at once (the heartbeat's answer says `commit`), and when
-   all report it the new plan is in force: parked answers open routes on it and prefill again (prompt and tokens
-   so far), so they go on with the same tokens, as after a failover.
-
-Nodes that leave the plan drop to a one-layer span (memory released, speed still measured). A move abandoned
-(a node too slow to load, or gone) is tried again after `COOLDOWN`.
+   requests wait; an answer that does not reach the end of its step within `PARK_TIMEOUT` defers the move. Then
+   every node takes its new span at once (the heartbeat's answer says `commit`), and the head its own once all
+   report theirs; the new plan is in force, and parked answers open routes on it and prefill again (prompt and
+   tokens so far), as after a failover. Nodes left out drop to a one-layer span (memory released, speed measured).
+A move given up (a node too slow to load, or gone, an answer that did not park) is tried again after `COOLDOWN`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import statistics
 import time
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from ..mesh.aio import until
 from ..model.costs import ModelCosts
-from .placement import HOP_SECONDS, Capacity, Plan, plan
+from .placement import Capacity, Plan, chain_seconds, plan, span_fits
 from .registry import Registry
 from .routes import NodeRecord
 
@@ -61,7 +62,7 @@ class HeadSide:
     capacity: Callable[[], Capacity]  # the head's own (span None when it places itself too)
     span: Callable[[], tuple[int, int]]
     prepare: Callable[[tuple[int, int]], Awaitable[None]]  # load this span beside the one served
-    commit: Callable[[], Awaitable[None]]  # serve the span prepared
+    commit: Callable[[tuple[int, int]], Awaitable[None]]  # serve the span prepared (KeyError: none loaded)
     running: Callable[[], set[str]]  # the generations running now
     end_kept: Callable[[], Awaitable[None]]  # close the conversations kept between answers
 
@@ -76,6 +77,7 @@ class Placement:
         self.replan_seconds = replan_seconds
         self._clock = clock
         self.version = 0
+        self.epoch = secrets.token_hex(8)  # this head's count of versions: a node's report of another's is no news
         self.live: Plan | None = None  # the plan in force
         self.target: Plan | None = None  # the plan being moved to
         self.phase = "idle"  # idle (no plan yet), live, preparing, switching
@@ -117,7 +119,7 @@ class Placement:
         if plan_ is None or not plan_.spans:
             return None  # (no plan, or one that cannot serve: every node keeps what it holds)
         span = plan_.span_of(url)
-        return {"version": plan_.version,
+        return {"version": plan_.version, "epoch": self.epoch,
                 "layers": list(span.layers if span is not None else probe_span(self.costs.total_layers)),
                 "role": span.role if span is not None else "middle", "placed": span is not None,
                 "commit": self.target is None or self.committing}
@@ -146,13 +148,10 @@ class Placement:
     def describe(self) -> dict[str, Any]:
         """/health's `plan`: the plan in force (or the one being moved to), its state and why it was made. A mesh
         placed by hand shows the chain the planner would choose among its nodes (version 0), with their speeds."""
-        if not self.active:
-            records = [record for record in self.registry.nodes() if not record.static and not record.draining]
-            shown = plan(self.head.capacity(), [capacity(record) for record in records], self.costs, 0,
-                         lm_factor=self._lm_factor(records))
-        else:
-            shown = self.live or self.target or Plan(0, missing="no plan yet")
         records = [record for record in self.registry.nodes() if not record.static]
+        shown = (self.live or self.target or Plan(0, missing="no plan yet")) if self.active else \
+            plan(self.head.capacity(), [capacity(record) for record in records if not record.draining], self.costs,
+                 0, lm_factor=self._lm_factor(records))
         view = {**shown.describe(), "state": self.phase, "automatic": self.active, "moves": self.moves,
                 "reason": self.last_reason, "lm_head_factor": round(self._lm_factor(records), 3)}
         if self.target is not None:
@@ -200,7 +199,7 @@ class Placement:
         self.target, self.phase, self._started = candidate, "preparing", now
         self._target_signature = _signature(records)  # (a node that joins meanwhile is planned for after)
         self._target_speeds = self._speeds(records)  # what drift is measured from once it is in force
-        log.info("plan %d (%s): %s", candidate.version, reason, _summary(candidate))
+        log.info("plan %d (%s): %s", candidate.version, reason, candidate.summary())
         head = candidate.span_of("head")
         if self.head_auto and head is not None and head.layers != self.head.span():
             asyncio.get_running_loop().create_task(self._prepare_head(candidate.version, head.layers))
@@ -211,6 +210,8 @@ class Placement:
         """Why to plan again now ("" for no reason)."""
         if self._signature != _signature(records):
             return "nodes joined, left or changed their budgets" if self.live is not None else "first plan"
+        if self.live is None and now >= self._quiet_until:
+            return "no plan in force yet: trying again"
         if self.replan_seconds <= 0 or now < self._quiet_until or self.live is None:
             return ""
         speeds = self._speeds(records)
@@ -231,15 +232,31 @@ class Placement:
         if live is None or not live.spans:
             return True
         present = {record.url: record for record in records if not record.draining}
-        if any(span.node != "head" and span.node not in present for span in live.spans):
-            return True  # a member left or drains
+        if self._broken(live, present):
+            return True  # a member left or drains, or may no longer hold its span (a budget or a role changed)
         if not candidate.spans:
             return False
-        now_seconds = _chain_seconds(live, self.head.capacity(), present, self.costs, self._lm_factor(records))
+        speeds = {url: capacity(record) for url, record in present.items()}
+        now_seconds = chain_seconds(live, {**speeds, "head": self.head.capacity()}, self.costs,
+                                    self._lm_factor(records))
         same_chain = [(s.node, s.layers) for s in live.chain] == [(s.node, s.layers) for s in candidate.chain]
         if same_chain:
             return [(s.node, s.layers) for s in candidate.spans] != [(s.node, s.layers) for s in live.spans]
         return candidate.seconds_per_token < now_seconds * (1 - MIN_GAIN)
+
+    def _broken(self, live: Plan, present: dict[str, NodeRecord]) -> bool:
+        """A span of the plan in force whose node is gone, drains, was placed by hand elsewhere, or may no longer
+        hold it: its budget shrank or its roles changed."""
+        for span in live.spans:
+            if span.node == "head":
+                continue
+            record = present.get(span.node)
+            if record is None or (not record.auto and record.layers != span.layers):
+                return True
+            if record.auto and (span.role not in record.roles or not span_fits(
+                    self.costs, record.memory or 0, *span.layers)):
+                return True
+        return False
 
     def _rebase(self, records: list[NodeRecord]) -> None:
         """The plan in force stays: today's members, budgets and speeds become what drift is measured from."""
@@ -264,6 +281,17 @@ class Placement:
         except Exception:
             log.exception("the head could not load layers %d-%d", span[0], span[1] - 1)
 
+    def _abandon(self, why: str, again_at_once: bool, records: list[NodeRecord]) -> None:
+        """The move under way is given up: the plan in force stays (the nodes are told its spans again), and a new
+        plan is made at once (`again_at_once`: a node left) or after COOLDOWN."""
+        target = self.target
+        log.warning("plan %d abandoned: %s", target.version if target else 0, why)
+        self.target, self.phase, self.committing = None, "live" if self.live is not None else "idle", False
+        self.abandoned += 1
+        self._signature = None if again_at_once else _signature(records)
+        self._quiet_until = self._clock() + COOLDOWN
+        self.settled.set()
+
     async def _follow_move(self, records: list[NodeRecord], now: float) -> None:
         target = self.target
         assert target is not None
@@ -271,17 +299,18 @@ class Placement:
         automatic = [record for record in present.values() if record.auto and target.spans]  # (told to move)
         gone = [span.node for span in target.spans if span.node != "head" and span.node not in present]
         ready = self._head_prepared >= target.version and all(
-            record.prepared >= target.version or record.serving >= target.version for record in automatic)
+            record.epoch == self.epoch and (record.prepared >= target.version or record.serving >= target.version)
+            for record in automatic)
         if gone or now - self._started > PREPARE_TIMEOUT:
-            why = f"{', '.join(gone)} left" if gone else f"not every node loaded its span within {PREPARE_TIMEOUT:g} s"
-            log.warning("plan %d abandoned: %s", target.version, why)
-            self.target, self.phase = None, "live" if self.live is not None else "idle"
-            self.abandoned += 1
-            self._signature = None if gone else _signature(records)  # (a node gone: plan again at once)
-            self._quiet_until = now + COOLDOWN
+            self._abandon(f"{', '.join(gone)} left" if gone else
+                          f"not every node loaded its span within {PREPARE_TIMEOUT:g} s", bool(gone), records)
             return
         if ready:
-            await self._switch(target, present)
+            try:
+                await self._switch(target, present)
+            except Exception as exc:  # (the head's own move failed): the plan in force stays, nobody waits on
+                log.exception("the move to plan %d failed", target.version)
+                self._abandon(f"{type(exc).__name__}: {exc}", False, records)
 
     async def _switch(self, target: Plan, present: dict[str, NodeRecord]) -> None:
         """Park what runs on spans that change, tell every node to take its new span, and wait until they have."""
@@ -295,7 +324,12 @@ class Placement:
         if changes:
             self.settled.clear()
             await self.head.end_kept()
-            await until(lambda: self.head.running() <= self.parked, PARK_TIMEOUT)
+            if not await until(lambda: self.head.running() <= self.parked, PARK_TIMEOUT):
+                # An answer still in a long step: moving now could hand its next step to layers its route did not
+                # name. The plan in force stays; the move is tried again later.
+                self._abandon(f"{len(self.head.running() - self.parked)} answer(s) did not reach the end of their "
+                              f"step within {PARK_TIMEOUT:g} s", False, list(present.values()))
+                return
         self.committing = True  # the nodes first: a step still under way meets a node that answers "lost"
         wanted = {url: (target.span_of(url).layers if target.span_of(url) is not None
                         else probe_span(self.costs.total_layers))
@@ -303,18 +337,19 @@ class Placement:
         await until(lambda: all(self._reports(url, layers, target.version) for url, layers in wanted.items()),
                      COMMIT_TIMEOUT)
         if head_moves:
-            await self.head.commit()
+            assert head is not None
+            await self.head.commit(head.layers)
         self.live, self.target, self.phase, self.committing = target, None, "live", False
         self.moves += 1
         self._signature, self._basis = self._target_signature, self._target_speeds  # (what it was planned with)
         self._drift_since.clear()
         self._quiet_until = self._clock() + SETTLE
         self.settled.set()
-        log.info("plan %d in force: %s", target.version, _summary(target))
+        log.info("plan %d in force: %s", target.version, target.summary())
 
     def _reports(self, url: str, layers: tuple[int, int], version: int) -> bool:
         record = next((r for r in self.registry.nodes() if r.url == url), None)
-        return record is None or (record.layers == layers and record.serving >= version)
+        return record is None or (record.layers == layers and record.epoch == self.epoch and record.serving >= version)
 
 
 def capacity(record: NodeRecord) -> Capacity:
@@ -326,22 +361,3 @@ def capacity(record: NodeRecord) -> Capacity:
 def _signature(records: list[NodeRecord]) -> tuple:
     return tuple(sorted((r.url, r.auto, None if r.auto else r.layers, r.memory, r.draining, r.roles)
                         for r in records))
-
-
-def _chain_seconds(live: Plan, head: Capacity, present: dict[str, NodeRecord], costs: ModelCosts,
-                   lm_factor: float) -> float:
-    """The plan in force's time per token at today's speeds."""
-    total = 0.0
-    for span in live.chain:
-        speed = head.layer_seconds if span.node == "head" else capacity(present[span.node]).layer_seconds
-        lm_head = costs.lm_head_units * lm_factor if span.layers[1] == costs.total_layers else 0.0
-        link = 0.0 if span.node == "head" else present[span.node].link_seconds + HOP_SECONDS
-        total += speed * (costs.units(*span.layers) + lm_head) + link
-    return total
-
-
-def _summary(plan_: Plan) -> str:
-    if not plan_.spans:
-        return plan_.missing
-    return ", ".join(f"{span.node} {span.layers[0]}-{span.layers[1] - 1}{' (replica)' if span.replica else ''}"
-                     for span in plan_.spans) + f"; {plan_.seconds_per_token * 1000:.1f} ms per token predicted"

@@ -38,6 +38,7 @@ class NodeRecord:
     lm_head_seconds: float | None = None  # measured on a tail: its LM head's seconds per token
     memory: int | None = None  # bytes of weights and KV caches it may hold (--memory)
     link_seconds: float = 0.0  # its heartbeat's round trip to this head
+    epoch: str = ""  # whose plan versions `serving` and `prepared` count (a head's, from its instructions)
     serving: int = 0  # the plan version an automatic node serves (0: none yet)
     prepared: int = 0  # the plan version whose span it has loaded beside the one it serves
 

@@ -37,7 +37,8 @@ class Head:
         async def prepare(span):
             self.prepared = span
 
-        async def commit():
+        async def commit(span):
+            assert span == self.prepared, "the head commits the span it loaded"
             self.span, self.prepared = self.prepared, None
 
         async def end_kept():
@@ -58,7 +59,7 @@ def follow(registry, placement, url):
     if told is None:
         return
     fresh = record(url, node.layer_seconds, node.memory, node.layers)
-    fresh.serving, fresh.prepared = node.serving, node.prepared
+    fresh.serving, fresh.prepared, fresh.epoch = node.serving, node.prepared, told["epoch"]
     if tuple(told["layers"]) == node.layers:
         fresh.serving = told["version"]
     elif told["commit"] and node.prepared == told["version"]:
@@ -199,3 +200,112 @@ async def test_a_move_whose_node_does_not_load_in_time_is_abandoned(monkeypatch)
     clock.now += 6  # the node never says it loaded its span
     await placement.tick()
     assert placement.phase == "idle" and placement.target is None and placement.abandoned == 1
+
+
+async def test_a_move_whose_answers_do_not_park_in_time_is_given_up_before_any_node_or_the_head_moves():
+    """An answer in a long step (a prefill) must not meet layers its route did not name: no commit at all."""
+    clock, head = Clock(), Head()
+    registry = Registry("m", 8, ttl=1e9, clock=clock)
+    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    registry.announce(record("ws://a"))
+    await settle(registry, placement, ["ws://a"])
+    first, span = placement.live, head.span
+    head.running = {"answer-in-a-long-prefill"}  # it never parks
+    registry.announce(record("ws://b", seconds=0.0005))
+    told_to_commit = []
+    for _ in range(40):
+        await placement.tick()
+        for url in ("ws://a", "ws://b"):
+            told = placement.instruction(url)
+            told_to_commit.append(told is not None and told["commit"] and told["version"] > first.version)
+            follow(registry, placement, url)
+        await asyncio.sleep(0)  # (the head's own load runs)
+        if placement.abandoned:
+            break
+    assert placement.abandoned == 1 and placement.live is first and placement.target is None
+    assert not any(told_to_commit) and head.span == span  # nobody moved
+    assert placement.settled.is_set() and not placement.switching  # and nobody waits for it
+
+
+async def test_a_first_plan_given_up_is_tried_again_and_routes_go_as_by_hand_meanwhile(monkeypatch):
+    monkeypatch.setattr(rebalance, "PREPARE_TIMEOUT", 5)
+    clock, head = Clock(), Head()
+    registry = Registry("m", 8, ttl=1e9, clock=clock)
+    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    registry.announce(record("ws://a"))
+    await placement.tick()
+    clock.now += 6  # the node never loads
+    await placement.tick()
+    assert placement.abandoned == 1 and placement.live is None
+    clock.now += rebalance.COOLDOWN + 1
+    await placement.tick()
+    assert placement.phase == "preparing" and "trying again" in placement.last_reason
+
+
+async def test_a_plan_whose_node_may_no_longer_hold_its_span_is_replaced_however_fast():
+    clock, head = Clock(), Head()
+    registry = Registry("m", 8, ttl=1e9, clock=clock)
+    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    registry.announce(record("ws://a", memory=200 * MIB))
+    registry.announce(record("ws://b", memory=200 * MIB))
+    await settle(registry, placement, ["ws://a", "ws://b"])
+    first = placement.live
+    holder = next(span for span in first.chain if span.node != "head")
+    shrunk = record(holder.node, memory=5 * MIB, layers=holder.layers)  # it came back with a small budget
+    shrunk.serving, shrunk.epoch = first.version, placement.epoch
+    registry.announce(shrunk)
+    await settle(registry, placement, ["ws://a", "ws://b"])
+    assert placement.live.version > first.version
+    span = placement.live.span_of(holder.node)
+    assert span is None or COSTS.weight_bytes(*span.layers) <= 5 * MIB
+
+
+async def test_a_head_whose_own_move_fails_gives_the_move_up_and_nobody_waits():
+    clock, head = Clock(), Head()
+    registry = Registry("m", 8, ttl=1e9, clock=clock)
+    side = head.side()
+
+    async def broken_commit(span):
+        raise RuntimeError("the head's new span could not be taken")
+
+    side.commit = broken_commit
+    placement = Placement(registry, COSTS, side, head_auto=True, replan_seconds=5, clock=clock)
+    registry.announce(record("ws://a"))
+    await settle(registry, placement, ["ws://a"])
+    assert placement.abandoned >= 1 and placement.settled.is_set() and not placement.committing
+    assert placement.phase in ("idle", "live") and placement.target is None
+
+
+async def test_reports_of_another_heads_plan_versions_do_not_count():
+    clock, head = Clock(), Head()
+    registry = Registry("m", 8, ttl=1e9, clock=clock)
+    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    stale = record("ws://a")
+    stale.serving, stale.prepared, stale.epoch = 7, 7, "an-earlier-head"  # a head before this one's restart
+    registry.announce(stale)
+    await placement.tick()
+    await placement.tick()
+    assert placement.phase == "preparing"  # not taken as ready: it has loaded nothing for this head
+
+
+def test_until_a_plan_is_in_force_routes_go_through_hand_placed_nodes_and_then_only_the_plans():
+    from types import SimpleNamespace
+
+    from meshws.head.placement import Plan, PlanSpan
+    from meshws.head.planner import RoutePlanner
+    from meshws.mesh.link_pool import LinkPool
+
+    registry = Registry("m", 8)
+    tail = NodeRecord(url="ws://tail", node="tail@x", model="m", layers=(3, 8))  # placed by hand
+    registry.announce(tail)
+    registry.announce(record("ws://auto"))  # an automatic node joins: there is no plan in force yet
+    links = LinkPool(lambda url: SimpleNamespace(url=url, is_up=True, reversed=False, dial_failures=0,
+                                                 start=lambda: None))
+    for url in ("ws://tail", "ws://auto"):
+        links.get(url)
+    planner = RoutePlanner("head@x", lambda: (0, 3), 8, "m", links, registry, None, False)
+    planner.placement = Placement(registry, COSTS, Head().side(), head_auto=False)
+    assert planner.placement.active and planner.plan().urls == ["ws://tail"]  # the hand-placed chain serves
+    planner.placement.live = Plan(1, (PlanSpan("head", "head", (0, 3), 0.0), PlanSpan("ws://auto", "tail",
+                                                                                       (3, 8), 0.0)))
+    assert planner._candidates() == []  # the plan in force names ws://auto on 3-7, where it is not yet
