@@ -148,7 +148,7 @@ class PlanFollower:
                         span[1] - 1, memory // 2**20)
             return
         if span == self.node.span:
-            self._prepared = None
+            self._prepared = self._loading = None  # (a load under way for another span is dropped when it ends)
             self.serving = max(self.serving, version)
         elif self._prepared is not None and self._prepared[1] == span:
             self._prepared = (version, span, self._prepared[2])
