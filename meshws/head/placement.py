@@ -29,7 +29,7 @@ from ..model.costs import ModelCosts
 RESERVE_TOKENS = 2048  # KV positions each placed layer keeps room for (one session of 1,000-odd tokens: buffers grow
 # half as much again as they hold)
 HOP_SECONDS = 0.001  # what a hop costs beyond its link's round trip: frames, the event loops, a wake-up
-REPLICA_SLOWDOWN = 1.25  # a spare may replicate a span it runs at most this much slower than the primary
+REPLICA_SLOWDOWN = 1.5  # a spare may replicate a span it runs at most this much slower than the primary
 EXACT_ORDERS_UP_TO = 3  # automatic middles whose every order is tried
 MAX_CANDIDATES = 12  # automatic nodes considered (fastest first): a plan takes tens of ms, not seconds
 

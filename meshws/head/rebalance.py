@@ -212,8 +212,8 @@ class Placement:
             return "nodes joined, left or changed their budgets" if self.live is not None else "first plan"
         if self.live is None and now >= self._quiet_until:
             return "no plan in force yet: trying again"
-        if self.replan_seconds <= 0 or now < self._quiet_until or self.live is None:
-            return ""
+        if self.replan_seconds <= 0 or now < self._quiet_until or self.live is None or not self.live.spans:
+            return ""  # (speed moves nothing while no plan serves: only members and budgets do)
         speeds = self._speeds(records)
         for node, basis in self._basis.items():
             speed = speeds.get(node)

@@ -421,7 +421,7 @@ def test_the_route_picture_shows_the_plan_with_each_nodes_measured_time(browser)
     from meshws.tools.machines import wait_for_plan
 
     port = free_port()
-    common = ("--layers", "auto", "--memory", "70M", "--dtype", "float32")  # no node holds the whole model
+    common = ("--layers", "auto", "--memory", "80M", "--dtype", "float32")  # no node holds the whole model
     head = NodeProcess("--role", "head", *common, name="head", port=port)
     nodes = [NodeProcess("--role", "auto", *common, "--join", f"http://127.0.0.1:{port}", name=f"auto {n}")
              for n in range(2)]

@@ -224,7 +224,7 @@ async def test_missing_layers_get_503_until_a_node_joins():
         cluster.stop()
 
 
-async def test_layers_auto_covers_the_gap_then_replicates():
+async def test_automatic_tails_cover_the_gap_and_the_second_replicates_the_first():
     cluster = Cluster("0-9")
     try:
         first = cluster.join("tail", "auto")
@@ -233,7 +233,7 @@ async def test_layers_auto_covers_the_gap_then_replicates():
         second.wait_started()
         health = cluster.wait_nodes(2)
         spans = sorted(tuple(node["layers"]) for node in health["nodes"])
-        assert spans == [(10, 30), (10, 30)], spans  # the gap first, then a replica of the least-served span
+        assert spans == [(10, 30), (10, 30)], spans  # the head's plan: the gap, and a replica of it (as fast)
         assert health["ready"]
         # Two generations at once spread across the replicas (the less loaded one is chosen).
         messages = [{"role": "user", "content": STORY}]
