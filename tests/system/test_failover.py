@@ -231,10 +231,14 @@ async def test_automatic_tails_cover_the_gap_and_the_second_replicates_the_first
         second = cluster.join("tail", "auto")
         first.wait_started()
         second.wait_started()
-        health = cluster.wait_nodes(2)
+        cluster.wait_nodes(2)
+        deadline = time.monotonic() + 60  # (until the head's first plan is in force, routes go as by hand)
+        while (health := cluster.head.health())["plan"]["state"] != "live" or not health["plan"]["spans"]:
+            assert time.monotonic() < deadline, health["plan"]
+            time.sleep(0.2)
         spans = sorted(tuple(node["layers"]) for node in health["nodes"])
         assert spans == [(10, 30), (10, 30)], spans  # the head's plan: the gap, and a replica of it (as fast)
-        assert health["ready"]
+        assert health["ready"] and sum(span.get("replica", False) for span in health["plan"]["spans"]) == 1
         # Two generations at once spread across the replicas (the less loaded one is chosen).
         messages = [{"role": "user", "content": STORY}]
         await asyncio.gather(stream_text(cluster.head.url, messages, 30), stream_text(cluster.head.url, messages, 30))
