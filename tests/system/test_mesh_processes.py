@@ -51,7 +51,9 @@ async def test_health_and_metrics_describe_the_node(mesh):
         weights = node["weights"]
         assert weights["mapped_bytes"] == node["weight_bytes"] and weights["source"].startswith("GGUF")
         assert set(weights["block_types"]) == {"F32", "Q4_1", "Q8_0"}
-        assert 0 < weights["resident_bytes"] <= weights["mapped_bytes"] + 2**22
+        # (+ 8 MiB: a page fault maps up to 64 KiB of the page cache around it, and SmolLM2's file keeps its tensors
+        # in name order, so blk.2 lies beside blk.19 and blk.20: cached neighbours of a node's own pages get mapped)
+        assert 0 < weights["resident_bytes"] <= weights["mapped_bytes"] + 2**23
         assert node["peak_resident_bytes"] >= node["resident_bytes"] > 0
         # the loaded model, tokenizer and libraries are frozen out of the collector (a full pass over them: 158 ms)
         assert node["heap"]["frozen_objects"] > 100_000, node["heap"]
