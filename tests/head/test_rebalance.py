@@ -48,6 +48,15 @@ class Head:
                         lambda: self.span, prepare, commit, lambda: set(self.running), end_kept)
 
 
+def a_head(side=None):
+    """A head that places itself (its own side, unless `side`), its registry and its placement, on a clock the test
+    moves."""
+    clock, head = Clock(), Head()
+    registry = Registry("m", 8, ttl=1e9, clock=clock)
+    placement = Placement(registry, COSTS, side or head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    return clock, head, registry, placement
+
+
 def record(url, seconds=0.001, memory=200 * MIB, layers=(1, 2)):
     return NodeRecord(url=url, node=url, model="m", layers=layers, auto=True, layer_seconds=seconds, memory=memory)
 
@@ -86,9 +95,7 @@ def quick(monkeypatch):
 
 
 async def test_a_move_loads_first_parks_answers_then_commits_and_comes_into_force_when_reported():
-    clock, head = Clock(), Head()
-    registry = Registry("m", 8, ttl=1e9, clock=clock)
-    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    clock, head, registry, placement = a_head()
     registry.announce(record("ws://a"))
     await placement.tick()
     assert placement.phase == "preparing" and placement.target is not None
@@ -104,9 +111,7 @@ async def test_a_move_loads_first_parks_answers_then_commits_and_comes_into_forc
 
 
 async def test_a_switch_waits_for_running_answers_to_park_before_any_node_commits():
-    clock, head = Clock(), Head()
-    registry = Registry("m", 8, ttl=1e9, clock=clock)
-    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    clock, head, registry, placement = a_head()
     registry.announce(record("ws://a"))
     await settle(registry, placement, ["ws://a"])
     head.running, kept_ends = {"answer-1"}, head.ended_kept
@@ -139,9 +144,7 @@ async def test_a_switch_waits_for_running_answers_to_park_before_any_node_commit
 
 
 async def test_speed_that_stays_off_re_plans_and_a_blip_does_not():
-    clock, head = Clock(), Head()
-    registry = Registry("m", 8, ttl=1e9, clock=clock)
-    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    clock, head, registry, placement = a_head()
     registry.announce(record("ws://fast", 0.001, memory=60 * MIB))
     registry.announce(record("ws://slow", 0.008, memory=60 * MIB))
     await settle(registry, placement, ["ws://fast", "ws://slow"])
@@ -174,9 +177,7 @@ async def test_speed_that_stays_off_re_plans_and_a_blip_does_not():
 
 
 async def test_a_node_outside_the_plan_keeps_one_layer_and_a_lost_member_re_plans_at_once():
-    clock, head = Clock(), Head()
-    registry = Registry("m", 8, ttl=1e9, clock=clock)
-    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    clock, head, registry, placement = a_head()
     registry.announce(record("ws://a"))
     registry.announce(record("ws://crawler", 1.0))
     await settle(registry, placement, ["ws://a", "ws://crawler"])
@@ -191,9 +192,7 @@ async def test_a_node_outside_the_plan_keeps_one_layer_and_a_lost_member_re_plan
 
 async def test_a_move_whose_node_does_not_load_in_time_is_abandoned(monkeypatch):
     monkeypatch.setattr(rebalance, "PREPARE_TIMEOUT", 5)
-    clock, head = Clock(), Head()
-    registry = Registry("m", 8, ttl=1e9, clock=clock)
-    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    clock, head, registry, placement = a_head()
     registry.announce(record("ws://a"))
     await placement.tick()
     assert placement.phase == "preparing"
@@ -204,9 +203,7 @@ async def test_a_move_whose_node_does_not_load_in_time_is_abandoned(monkeypatch)
 
 async def test_a_move_whose_answers_do_not_park_in_time_is_given_up_before_any_node_or_the_head_moves():
     """An answer in a long step (a prefill) must not meet layers its route did not name: no commit at all."""
-    clock, head = Clock(), Head()
-    registry = Registry("m", 8, ttl=1e9, clock=clock)
-    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    clock, head, registry, placement = a_head()
     registry.announce(record("ws://a"))
     await settle(registry, placement, ["ws://a"])
     first, span = placement.live, head.span
@@ -229,9 +226,7 @@ async def test_a_move_whose_answers_do_not_park_in_time_is_given_up_before_any_n
 
 async def test_a_first_plan_given_up_is_tried_again_and_routes_go_as_by_hand_meanwhile(monkeypatch):
     monkeypatch.setattr(rebalance, "PREPARE_TIMEOUT", 5)
-    clock, head = Clock(), Head()
-    registry = Registry("m", 8, ttl=1e9, clock=clock)
-    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    clock, head, registry, placement = a_head()
     registry.announce(record("ws://a"))
     await placement.tick()
     clock.now += 6  # the node never loads
@@ -243,9 +238,7 @@ async def test_a_first_plan_given_up_is_tried_again_and_routes_go_as_by_hand_mea
 
 
 async def test_a_plan_whose_node_may_no_longer_hold_its_span_is_replaced_however_fast():
-    clock, head = Clock(), Head()
-    registry = Registry("m", 8, ttl=1e9, clock=clock)
-    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    clock, head, registry, placement = a_head()
     registry.announce(record("ws://a", memory=200 * MIB))
     registry.announce(record("ws://b", memory=200 * MIB))
     await settle(registry, placement, ["ws://a", "ws://b"])
@@ -261,15 +254,13 @@ async def test_a_plan_whose_node_may_no_longer_hold_its_span_is_replaced_however
 
 
 async def test_a_head_whose_own_move_fails_gives_the_move_up_and_nobody_waits():
-    clock, head = Clock(), Head()
-    registry = Registry("m", 8, ttl=1e9, clock=clock)
-    side = head.side()
+    side = Head().side()
 
     async def broken_commit(span):
         raise RuntimeError("the head's new span could not be taken")
 
     side.commit = broken_commit
-    placement = Placement(registry, COSTS, side, head_auto=True, replan_seconds=5, clock=clock)
+    clock, head, registry, placement = a_head(side)
     registry.announce(record("ws://a"))
     await settle(registry, placement, ["ws://a"])
     assert placement.abandoned >= 1 and placement.settled.is_set() and not placement.committing
@@ -277,9 +268,7 @@ async def test_a_head_whose_own_move_fails_gives_the_move_up_and_nobody_waits():
 
 
 async def test_reports_of_another_heads_plan_versions_do_not_count():
-    clock, head = Clock(), Head()
-    registry = Registry("m", 8, ttl=1e9, clock=clock)
-    placement = Placement(registry, COSTS, head.side(), head_auto=True, replan_seconds=5, clock=clock)
+    clock, head, registry, placement = a_head()
     stale = record("ws://a")
     stale.serving, stale.prepared, stale.epoch = 7, 7, "an-earlier-head"  # a head before this one's restart
     registry.announce(stale)
