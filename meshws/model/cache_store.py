@@ -3,6 +3,10 @@
 The store knows nothing of torch: a cache is an opaque object and its size in
 bytes is told by the caller. Closing a session channel drops its entry; TTL,
 LRU and the byte budget are the backstop when a close never arrives.
+
+A session named `private` (a speed probe's: a few positions, for a moment) is held
+like any other but is not one of the node's sessions: it is not counted, its bytes
+are not, and storing it never evicts a session of a user.
 """
 
 from __future__ import annotations
@@ -49,13 +53,14 @@ class SessionCacheStore:
         self.max_bytes = max_bytes
         self._clock = clock
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()
+        self._private: set[str] = set()  # ids of entries that are no user's session (see the module's note)
         self._lock = threading.Lock()
         self.evictions = 0  # entries removed by TTL, LRU or the byte budget
 
     def __len__(self) -> int:
         with self._changing():
             self._expire(self._clock())
-            return len(self._entries)
+            return self._public()
 
     def __contains__(self, session_id: str) -> bool:
         with self._lock:
@@ -64,11 +69,23 @@ class SessionCacheStore:
     @property
     def total_bytes(self) -> int:
         with self._lock:
-            return sum(entry.nbytes for entry in self._entries.values())
+            return sum(entry.nbytes for sid, entry in self._entries.items() if sid not in self._private)
 
     def session_ids(self) -> list[str]:
         with self._lock:
-            return list(self._entries)
+            return [sid for sid in self._entries if sid not in self._private]
+
+    @contextmanager
+    def private(self, session_id: str) -> Iterator[None]:
+        """While the block runs, `session_id` is no user's session (a probe's); its entry is dropped after."""
+        with self._lock:
+            self._private.add(session_id)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._entries.pop(session_id, None)
+                self._private.discard(session_id)
 
     def held(self, session_id: str) -> int:
         """Positions the session's cache holds (0 without one): measured on the cache when the store can."""
@@ -163,16 +180,19 @@ class SessionCacheStore:
         emptied = False
         try:
             with self._lock:
-                had = bool(self._entries)
+                had = self._public() > 0
                 try:
                     yield
                 finally:
-                    emptied = had and not self._entries
+                    emptied = had and not self._public()
         finally:
             if emptied and self._emptied is not None:
                 self._emptied()
 
     # -- internals (lock held) -------------------------------------------
+
+    def _public(self) -> int:
+        return len(self._entries) - sum(1 for sid in self._private if sid in self._entries)
 
     def _check_fits(self, session_id: str, nbytes: int, drop: bool = False) -> None:
         if self.max_bytes is not None and nbytes > self.max_bytes:
@@ -189,15 +209,15 @@ class SessionCacheStore:
         self.evictions += len(stale)
 
     def _enforce_limits(self, keep: str) -> None:
-        def over() -> bool:
-            if len(self._entries) > self.max_sessions:
+        def over() -> bool:  # (a private entry counts toward neither limit, and is never the victim)
+            if self._public() > self.max_sessions:
                 return True
             if self.max_bytes is None:
                 return False
-            return sum(e.nbytes for e in self._entries.values()) > self.max_bytes
+            return sum(e.nbytes for sid, e in self._entries.items() if sid not in self._private) > self.max_bytes
 
         while over():
-            victim = next((sid for sid in self._entries if sid != keep), None)
+            victim = next((sid for sid in self._entries if sid != keep and sid not in self._private), None)
             if victim is None:
                 break
             del self._entries[victim]

@@ -60,7 +60,7 @@ class SpeedMeter:
 
 def probe(shard: Any, min_seconds: float = 0.15, max_steps: int = 32) -> tuple[float, float]:
     """Seconds per one-token decode step through `shard` (a `ShardBackend`), and of them the LM head's (a tail's),
-    on a session of its own released after: a prefill of one position, then decode steps until `min_seconds` have
+    on a private session of its own (no user's: neither counted nor able to evict one) released after: a prefill of one position, then decode steps until `min_seconds` have
     passed (two at least)."""
     sid = f"probe-{uuid.uuid4().hex}"
     token = 1 % max(1, shard.vocab_size)
@@ -77,12 +77,10 @@ def probe(shard: Any, min_seconds: float = 0.15, max_steps: int = 32) -> tuple[f
             shard.forward_bytes(body, (1, 1, shard.hidden_size), dtype="float32", session_id=sid, cache_mode=mode,
                                 past_len=past)
 
-    try:
+    with shard.sessions.private(sid):
         step(0)
         steps, began, lm_head = 0, time.perf_counter(), shard.lm_head_seconds
         while steps < 2 or (time.perf_counter() - began < min_seconds and steps < max_steps):
             steps += 1
             step(steps)
         return (time.perf_counter() - began) / steps, (shard.lm_head_seconds - lm_head) / steps
-    finally:
-        shard.release_session(sid)

@@ -199,3 +199,28 @@ def test_the_last_session_going_gives_its_memory_back_once_its_cache_is_freed():
     with pytest.raises(KVCacheMiss):  # a mismatched entry is dropped: the store is empty again
         store.lookup("f", expected_seq_len=5)
     assert len(calls) == 5 and len(store) == 0 and len(calls) == 5
+
+
+def test_a_private_session_is_not_counted_and_never_evicts_a_users():
+    store = SessionCacheStore(max_sessions=2, ttl_seconds=10.0, clock=_Clock(), max_bytes=100)
+    store.store("a", cache=object(), seq_len=1, effective_start=0, nbytes=60)
+    store.store("b", cache=object(), seq_len=1, effective_start=0, nbytes=40)
+    with store.private("probe"):
+        store.store("probe", cache=object(), seq_len=1, effective_start=0, nbytes=30)  # over both limits if counted
+        store.resize("probe", 50)
+        assert "probe" in store and store.lookup("probe").nbytes == 50
+        assert len(store) == 2 and store.total_bytes == 100 and store.session_ids() == ["a", "b"]
+        assert store.evictions == 0
+        store.store("c", cache=object(), seq_len=1, effective_start=0, nbytes=10)  # a user's: the LRU user goes
+        assert store.session_ids() == ["b", "c"] and "probe" in store
+    assert "probe" not in store and len(store) == 2 and store.total_bytes == 50
+
+
+def test_a_private_session_alone_does_not_make_the_store_look_occupied():
+    calls = []
+    store = SessionCacheStore(max_sessions=4, ttl_seconds=10.0, clock=_Clock(), emptied=lambda: calls.append(1))
+    store.store("a", cache=object(), seq_len=1, effective_start=0)
+    with store.private("probe"):
+        store.store("probe", cache=object(), seq_len=1, effective_start=0)
+        assert store.drop("a") and calls == [1]  # the last user's session went: memory goes back
+    assert calls == [1] and len(store) == 0
