@@ -2,6 +2,9 @@
 
 * `/mesh/*` and `/ws/shard` need a valid mesh-secret header (`mesh.auth`); a node
   without a secret answers them from loopback only, unless it runs `--insecure`.
+* With a secret, a node has a key of its own (`mesh.identity`), made in its cache
+  folder; requests that act in a member's name (joins, leaves, dial-ins, relays)
+  prove it (`identify`), and a head may accept only the keys it was given.
 * The detailed `/health` (links, nodes, URLs, loads, errors) and node names in
   `/ws/chat` routes are for loopback clients, holders of the API key and of the
   mesh secret; everyone else sees status, readiness, role, model and layers.
@@ -12,6 +15,7 @@
 from __future__ import annotations
 
 import ssl
+from pathlib import Path
 
 from aiohttp import web
 
@@ -19,13 +23,33 @@ from .config import NodeSettings
 from .api.errors import key_matches
 from .api.guards import host_name
 from .mesh.addresses import is_loopback
-from .mesh.auth import HEADER, Verifier, listener_proof
+from .mesh import identity as node_identity
+from .mesh.auth import HEADER, Verifier, body_digest, listener_proof, nonce_of
+from .model.source import default_cache_dir
 
 
 class NodeAccess:
     def __init__(self, settings: NodeSettings) -> None:
         self.settings = settings
         self.verifier = Verifier(settings.secret)
+        self.identity: node_identity.NodeIdentity | None = None  # this node's key (with a secret)
+        if settings.secret:
+            folder = Path(settings.cache_dir).expanduser() if settings.cache_dir else default_cache_dir()
+            self.identity = node_identity.NodeIdentity.load_or_create(folder)
+        self.trusted = node_identity.read_fingerprints(settings.trusted_nodes) if settings.trusted_nodes else None
+
+    def identify(self, request: web.Request, body: bytes) -> tuple[str, str | None]:
+        """(the member's key, None), or ("", why not): after `authorize` passed. Without a secret nobody has a key
+        to prove: ("", None)."""
+        if not self.settings.secret:
+            return "", None
+        key, problem = node_identity.verify(request.headers.get(node_identity.HEADER), nonce_of(request.headers.get(
+            HEADER)) or "", request.method, request.path, body_digest(body))
+        if key is None:
+            return "", problem
+        if self.trusted is not None and node_identity.fingerprint(key) not in self.trusted:
+            return "", f"node key {node_identity.fingerprint(key)} is not among this head's --trusted-nodes"
+        return key, None
 
     def authorize(self, request: web.Request, body: bytes) -> str | None:
         """May this request use /mesh or /ws/shard? None, or why not."""

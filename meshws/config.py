@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 from .mesh.addresses import is_loopback
+from .mesh.identity import read_fingerprints
 
 ROLES = ("head", "middle", "tail", "full", "auto")
 MIN_SECRET_BYTES = 16
@@ -45,6 +46,7 @@ class NodeSettings:
     secret: str | None = None  # the mesh secret: links and joins must prove they know it
     secret_file: str | None = None  # read the mesh secret from this file (keeps it out of `ps`)
     insecure: bool = False  # allow listening beyond loopback without a secret (loud warnings)
+    trusted_nodes: str | None = None  # on a head: a file of the node keys' fingerprints it lets join (else any)
     tls_cert: str | None = None  # serve HTTPS/WSS with this certificate (PEM)
     tls_key: str | None = None  # ... and this private key (PEM)
     tls_ca: str | None = None  # CA bundle that peers' certificates must verify against (wss://, https://)
@@ -120,6 +122,8 @@ _HELP = {
               "(HMAC, never sent; prefer --secret-file or MESHWS_SECRET, which ps does not show)",
     "secret_file": "a file holding the mesh secret",
     "insecure": "listen beyond loopback without a mesh secret (anyone who reaches the port can join or link)",
+    "trusted_nodes": "on a head with a mesh secret: a file of node fingerprints (each node's /health shows its "
+                     "identity.fingerprint), one a line; only nodes holding those keys may join",
     "tls_cert": "certificate (PEM) to serve HTTPS and WSS with; needs --tls-key",
     "tls_key": "private key (PEM) of --tls-cert",
     "tls_ca": "CA certificates (PEM) that wss:// peers and https:// heads must verify against (default: the system's)",
@@ -220,9 +224,9 @@ _TYPES = {
     "max_cache_bytes": parse_size, "memory": parse_size, "replan_seconds": float, "dtype": str, "compute": str,
     "quant": str, "compile": _flag, "matmul": str, "wire_dtype": str, "threads": int, "max_frame_bytes": parse_size,
     "compress_min_bytes": parse_size, "step_timeout": float, "api_key": str, "api_key_file": str, "secret": str,
-    "secret_file": str, "insecure": _flag, "tls_cert": str, "tls_key": str, "tls_ca": str, "cors_origins": _names,
-    "allowed_hosts": _names, "max_generations": int, "cache_dir": str, "log_level": str, "max_queue": int,
-    "queue_timeout": float, "write_timeout": float, "sse_ping": float, "drain_timeout": float,
+    "secret_file": str, "insecure": _flag, "trusted_nodes": str, "tls_cert": str, "tls_key": str, "tls_ca": str,
+    "cors_origins": _names, "allowed_hosts": _names, "max_generations": int, "cache_dir": str, "log_level": str,
+    "max_queue": int, "queue_timeout": float, "write_timeout": float, "sse_ping": float, "drain_timeout": float,
     "max_link_sessions": int, "max_link_frames": int, "prefill_chunk": int, "warm_sessions": int, "warm_ttl": float,
     "draft": str, "draft_tokens": int, "served_model_name": _names,
 }
@@ -337,6 +341,14 @@ def check_settings(settings: NodeSettings) -> str | None:
                 "or accept that with --insecure")
     if bool(settings.tls_cert) != bool(settings.tls_key):
         return "--tls-cert and --tls-key go together"
+    if settings.trusted_nodes and (settings.role not in ("head", "full") or not settings.secret):
+        return "--trusted-nodes is for a head with a mesh secret (its members prove their keys with it)"
+    if settings.trusted_nodes:
+        try:
+            if not read_fingerprints(settings.trusted_nodes):
+                return f"--trusted-nodes {settings.trusted_nodes} names no fingerprint: no node could join"
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            return f"--trusted-nodes: {exc}"
     for name in ("max_link_sessions", "max_link_frames", "prefill_chunk", "sse_ping"):
         if getattr(settings, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"

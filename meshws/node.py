@@ -85,6 +85,7 @@ class Node(NodeReports):
         self.follower: PlanFollower | None = None  # an automatic node's side of it
         self.announcer: Announcer | None = None
         self.registry_endpoints: RegistryEndpoints | None = None
+        self.reverse_endpoint: ReverseEndpoint | None = None  # a head's or middle's: sockets dialed in from nodes
         self._runner: web.AppRunner | None = None
         self.hurry = asyncio.Event()  # set by a second SIGTERM/SIGINT: cut the drain short
         self.draining = False  # SIGTERM: finish what runs, take nothing new
@@ -155,9 +156,12 @@ class Node(NodeReports):
         if self.role in ("head", "full"):
             self._mount_head(app)
         if self.role in ("head", "middle"):  # a node after this one may not be dialable: it dials in
-            ReverseEndpoint(self.links, lambda request: self.access.authorize(request, b""),
-                            self.settings.max_frame_bytes, self.registry and self.registry.spans,
-                            self.metrics.frame_bytes.labels("relayed", "relay").inc).add_routes(app)
+            self.reverse_endpoint = ReverseEndpoint(
+                self.links, lambda request: self.access.authorize(request, b""), self.settings.max_frame_bytes,
+                self.registry and self.registry.spans, self.metrics.frame_bytes.labels("relayed", "relay").inc,
+                identify=lambda request: self.access.identify(request, b""),
+                keys=self.registry.key_of if self.registry else lambda url: None)
+            self.reverse_endpoint.add_routes(app)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=10.0)
         await self._runner.setup()
         await web.SockSite(self._runner, sock, ssl_context=self.server_ssl).start()
@@ -237,12 +241,14 @@ class Node(NodeReports):
     async def _announcer_ctx(self, app: web.Application) -> AsyncIterator[None]:
         assert self.shard_service is not None
         reverse = ReverseDialer(lambda: self.advertise, self.shard_service.serve_link, self.settings.secret,
-                                self.client_ssl, self.settings.max_frame_bytes, self.links)
+                                self.client_ssl, self.settings.max_frame_bytes, self.links, self.access.identity)
         follower = self.follower = PlanFollower(self) if self.auto else None
         self.announcer = Announcer(self.settings.join or "", self._announcement, self.settings.secret,
                                    self.client_ssl, reverse, on_answer=follower.heard if follower else lambda _: None,
                                    on_round_trip=self.capacity.round_trip,
-                                   hurry=lambda: bool(follower and follower.moving))
+                                   hurry=lambda: bool(follower and follower.moving), identity=self.access.identity,
+                                   # (a middle: its heads name the nodes that dial into it, and their keys)
+                                   expect=self.reverse_endpoint.expect if self.reverse_endpoint else lambda _: None)
         self.announcer.start()
         yield
         await self.announcer.stop()
@@ -272,6 +278,7 @@ class Node(NodeReports):
             self.registry, on_join=lambda record: self.links.get(record.url), on_leave=self.links.discard,
             authorize=self.access.authorize, insecure=self.settings.insecure and not self.settings.secret,
             precheck=self.access.precheck, unreachable=functools.partial(cannot_dial, self.links),
+            identify=self.access.identify,
             **({"instruction": self.placement.instruction, "expected": self.placement.expected}
                if self.placement else {}))
         endpoints.add_routes(app)
@@ -292,7 +299,7 @@ class Node(NodeReports):
 
     def _new_link(self, url: str) -> Link:
         return Link(url, self.hello, max_frame_bytes=self.settings.max_frame_bytes, on_change=self._link_changed,
-                    secret=self.settings.secret, ssl=self.client_ssl)
+                    secret=self.settings.secret, ssl=self.client_ssl, identity=self.access.identity)
 
     def _link_changed(self, link: Link) -> None:
         if self.shard_service is not None:  # our chain changed: tell the hop before us

@@ -53,6 +53,7 @@ class NodeReports:
                         "recent_steps": [[round(a, 4), round(b, 4), rows] for a, b, rows in list(self.worker.recent)]},
             "heap": heap.describe(),  # objects kept out of the garbage collector; its pauses since
             "capacity": self.capacity.describe(),  # measured speed, memory budget, link: what placement weighs
+            "identity": {"fingerprint": self.access.identity.fingerprint} if self.access.identity else None,
             "links": [link.describe() for link in self.links.all()],
             "chain": chain,
             "problems": reasons,

@@ -4,6 +4,11 @@ A join carries the node's measured capacity (`measured`: seconds per mean layer,
 round trip), checked here: a value that is negative, not finite or absurd refuses the join. The answer to an
 automatic node's heartbeat carries the span its head's plan gives it (`rebalance.Placement.instruction`).
 The joining node's side (the heartbeat it sends) is `meshws.mesh.membership`.
+
+With a mesh secret, each join, heartbeat and leave also proves the node's own key (`mesh.identity`, checked by
+`identify`): the first join binds the URL to that key, and while the registration lives (until the node leaves
+or stops answering) a join or leave for that URL with another key is refused (409, 403). A middle's answer names
+the nodes told to dial into it, with their keys, so that it takes sockets from those only.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ log = logging.getLogger("meshws.membership")
 
 
 MAX_NODES = 256  # joined nodes a head keeps at once
+URLS_PER_KEY = 16  # of them, joined with one node key (nodes started from one cache folder share their key)
 MAX_BODY_BYTES = 64 * 1024  # a join is a few hundred bytes
 BODY_SECONDS = 10.0  # for a /mesh body to arrive whole
 MAX_LOAD = 1_000_000  # load and capacity above this are clamped
@@ -33,6 +39,7 @@ MAX_LINK_MS = 60_000.0
 MAX_MEMORY = 2**50  # a memory budget above a pebibyte is not believed
 MAX_VERSION = 2**53
 Authorize = Callable[[web.Request, bytes], "str | None"]  # None, or why the request may not do this
+Identify = Callable[[web.Request, bytes], "tuple[str, str | None]"]  # (the key it proves, None), or ("", why not)
 
 
 class RegistryEndpoints:
@@ -44,8 +51,10 @@ class RegistryEndpoints:
                  precheck: Callable[[web.Request], "str | None"] = lambda request: None,
                  unreachable: Callable[[str], bool] = lambda url: False,
                  instruction: Callable[[str], "dict[str, Any] | None"] = lambda url: None,
-                 expected: Callable[[str], "tuple[int, int] | None"] = lambda url: None) -> None:
+                 expected: Callable[[str], "tuple[int, int] | None"] = lambda url: None,
+                 identify: Identify = lambda request, body: ("", None)) -> None:
         self.registry = registry
+        self.identify = identify
         self.instruction = instruction  # the span the plan gives an automatic node (`rebalance`)
         self.expected = expected  # the span an automatic node is moving to (its link may say it first)
         self.on_join = on_join
@@ -69,39 +78,53 @@ class RegistryEndpoints:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    async def _checked_body(self, request: web.Request) -> tuple[Any, web.Response | None]:
-        """The request's JSON if it may come in, else the refusal to answer with."""
+    async def _checked_body(self, request: web.Request) -> tuple[Any, str, web.Response | None]:
+        """The request's JSON and the node key it proves if it may come in, else the refusal to answer with."""
         refusal = self.precheck(request)
         if not refusal and (request.content_length or 0) > MAX_BODY_BYTES:
-            return None, web.json_response({"error": f"a /mesh body is at most {MAX_BODY_BYTES} bytes"}, status=413)
+            return None, "", _refused(f"a /mesh body is at most {MAX_BODY_BYTES} bytes", 413)
         try:
             body = b"" if refusal else await _read_capped(request, MAX_BODY_BYTES + 1)
         except TimeoutError:
-            return None, web.json_response({"error": f"the body took over {BODY_SECONDS:g} s to arrive"}, status=408)
+            return None, "", _refused(f"the body took over {BODY_SECONDS:g} s to arrive", 408)
         if len(body) > MAX_BODY_BYTES:
-            return None, web.json_response({"error": f"a /mesh body is at most {MAX_BODY_BYTES} bytes"}, status=413)
+            return None, "", _refused(f"a /mesh body is at most {MAX_BODY_BYTES} bytes", 413)
         refusal = refusal or self.authorize(request, body)
+        key, refusal = ("", refusal) if refusal else self.identify(request, body)
         if refusal:
             self.log_limit.log("refused", logging.WARNING, "refused %s from %s: %s", request.path, request.remote,
                                refusal)
-            return None, web.json_response({"error": refusal}, status=401)
+            return None, "", _refused(refusal, 401)
         try:
-            return orjson.loads(body), None
+            return orjson.loads(body), key, None
         except orjson.JSONDecodeError as exc:
-            return None, web.json_response({"error": f"the body is not JSON: {exc}"}, status=400)
+            return None, "", _refused(f"the body is not JSON: {exc}", 400)
+
+    def _bound(self, url: str) -> NodeRecord | None:
+        """The live registration for `url`, if any."""
+        return next((r for r in self.registry.nodes() if r.url == url), None)
 
     async def join(self, request: web.Request) -> web.Response:
-        data, refusal = await self._checked_body(request)
+        data, key, refusal = await self._checked_body(request)
         if refusal is not None:
             return refusal
         try:
             record = _record(data)
-            known = record.url in {r.url for r in self.registry.nodes()}
+            bound = self._bound(record.url)
+            if bound is not None and not bound.static and bound.key != key:
+                self.log_limit.log("taken", logging.WARNING, "refused a join for %s from %s: another key",
+                                   record.url, request.remote)
+                return _refused(f"{record.url} is joined with another node key; a live registration is not taken "
+                                "over (it ends when that node leaves or stops answering)", 409)
+            record.key = key
+            known = bound is not None
             if not known and len(self.registry.nodes()) >= MAX_NODES:
-                return web.json_response({"error": f"the registry is full ({MAX_NODES} nodes)"}, status=503)
+                return _refused(f"the registry is full ({MAX_NODES} nodes)", 503)
+            if not known and key and sum(r.key == key for r in self.registry.nodes()) >= URLS_PER_KEY:
+                return _refused(f"this node key has {URLS_PER_KEY} addresses joined already", 429)
             self.registry.announce(record)
         except (ValueError, TypeError, KeyError) as exc:
-            return web.json_response({"error": f"bad join: {exc}"}, status=400)
+            return _refused(f"bad join: {exc}", 400)
         if self.insecure:
             log.warning("INSECURE: %s joined with no mesh secret; anyone who reaches this port can do the same",
                         record.url)
@@ -112,22 +135,28 @@ class RegistryEndpoints:
         instruction = self.instruction(record.url) if record.auto else None
         if instruction is not None:
             answer["plan"] = instruction
+        nodes = [node for node in self.registry.nodes() if node.url != record.url]
         if self.unreachable(record.url):  # alive (it just announced) yet not dialable: it dials in (mesh.reverse)
-            nodes = [node for node in self.registry.nodes() if node.url != record.url]
             before = [node.url for node in nodes if node.layers[1] == record.layers[0]][:16]
             after = [node.url for node in nodes if node.layers[0] == record.layers[1]][:16]
             stuck = {url for url in before + after if self.unreachable(url)}  # neither side can dial: relayed
             answer.update(unreachable=True, dial_in=[url for url in before if url not in stuck],
                           relay_for=[url for url in before if url in stuck], relay=[url for url in after if url in stuck])
+        else:  # the nodes after it that were told to dial into it (above), and the keys they must prove
+            answer["dial_ins"] = [{"url": node.url, "key": node.key} for node in nodes
+                                  if node.layers[0] == record.layers[1] and self.unreachable(node.url)][:16]
         return web.json_response(answer)
 
     async def leave(self, request: web.Request) -> web.Response:
-        data, refusal = await self._checked_body(request)
+        data, key, refusal = await self._checked_body(request)
         if refusal is not None:
             return refusal
         url = data.get("url") if isinstance(data, dict) else None
         if not isinstance(url, str):
-            return web.json_response({"error": "bad leave: send {\"url\": ...}"}, status=400)
+            return _refused("bad leave: send {\"url\": ...}", 400)
+        bound = self._bound(url.rstrip("/"))
+        if bound is not None and not bound.static and bound.key != key:
+            return _refused(f"{url} is joined with another node key: only that node may leave in its name", 403)
         if self.registry.leave(url):
             log.info("node at %s left", url)
             self.on_leave(url)
@@ -155,6 +184,10 @@ class RegistryEndpoints:
     def _expired(self, record: NodeRecord) -> None:
         log.warning("node %s (%s) stopped answering; removed from the registry", record.node, record.url)
         self.on_leave(record.url)
+
+
+def _refused(why: str, status: int) -> web.Response:
+    return web.json_response({"error": why}, status=status)
 
 
 def _record(data: Any) -> NodeRecord:

@@ -44,6 +44,11 @@ class Registry:
         self.expire()
         return sorted(self._nodes.values(), key=lambda r: (r.layers, r.url))
 
+    def key_of(self, url: str) -> str | None:
+        """The node key a live registration binds `url` to (`head.membership`); None if none lives."""
+        record = self._nodes.get(url)
+        return record.key if record is not None and record in self.nodes() else None
+
     def spans(self) -> dict[str, tuple[int, int]]:
         """Each joined node's layers, by URL."""
         return {record.url: record.layers for record in self.nodes()}

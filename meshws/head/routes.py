@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..mesh.identity import fingerprint
 from ..mesh.link import Link
 from ..mesh.wire import RouteHop
 
@@ -41,11 +42,13 @@ class NodeRecord:
     epoch: str = ""  # whose plan versions `serving` and `prepared` count (a head's, from its instructions)
     serving: int = 0  # the plan version an automatic node serves (0: none yet)
     prepared: int = 0  # the plan version whose span it has loaded beside the one it serves
+    key: str = ""  # the node key its join proved (`mesh.identity`; "" without a mesh secret): bound to `url`
 
     def describe(self) -> dict[str, Any]:
         view = {"url": self.url, "node": self.node, "layers": list(self.layers), "role": self.role,
                 "capacity": self.capacity, "load": self.load, "static": self.static, "draining": self.draining,
-                "last_seen_s": round(time.monotonic() - self.last_seen, 1), "auto": self.auto}
+                "last_seen_s": round(time.monotonic() - self.last_seen, 1), "auto": self.auto,
+                "fingerprint": fingerprint(self.key) if self.key else None}
         if self.layer_seconds is not None:
             view["measured"] = {"layer_ms": round(self.layer_seconds * 1000, 4), "memory": self.memory,
                                 "link_ms": round(self.link_seconds * 1000, 3),

@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterable
 
 import orjson
 
+from .identity import HEADER as identity_header
+
 HEADER = "X-Meshws-Auth"
 CHALLENGE_PATH = "/mesh/challenge"
 MAX_SKEW = 120.0  # seconds a nonce stays valid, and how far clocks may differ
@@ -127,8 +129,9 @@ def listener_proof(secret: str, asked: str, nonce: str) -> str:
 
 
 async def signed_headers(client: Any, base: str, secret: str | None, method: str, path: str,
-                         body: bytes = b"", ssl: Any = True) -> dict[str, str]:
-    """Ask the node at `base` for a nonce (and its proof of the secret) and sign one request to it.
+                         body: bytes = b"", ssl: Any = True, identity: Any = None) -> dict[str, str]:
+    """Ask the node at `base` for a nonce (and its proof of the secret) and sign one request to it; with this node's
+    `identity` (`mesh.identity.NodeIdentity`), its key's signature of the same request as well.
 
     {} without a secret. A node that cannot prove the secret gets nothing. The proof does not name the node that
     made it, so an impostor at a peer's address that can reach a real node may pass the challenge on to it and answer
@@ -147,4 +150,13 @@ async def signed_headers(client: Any, base: str, secret: str | None, method: str
         raise ConnectionError(f"{base} gave no challenge (HTTP {response.status})")
     if not isinstance(proof, str) or not hmac.compare_digest(proof, listener_proof(secret, asked, nonce)):
         raise ConnectionError(f"the node at {base} cannot prove it knows the mesh secret; not dialing it")
-    return {HEADER: sign(secret, nonce, method, path, body)}
+    headers = {HEADER: sign(secret, nonce, method, path, body)}
+    if identity is not None:
+        headers[identity_header] = identity.header(nonce, method, path, body_digest(body))
+    return headers
+
+
+def nonce_of(header: str | None) -> str | None:
+    """The nonce a (well-formed) secret's header names."""
+    match = _HEADER_FORM.match(header) if header and len(header) < 200 else None
+    return "".join(match.group(2, 3, 4)) if match else None

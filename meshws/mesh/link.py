@@ -63,8 +63,10 @@ class Link:
         on_change: Callable[["Link"], None] | None = None,
         secret: str | None = None,
         ssl: ssl_module.SSLContext | bool = True,
+        identity: Any = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self._identity = identity  # this node's key (`mesh.identity`): a relay checks the dialer is who it says
         self.state = "new"  # new | connecting | up | down | refused | closed
         self.peer_hello: Hello | None = None
         self.last_error: str | None = None
@@ -275,7 +277,8 @@ class Link:
     async def _connect_once(self) -> None:
         assert self._client is not None
         base, path = self.relay_via or (self.url, "/ws/shard")
-        headers = await signed_headers(self._client, base, self._secret, "GET", path, ssl=self._ssl)
+        headers = await signed_headers(self._client, base, self._secret, "GET", path, ssl=self._ssl,
+                                       identity=self._identity)
         ws = await self._client.ws_connect(
             f"{base}{path}",
             heartbeat=self._heartbeat,

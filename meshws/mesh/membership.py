@@ -10,7 +10,9 @@ A record carries the node's measured capacity; each heartbeat's round trip is ti
 head only: that head's answers go to `on_answer`, and the others hear the node as
 placed where it is. While it moves (`hurry`), it beats every `HURRIED` seconds. A head
 that cannot dial the node says so in its answer, with the hops to dial instead
-(`mesh.reverse`). The head's side is `meshws.head.membership`.
+(`mesh.reverse`); a middle's answer names the nodes told to dial into it, with their keys
+(`expect`). Every request carries the node's key (`mesh.identity`) when it has one.
+The head's side is `meshws.head.membership`.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ MAX_DIAL_IN = 16  # hops one head may ask this node to dial
 
 
 async def post_signed(client: aiohttp.ClientSession, head: str, path: str, data: dict[str, Any],
-                      secret: str | None, ssl: Any) -> Any:
-    """POST JSON to a head's /mesh endpoint, signed for that head, that body and that path; the answer."""
+                      secret: str | None, ssl: Any, identity: Any = None) -> Any:
+    """POST JSON to a head's /mesh endpoint, signed for that head, that body and that path (with the secret, and
+    with this node's key if it has one); the answer."""
     body = orjson.dumps(data)
-    headers = await signed_headers(client, head, secret, "POST", path, body, ssl=ssl)
+    headers = await signed_headers(client, head, secret, "POST", path, body, ssl=ssl, identity=identity)
     headers["Content-Type"] = "application/json"
     async with client.post(f"{head}{path}", data=body, headers=headers, ssl=ssl) as response:
         answer = await response.json(content_type=None)
@@ -58,8 +61,12 @@ class Announcer:
                  ssl: Any = True, reverse: ReverseDialer | None = None,
                  on_answer: Callable[[Any], None] = lambda answer: None,
                  on_round_trip: Callable[[float], None] = lambda seconds: None,
-                 hurry: Callable[[], bool] = lambda: False) -> None:
+                 hurry: Callable[[], bool] = lambda: False, identity: Any = None,
+                 expect: Callable[[dict[str, str]], None] = lambda dial_ins: None) -> None:
         self.heads = head_urls(heads)
+        self.identity = identity  # this node's key: each head binds the node's URL to it
+        self.expect = expect  # the dial-ins this node's heads announce (URL -> key), for a middle's endpoint
+        self._expected: dict[str, dict[str, str]] = {}  # per head
         self.on_answer = on_answer  # the first head's answers (an automatic node's plan)
         self.on_round_trip = on_round_trip  # each heartbeat's seconds there and back
         self.hurry = hurry  # beat every HURRIED seconds while this is true
@@ -100,13 +107,14 @@ class Announcer:
     async def _announce(self, client: aiohttp.ClientSession, head: str) -> None:
         try:
             self._answered(head, await post_signed(client, head, "/mesh/join", self._record(head), self.secret,
-                                                   self.ssl))
+                                                   self.ssl, self.identity))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError, ValueError):
             pass  # the heartbeat tries again
 
     async def _leave(self, client: aiohttp.ClientSession, head: str) -> None:
         try:
-            await post_signed(client, head, "/mesh/leave", {"url": self.record()["url"]}, self.secret, self.ssl)
+            await post_signed(client, head, "/mesh/leave", {"url": self.record()["url"]}, self.secret, self.ssl,
+                              self.identity)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError, ValueError):
             pass  # the head drops us when the heartbeats stop
 
@@ -116,7 +124,8 @@ class Announcer:
             while True:
                 try:
                     began = time.monotonic()
-                    answer = await post_signed(client, head, "/mesh/join", self._record(head), self.secret, self.ssl)
+                    answer = await post_signed(client, head, "/mesh/join", self._record(head), self.secret, self.ssl,
+                                               self.identity)
                     self.on_round_trip(time.monotonic() - began)
                     self._heard(head, answer)
                     self._answered(head, answer)
@@ -144,7 +153,13 @@ class Announcer:
         """A head's answer to a heartbeat: if it cannot dial this node, the sockets to dial instead (to it, to
         the middles before this node, and relay-back ones for middles nobody can dial) and the next hops to reach
         through its relay; checked as any input from the network."""
-        if self.reverse is None or not isinstance(answer, dict):
+        if not isinstance(answer, dict):
+            return
+        expected = _dial_ins(answer.get("dial_ins"))
+        if expected != self._expected.get(head, {}):
+            self._expected[head] = expected
+            self.expect({url: key for dial_ins in self._expected.values() for url, key in dial_ins.items()})
+        if self.reverse is None:
             return
         wanted: list[tuple[str, str | None]] = []
         relay: list[str] = []
@@ -157,6 +172,17 @@ class Announcer:
         if wanted != self._dial_in.get(head, []):
             self._dial_in[head] = wanted
             self.reverse.want(target for targets in self._dial_in.values() for target in targets)
+
+
+def _dial_ins(listed: Any) -> dict[str, str]:
+    """The nodes a head told to dial into this one (a middle), each with the key its join proved: URL -> key."""
+    listed = listed if isinstance(listed, list) else []
+    found = {}
+    for item in listed[:MAX_DIAL_IN]:
+        if isinstance(item, dict) and _urls([item.get("url")]) and isinstance(item.get("key"), str) \
+                and len(item["key"]) <= 64:
+            found[item["url"].rstrip("/")] = item["key"]
+    return found
 
 
 def _urls(listed: Any) -> list[str]:

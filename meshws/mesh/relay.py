@@ -4,7 +4,8 @@ The tail keeps a socket dialed to the head for each such middle (`/mesh/reverse/
 waiting); the middle's link to the tail dials the head's `/mesh/relay/<tail>/<middle>` instead of the tail
 (`Link.relay_via`), and the head pipes the two sockets together message by message. The middle and the tail trade
 hellos and session frames end to end (routes signed by the head included); the head reads only their sizes
-(`meshws_frame_bytes` with direction `relayed`). What it costs the head is in the open and capped: RELAYS pipes at
+(`meshws_frame_bytes` with direction `relayed`), though nothing but trust stops it altering them (no MAC joins the
+two ends; each socket proves the key of the node it stands for: `mesh.reverse`). What it costs the head is in the open and capped: RELAYS pipes at
 once, WAITING relay-back sockets and WAITING middles' requests per pair and RELAYS of each in all (a request waiting
 for its pair holds no pipe), one message in flight each way, a tail's messages of at most BACK_MESSAGE_BYTES (it
 sends control frames alone), nothing at all from a socket not yet paired (it is closed), and only between two

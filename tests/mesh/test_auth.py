@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from fakes import CachedHeadBackend, LoopTailBackend, wait_ready
 from meshws.config import NodeSettings
 from meshws.mesh.auth import HEADER, Verifier, sign, sign_route, signed_headers, route_is_signed
+from meshws.mesh.identity import NodeIdentity
 from meshws.node import Node
 
 SECRET = "right-secret-of-16+"
@@ -126,7 +127,12 @@ async def test_links_and_joins_need_the_secret(caplog):
                 assert response.status == 401
             headers = await signed_headers(client, url, SECRET, "POST", "/mesh/join", join)
             async with client.post(f"{url}/mesh/join", data=join, headers={**headers, **json_type}) as response:
+                assert response.status == 401 and "X-Meshws-Node" in await response.text()  # the secret, no key
+            identity = NodeIdentity.generate()
+            headers = await signed_headers(client, url, SECRET, "POST", "/mesh/join", join, identity=identity)
+            async with client.post(f"{url}/mesh/join", data=join, headers={**headers, **json_type}) as response:
                 assert response.status == 200
+            assert [node["fingerprint"] for node in right.health()["nodes"]] == [identity.fingerprint]
             body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
             async with client.post(f"{url}/v1/chat/completions", json=body) as response:
                 assert response.status == 200

@@ -7,6 +7,7 @@ import aiohttp
 from fakes import FakeBackend
 from meshws.config import NodeSettings
 from meshws.mesh.auth import sign_route, signed_headers
+from meshws.mesh.identity import NodeIdentity
 from meshws.mesh.addresses import is_loopback_url
 from meshws.mesh.wire import Hello, Open, RouteHop, encode_control
 from meshws.node import Node
@@ -75,27 +76,35 @@ def test_loopback_urls_are_parsed_not_guessed():
 
 
 async def test_dial_ins_for_invented_addresses_never_crowd_out_a_signed_route():
-    """Issue 61: a member dialing in to a middle for invented URLs filled its 32 next-hop links; now dial-ins have
-    a cap of their own, and a route the head signed still gets its link."""
+    """Issue 61: a member dialing in to a middle for invented URLs filled its 32 next-hop links. Now a middle takes
+    a dial-in only from a node its head named, with the key that node's join proved; those have a cap of their own;
+    and a route the head signed still gets its link."""
     from meshws.mesh.next_hops import MAX_DIAL_INS
     from meshws.mesh.reverse import reverse_path
 
     middle = Node(NodeSettings(role="middle", port=0, layers=(6, 9), secret=SECRET), backend=_Middle())
     port = await middle.start()
     url = f"http://127.0.0.1:{port}"
+    member, impostor = NodeIdentity.generate(), NodeIdentity.generate()
     sockets = []
+
+    async def dial_in(n, identity):
+        path = reverse_path(f"ws://fake-{n}.invalid:1")
+        headers = await signed_headers(client, url, SECRET, "GET", path, identity=identity)
+        try:
+            sockets.append(await client.ws_connect(f"ws://127.0.0.1:{port}{path}", headers=headers))
+            return 101
+        except aiohttp.WSServerHandshakeError as exc:
+            return exc.status
+
     try:
         async with aiohttp.ClientSession() as client:
-            refused = 0
-            for n in range(40):
-                path = reverse_path(f"ws://fake-{n}.invalid:1")
-                headers = await signed_headers(client, url, SECRET, "GET", path)
-                try:
-                    sockets.append(await client.ws_connect(f"ws://127.0.0.1:{port}{path}", headers=headers))
-                except aiohttp.WSServerHandshakeError as exc:
-                    assert exc.status == 403
-                    refused += 1
-            assert len(sockets) == MAX_DIAL_INS and refused == 40 - MAX_DIAL_INS
+            assert {await dial_in(n, member) for n in range(40)} == {403}  # no head named any of them
+            assert await dial_in(0, None) == 401  # the secret without a node key
+            middle.reverse_endpoint.expect({f"ws://fake-{n}.invalid:1": member.public_hex for n in range(40)})
+            assert await dial_in(0, impostor) == 403  # a node named, another key
+            statuses = [await dial_in(n, member) for n in range(40)]
+            assert statuses == [101] * MAX_DIAL_INS + [403] * (40 - MAX_DIAL_INS)
             headers = await signed_headers(client, url, SECRET, "GET", "/ws/shard")
             async with client.ws_connect(f"ws://127.0.0.1:{port}/ws/shard", headers=headers) as ws:
                 await ws.send_str(encode_control(Hello("fake-model", (0, 6), "head", "test-head", 12)))

@@ -116,14 +116,23 @@ def middle_behind_nat():
         yield name
 
 
-async def _refused(url, path):
-    """The status a signed GET of `path` on the node at `url` gets (a relay that is not allowed: 403)."""
+def _key(own=True):
+    """The node key of this host's nodes (they share the cache folder, hence one key), or a key of another member."""
+    from meshws.mesh.identity import NodeIdentity
+    from meshws.model.source import default_cache_dir
+
+    return NodeIdentity.load_or_create(default_cache_dir()) if own else NodeIdentity.generate()
+
+
+async def _refused(url, path, own=True):
+    """The status a signed GET of `path` on the node at `url` gets (a relay that is not allowed: 403), signed with
+    the nodes' own key or another member's."""
     import aiohttp
 
     from meshws.mesh.auth import signed_headers
 
     async with aiohttp.ClientSession() as client:
-        headers = await signed_headers(client, url, SECRET, "GET", path)
+        headers = await signed_headers(client, url, SECRET, "GET", path, identity=_key(own))
         async with client.get(url + path, headers=headers) as response:
             return response.status
 
@@ -173,6 +182,10 @@ def test_a_middle_and_a_tail_both_behind_nat_are_relayed_by_the_head_within_its_
         assert asyncio.run(_refused(head.url, relay_path(tail.ws_url, stranger))) == 403
         assert asyncio.run(_refused(head.url, reverse_path(stranger))) == 403
         assert asyncio.run(_refused(head.url, reverse_path(tail.ws_url, stranger))) == 403
+        # Another member (the secret, a key of its own) opens no relay socket in either node's name.
+        assert asyncio.run(_refused(head.url, reverse_path(tail.ws_url, middle.ws_url), own=False)) == 403
+        assert asyncio.run(_refused(head.url, relay_path(tail.ws_url, middle.ws_url), own=False)) == 403
+        assert asyncio.run(_refused(head.url, reverse_path(tail.ws_url), own=False)) == 403
         statuses = asyncio.run(_flood_relay_backs(head.url, reverse_path(tail.ws_url, middle.ws_url), WAITING + 2))
         assert statuses.count(101) <= WAITING and statuses.count(403) >= 2
         assert asyncio.run(complete_ids(head.url, ids, 24))[0] == tokens  # and the mesh still answers
@@ -183,8 +196,8 @@ def test_a_middle_and_a_tail_both_behind_nat_are_relayed_by_the_head_within_its_
 
 
 async def _flood_relay_backs(url, path, count):
-    """`count` relay-back sockets for one pair opened at once, as a joined node could: each one's status (101: the
-    head keeps it waiting)."""
+    """`count` relay-back sockets for one pair opened at once, as the tail itself could (its key): each one's status
+    (101: the head keeps it waiting)."""
     import aiohttp
 
     from meshws.mesh.auth import signed_headers
@@ -192,7 +205,7 @@ async def _flood_relay_backs(url, path, count):
     statuses, sockets = [], []
     async with aiohttp.ClientSession() as client:
         for _ in range(count):
-            headers = await signed_headers(client, url, SECRET, "GET", path)
+            headers = await signed_headers(client, url, SECRET, "GET", path, identity=_key())
             try:
                 sockets.append(await client.ws_connect(url + path, headers=headers))
                 statuses.append(101)
