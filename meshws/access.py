@@ -35,7 +35,10 @@ class NodeAccess:
         self.identity: node_identity.NodeIdentity | None = None  # this node's key (with a secret)
         if settings.secret:
             folder = Path(settings.cache_dir).expanduser() if settings.cache_dir else default_cache_dir()
-            self.identity = node_identity.NodeIdentity.load_or_create(folder)
+            try:
+                self.identity = node_identity.NodeIdentity.load_or_create(folder)
+            except (OSError, ValueError) as exc:
+                raise SystemExit(f"meshws: this node's key cannot be used: {exc}") from None
         self.trusted = node_identity.read_fingerprints(settings.trusted_nodes) if settings.trusted_nodes else None
 
     def identify(self, request: web.Request, body: bytes) -> tuple[str, str | None]:
@@ -43,8 +46,9 @@ class NodeAccess:
         to prove: ("", None)."""
         if not self.settings.secret:
             return "", None
+        assert self.identity is not None
         key, problem = node_identity.verify(request.headers.get(node_identity.HEADER), nonce_of(request.headers.get(
-            HEADER)) or "", request.method, request.path, body_digest(body))
+            HEADER)) or "", request.method, request.path, body_digest(body), self.identity.public_hex)
         if key is None:
             return "", problem
         if self.trusted is not None and node_identity.fingerprint(key) not in self.trusted:
@@ -82,6 +86,8 @@ class NodeAccess:
         asked = request.query.get("proof_for", "")
         if self.settings.secret and 0 < len(asked) <= 64 and asked.isalnum():
             answer["proof"] = listener_proof(self.settings.secret, asked, nonce)
+        if self.identity is not None:  # (a member's signature names the key it is for: this one)
+            answer["node"] = self.identity.public_hex
         return web.json_response(answer)
 
 

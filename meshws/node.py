@@ -278,7 +278,7 @@ class Node(NodeReports):
             self.registry, on_join=lambda record: self.links.get(record.url), on_leave=self.links.discard,
             authorize=self.access.authorize, insecure=self.settings.insecure and not self.settings.secret,
             precheck=self.access.precheck, unreachable=functools.partial(cannot_dial, self.links),
-            identify=self.access.identify,
+            identify=self.access.identify, reserved=(self.settings.peer or "").rstrip("/"),
             **({"instruction": self.placement.instruction, "expected": self.placement.expected}
                if self.placement else {}))
         endpoints.add_routes(app)

@@ -1,5 +1,6 @@
 """What several test files share: the test prompts, golden generation, a completion request, fresh caches."""
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -75,3 +76,18 @@ def run_chain(shards, ids, steps, session):
             return tokens
         result = shards[0].encode_next_token(tokens[-1], session)
         mode = "decode"
+
+
+@contextlib.asynccontextmanager
+async def serving(app):
+    """An aiohttp app served on a free loopback port while the block runs: its http:// base."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()

@@ -23,7 +23,7 @@ import orjson
 from aiohttp import web
 
 from ..mesh.log_limit import LogLimiter
-from .registry import Registry
+from .registry import BIND_GRACE, Registry
 from .routes import NodeRecord
 
 log = logging.getLogger("meshws.membership")
@@ -52,8 +52,9 @@ class RegistryEndpoints:
                  unreachable: Callable[[str], bool] = lambda url: False,
                  instruction: Callable[[str], "dict[str, Any] | None"] = lambda url: None,
                  expected: Callable[[str], "tuple[int, int] | None"] = lambda url: None,
-                 identify: Identify = lambda request, body: ("", None)) -> None:
+                 identify: Identify = lambda request, body: ("", None), reserved: str = "") -> None:
         self.registry = registry
+        self.reserved = reserved  # this head's --peer: not a URL to join with
         self.identify = identify
         self.instruction = instruction  # the span the plan gives an automatic node (`rebalance`)
         self.expected = expected  # the span an automatic node is moving to (its link may say it first)
@@ -110,14 +111,16 @@ class RegistryEndpoints:
             return refusal
         try:
             record = _record(data)
-            bound = self._bound(record.url)
-            if bound is not None and not bound.static and bound.key != key:
+            if record.url == self.reserved:
+                return _refused(f"{record.url} is this head's --peer; it is not joined", 409)
+            bound_key = self.registry.bound_key(record.url)
+            if bound_key is not None and bound_key != key:
                 self.log_limit.log("taken", logging.WARNING, "refused a join for %s from %s: another key",
                                    record.url, request.remote)
-                return _refused(f"{record.url} is joined with another node key; a live registration is not taken "
-                                "over (it ends when that node leaves or stops answering)", 409)
+                return _refused(f"{record.url} is bound to another node key; a registration is not taken over (it "
+                                f"ends when that node leaves, or {BIND_GRACE:g} s after it stops answering)", 409)
             record.key = key
-            known = bound is not None
+            known = self._bound(record.url) is not None
             if not known and len(self.registry.nodes()) >= MAX_NODES:
                 return _refused(f"the registry is full ({MAX_NODES} nodes)", 503)
             if not known and key and sum(r.key == key for r in self.registry.nodes()) >= URLS_PER_KEY:
@@ -142,6 +145,9 @@ class RegistryEndpoints:
             stuck = {url for url in before + after if self.unreachable(url)}  # neither side can dial: relayed
             answer.update(unreachable=True, dial_in=[url for url in before if url not in stuck],
                           relay_for=[url for url in before if url in stuck], relay=[url for url in after if url in stuck])
+            # The keys of the nodes it dials in to (their challenges must name them) and of the other ends of its
+            # relayed hops (they seal them: `mesh.seal`).
+            answer["keys"] = {node.url: node.key for node in nodes if node.url in before + after and node.key}
         else:  # the nodes after it that were told to dial into it (above), and the keys they must prove
             answer["dial_ins"] = [{"url": node.url, "key": node.key} for node in nodes
                                   if node.layers[0] == record.layers[1] and self.unreachable(node.url)][:16]
@@ -154,9 +160,10 @@ class RegistryEndpoints:
         url = data.get("url") if isinstance(data, dict) else None
         if not isinstance(url, str):
             return _refused("bad leave: send {\"url\": ...}", 400)
-        bound = self._bound(url.rstrip("/"))
-        if bound is not None and not bound.static and bound.key != key:
-            return _refused(f"{url} is joined with another node key: only that node may leave in its name", 403)
+        url = url.rstrip("/")
+        bound_key = self.registry.bound_key(url)
+        if bound_key is not None and bound_key != key:
+            return _refused(f"{url} is bound to another node key: only that node may leave in its name", 403)
         if self.registry.leave(url):
             log.info("node at %s left", url)
             self.on_leave(url)
@@ -172,7 +179,7 @@ class RegistryEndpoints:
             return True
         log.warning("node at %s claimed layers %s but its link says %s of %s; dropped", url, list(record.layers),
                     list(layers), model)
-        self.registry.leave(url)
+        self.registry.leave(url, keep_binding=True)
         self.on_leave(url)
         return False
 

@@ -6,6 +6,10 @@ as a heartbeat; a node not heard from for `ttl` seconds is dropped, whoever noti
 first (the expiry loop, or a read such as `nodes()`), and every drop is told to
 `on_expire` (the head closes its link and logs it), so a dead node is never re-dialed
 nor shown. Which layers an automatic node serves is the placement's (`rebalance`).
+
+A registration binds its URL to the node key its join proved (`head.membership`); the binding outlives a record
+dropped for silence (or for a link that belied it) by BIND_GRACE seconds, so a member cannot take a node's URL in
+the moment it restarts or its network blinks. A node that leaves ends its binding at once.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ import time
 from typing import Callable
 
 from .routes import NodeRecord
+
+BIND_GRACE = 300.0  # seconds a silent node's URL stays bound to its key
+LAPSED_MAX = 4096  # such bindings kept at most (the oldest go first)
 
 
 class Registry:
@@ -26,6 +33,7 @@ class Registry:
         self.on_expire = on_expire  # told of every record dropped for silence, once
         self._clock = clock
         self._nodes: dict[str, NodeRecord] = {}
+        self._lapsed: dict[str, tuple[str, float]] = {}  # URL -> (key, when its record went) for BIND_GRACE
 
     def announce(self, record: NodeRecord) -> None:
         if record.model != self.model:
@@ -35,9 +43,33 @@ class Registry:
             raise ValueError(f"layers [{start}, {end}) do not fit after the head in {self.total_layers} layers")
         record.last_seen = self._clock()
         self._nodes[record.url] = record
+        self._lapsed.pop(record.url, None)
 
-    def leave(self, url: str) -> bool:
-        return self._nodes.pop(url, None) is not None
+    def leave(self, url: str, keep_binding: bool = False) -> bool:
+        """Drop `url`'s record: its node left (its binding ends), or, `keep_binding`, the head dropped it."""
+        record = self._nodes.pop(url, None)
+        self._lapsed.pop(url, None)
+        if record is not None and keep_binding:
+            self._lapse(record)
+        return record is not None
+
+    def bound_key(self, url: str) -> str | None:
+        """The node key `url` is bound to: a live registration's, or one that went silent within BIND_GRACE."""
+        live = self.key_of(url)
+        if live is not None:
+            return live
+        lapsed = self._lapsed.get(url)
+        return lapsed[0] if lapsed is not None and self._clock() - lapsed[1] <= BIND_GRACE else None
+
+    def _lapse(self, record: NodeRecord) -> None:
+        if not record.key:
+            return
+        self._lapsed[record.url] = (record.key, self._clock())
+        now = self._clock()
+        for url in [url for url, (_, when) in self._lapsed.items() if now - when > BIND_GRACE]:
+            del self._lapsed[url]
+        while len(self._lapsed) > LAPSED_MAX:
+            del self._lapsed[next(iter(self._lapsed))]
 
     def nodes(self) -> list[NodeRecord]:
         """The nodes heard from within the TTL; the others expire now (and `on_expire` hears of each)."""
@@ -59,6 +91,7 @@ class Registry:
         gone = [r for r in self._nodes.values() if not r.static and now - r.last_seen > self.ttl]
         for record in gone:
             del self._nodes[record.url]
+            self._lapse(record)
         for record in gone:
             self.on_expire(record)
         return gone

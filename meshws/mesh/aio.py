@@ -1,10 +1,13 @@
-"""Small asyncio helpers: cleanup that a cancellation cannot cut short, and waiting for a condition."""
+"""Small asyncio helpers: cleanup that a cancellation cannot cut short, waiting for a condition, and whether a
+dial found no way to its peer."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from typing import Any, Callable, Coroutine
+
+import aiohttp
 
 
 async def until(done: Callable[[], bool], timeout: float) -> bool:
@@ -34,3 +37,13 @@ async def run_uncancelled(coroutine: Coroutine[Any, Any, Any]) -> None:
     if cancelled:
         raise asyncio.CancelledError
     task.result()
+
+
+def no_way_to(exc: BaseException) -> bool:
+    """Did a dial find no way to the peer (timed out, no route), as dials to a node behind NAT do? A refused
+    connection is not that: the peer's host answered, and nothing listens (the node is down or restarting)."""
+    if isinstance(exc, aiohttp.ClientSSLError):  # (reached, and its TLS is wrong: not a NAT, and said so)
+        return False
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return not isinstance(exc.os_error, ConnectionRefusedError)
+    return isinstance(exc, (aiohttp.ConnectionTimeoutError, asyncio.TimeoutError))

@@ -31,6 +31,7 @@ HEADER = "X-Meshws-Auth"
 CHALLENGE_PATH = "/mesh/challenge"
 MAX_SKEW = 120.0  # seconds a nonce stays valid, and how far clocks may differ
 _HEADER_FORM = re.compile(r"^(\d{1,12})\.([0-9a-f]{8})([0-9a-f]{16})([0-9a-f]{32})\.([0-9a-f]{64})$")
+_KEY_FORM = re.compile(r"^[0-9a-f]{64}$")  # a node key, as a challenge names it
 
 
 def body_digest(body: bytes) -> str:
@@ -129,9 +130,11 @@ def listener_proof(secret: str, asked: str, nonce: str) -> str:
 
 
 async def signed_headers(client: Any, base: str, secret: str | None, method: str, path: str,
-                         body: bytes = b"", ssl: Any = True, identity: Any = None) -> dict[str, str]:
+                         body: bytes = b"", ssl: Any = True, identity: Any = None,
+                         peer_key: str | None = None) -> dict[str, str]:
     """Ask the node at `base` for a nonce (and its proof of the secret) and sign one request to it; with this node's
-    `identity` (`mesh.identity.NodeIdentity`), its key's signature of the same request as well.
+    `identity` (`mesh.identity.NodeIdentity`), its key's signature of the same request, for the key the challenge
+    names, as well. `peer_key`: the key that node must name (as its head named it), else nothing is signed.
 
     {} without a secret. A node that cannot prove the secret gets nothing. The proof does not name the node that
     made it, so an impostor at a peer's address that can reach a real node may pass the challenge on to it and answer
@@ -150,9 +153,13 @@ async def signed_headers(client: Any, base: str, secret: str | None, method: str
         raise ConnectionError(f"{base} gave no challenge (HTTP {response.status})")
     if not isinstance(proof, str) or not hmac.compare_digest(proof, listener_proof(secret, asked, nonce)):
         raise ConnectionError(f"the node at {base} cannot prove it knows the mesh secret; not dialing it")
+    audience = answer.get("node")
+    audience = audience if isinstance(audience, str) and _KEY_FORM.match(audience) else ""
+    if peer_key is not None and not hmac.compare_digest(audience, peer_key):
+        raise ConnectionError(f"the node at {base} holds another key than its head named; not dialing it")
     headers = {HEADER: sign(secret, nonce, method, path, body)}
     if identity is not None:
-        headers[identity_header] = identity.header(nonce, method, path, body_digest(body))
+        headers[identity_header] = identity.header(nonce, method, path, body_digest(body), audience)
     return headers
 
 

@@ -9,8 +9,9 @@ drops, every subscriber is told so with an `error` frame marked `lost`.
 A peer nobody can dial (behind NAT) dials us instead (`mesh.reverse`): the websocket it
 opens is `offer`ed to its link, which from then on waits for such offers rather than
 dialing. Hellos, frames, signed routes and losses are the same either way; only who dialed differs.
-The secret authenticates each dial; frames themselves carry no MAC of their own, so across a network that
-is not trusted only TLS keeps them from being read or altered (docs/operating.md).
+The secret authenticates each dial; a relayed link's frames are sealed by its two ends (`mesh.seal`), other
+frames carry no MAC of their own: across a network that is not trusted only TLS keeps them from being read or
+altered (docs/operating.md).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from typing import Any, Callable
 
 import aiohttp
 
+from .aio import no_way_to
 from .auth import signed_headers
 from .log_limit import LogLimiter
 from ..model.backend import TensorPayload
 from .rows import RowOutbox, travels_in_waves
+from .seal import seal_dialer
 from .wire import (CacheMiss, ControlMessage, DecodeRow, Error, FrameError, Hello, SessionReply, Token, decode_control,
                    encode_control, encode_forward)
 
@@ -36,16 +39,6 @@ log = logging.getLogger("meshws.link")
 DIAL_TIMEOUT = 5.0  # seconds a dial may take to connect
 
 Subscriber = Callable[[SessionReply], None]
-
-
-def no_way_to(exc: BaseException) -> bool:
-    """Did a dial find no way to the peer (timed out, no route), as dials to a node behind NAT do? A refused
-    connection is not that: the peer's host answered, and nothing listens (the node is down or restarting)."""
-    if isinstance(exc, aiohttp.ClientSSLError):  # (reached, and its TLS is wrong: not a NAT, and said so)
-        return False
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return not isinstance(exc.os_error, ConnectionRefusedError)
-    return isinstance(exc, (aiohttp.ConnectionTimeoutError, asyncio.TimeoutError))
 
 
 class LinkDown(Exception):
@@ -88,6 +81,7 @@ class Link:
         self.dial_failures = 0  # dials in a row that found no way to the peer (not one refused: that peer is down)
         self.reversed = False  # the peer dials us (`offer`): it cannot be dialed
         self.relay_via: tuple[str, str] | None = None  # (head, path): neither side can dial, a head relays
+        self.relay_seal: tuple[str, str | None] | None = None  # (this node's URL, the peer's key): `mesh.seal`
         self._offers: asyncio.Queue[tuple[Any, asyncio.Future]] = asyncio.Queue()
         self._log_limit = LogLimiter(log)
 
@@ -161,7 +155,8 @@ class Link:
             "sessions": len(self._subscribers),
             "connects": self.connects,
             "formed": "reversed: the peer dials this node (it could not be dialed)" if self.reversed else
-            f"relayed by {self.relay_via[0]} (neither side can dial the other)" if self.relay_via else "dialed",
+            f"relayed by {self.relay_via[0]} (neither side can dial the other{'; sealed' if self.sealed else ''})"
+            if self.relay_via else "dialed",
             "error": self.last_error,
             "wave_frames": self._rows.frames,  # frames that carried several sessions' decode steps
             "wave_rows": self._rows.rows,
@@ -279,6 +274,7 @@ class Link:
         base, path = self.relay_via or (self.url, "/ws/shard")
         headers = await signed_headers(self._client, base, self._secret, "GET", path, ssl=self._ssl,
                                        identity=self._identity)
+        self.sealed = False  # (until the two ends seal a relayed socket: `mesh.seal`)
         ws = await self._client.ws_connect(
             f"{base}{path}",
             heartbeat=self._heartbeat,
@@ -287,6 +283,9 @@ class Link:
             headers=headers,
             ssl=self._ssl,
         )
+        if self.relay_via and self._identity is not None and self.relay_seal is not None:  # (through a head's
+            ws = await seal_dialer(ws, self._identity, self.relay_seal[0], self.url, self.relay_seal[1])  # relay)
+            self.sealed = True
         await self._greet(ws)
 
     async def _greet(self, ws: Any) -> None:

@@ -67,10 +67,13 @@ class Announcer:
         self.identity = identity  # this node's key: each head binds the node's URL to it
         self.expect = expect  # the dial-ins this node's heads announce (URL -> key), for a middle's endpoint
         self._expected: dict[str, dict[str, str]] = {}  # per head
+        self._keys: dict[str, dict[str, str]] = {}  # per head: the keys of the other ends of relayed hops
         self.on_answer = on_answer  # the first head's answers (an automatic node's plan)
         self.on_round_trip = on_round_trip  # each heartbeat's seconds there and back
         self.hurry = hurry  # beat every HURRIED seconds while this is true
         self.reverse = reverse  # dials the hops a head says cannot dial this node
+        if reverse is not None:
+            reverse.heads = set(self.heads)
         self._dial_in: dict[str, list[tuple[str, str | None]]] = {}  # per head: the sockets it asked for
         self.record = record
         self.secret = secret
@@ -138,6 +141,7 @@ class Announcer:
                     if failures == 1 or failures % 15 == 0:
                         log.warning("cannot announce to %s (%s); retrying", head, exc)
                     self.joined_heads.discard(head)
+                    self._forget(head)
                 await asyncio.sleep(HURRIED if self.hurry() else HEARTBEAT)
 
     def _record(self, head: str) -> dict[str, Any]:
@@ -158,20 +162,46 @@ class Announcer:
         expected = _dial_ins(answer.get("dial_ins"))
         if expected != self._expected.get(head, {}):
             self._expected[head] = expected
-            self.expect({url: key for dial_ins in self._expected.values() for url, key in dial_ins.items()})
+            self.expect(_agreed(self._expected))
         if self.reverse is None:
             return
         wanted: list[tuple[str, str | None]] = []
         relay: list[str] = []
         if answer.get("unreachable") is True:
-            wanted = [(head, None)] + [(url, None) for url in _urls(answer.get("dial_in"))] + \
-                [(head, url) for url in _urls(answer.get("relay_for"))]
+            dial_in, relay_for = _urls(answer.get("dial_in")), _urls(answer.get("relay_for"))
+            wanted = [(head, None)] + [(url, None) for url in dial_in] + [(head, url) for url in relay_for]
             relay = _urls(answer.get("relay"))
+        keys = answer.get("keys") if isinstance(answer.get("keys"), dict) else {}
+        ends = set(relay) | {url for _, url in wanted if url} | {hop for hop, _ in wanted if hop != head}
+        self._keys[head] = {url: key for url, key in keys.items() if url in ends and isinstance(key, str)
+                            and len(key) <= 64}  # (the nodes this one dials in to or is relayed with, by key)
+        self.reverse.peer_keys = _agreed(self._keys)
         if relay:
             self.reverse.relay_through(head, relay)
         if wanted != self._dial_in.get(head, []):
             self._dial_in[head] = wanted
             self.reverse.want(target for targets in self._dial_in.values() for target in targets)
+
+
+    def _forget(self, head: str) -> None:
+        """A head that did not answer names no keys any more (until it answers again)."""
+        if self._expected.pop(head, None):
+            self.expect(_agreed(self._expected))
+        if self._keys.pop(head, None) and self.reverse is not None:
+            self.reverse.peer_keys = _agreed(self._keys)
+
+
+def _agreed(per_head: dict[str, dict[str, str]]) -> dict[str, str]:
+    """URL -> key as the heads name them; a URL two heads name different keys for is named by none (refused)."""
+    merged: dict[str, str] = {}
+    disputed = set()
+    for named in per_head.values():
+        for url, key in named.items():
+            if merged.setdefault(url, key) != key:
+                disputed.add(url)
+    if disputed:
+        log.warning("the heads name different keys for %s: refusing those nodes", ", ".join(sorted(disputed)))
+    return {url: key for url, key in merged.items() if url not in disputed}
 
 
 def _dial_ins(listed: Any) -> dict[str, str]:

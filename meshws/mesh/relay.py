@@ -3,14 +3,15 @@
 The tail keeps a socket dialed to the head for each such middle (`/mesh/reverse/<tail>/<middle>`: a relay-back,
 waiting); the middle's link to the tail dials the head's `/mesh/relay/<tail>/<middle>` instead of the tail
 (`Link.relay_via`), and the head pipes the two sockets together message by message. The middle and the tail trade
-hellos and session frames end to end (routes signed by the head included); the head reads only their sizes
-(`meshws_frame_bytes` with direction `relayed`), though nothing but trust stops it altering them (no MAC joins the
-two ends; each socket proves the key of the node it stands for: `mesh.reverse`). What it costs the head is in the open and capped: RELAYS pipes at
-once, WAITING relay-back sockets and WAITING middles' requests per pair and RELAYS of each in all (a request waiting
-for its pair holds no pipe), one message in flight each way, a tail's messages of at most BACK_MESSAGE_BYTES (it
-sends control frames alone), nothing at all from a socket not yet paired (it is closed), and only between two
-distinct, adjacent joined nodes it could not dial itself. It dials nobody for a relay, so a relay cannot be pointed
-at any other address. When the last pipe and socket go, the heap's free pages go back to the system.
+hellos and session frames end to end (routes signed by the head included), sealed by the two ends (`mesh.seal`: a
+frame altered on the way closes the link); the head counts their sizes (`meshws_frame_bytes` with direction
+`relayed`), and each socket proves the key of the node it stands for (`mesh.reverse`). What it costs the head is in
+the open and capped: RELAYS pipes at once, WAITING relay-back sockets and WAITING middles' requests per pair and
+RELAYS of each in all (a request waiting for its pair holds no pipe), one message in flight each way, a tail's
+messages of at most BACK_MESSAGE_BYTES (it sends control frames alone), nothing at all from a socket not yet paired
+(it is closed), and only between two distinct, adjacent joined nodes it could not dial itself. It dials nobody for
+a relay, so a relay cannot be pointed at any other address. When the last pipe and socket go, the heap's free pages
+go back to the system.
 """
 
 from __future__ import annotations

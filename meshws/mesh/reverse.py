@@ -8,7 +8,8 @@ signed path, and with its node key: a head takes it only from the key the node's
 only from a node and key its head named) and serves that socket exactly as it serves an inbound `/ws/shard`; the dialed side hands the socket
 to its link for that URL (`Link.offer`), which from then on waits for the node's dials instead of dialing. Hellos,
 sessions, signed routes, losses and failover are those of a dialed link; only who opened the TCP connection differs.
-Where neither side of a hop can dial the other, the head relays it (`mesh.relay`).
+Where neither side of a hop can dial the other, the head relays it (`mesh.relay`), and the two ends seal the
+socket between them (`mesh.seal`).
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ from .link import DIAL_TIMEOUT
 from .link_pool import LinkPool
 from .next_hops import MAX_DIAL_INS
 from .relay import Relay
+from .seal import seal_answerer
 
 log = logging.getLogger("meshws.reverse")
 
 REVERSE_PATH = "/mesh/reverse"
 RELAY_PATH = "/mesh/relay"
 MAX_URL_CHARS = 512  # as a join's url
-RELAYS_PER_MEMBER = 8  # relay sockets (waiting or piped) one node key may hold on a head (of relay.RELAYS in all)
+RELAYS_PER_MEMBER = 16  # relay sockets (waiting or piped) one node key may hold on a head (of relay.RELAYS in all)
 REDIAL_SECONDS = (0.2, 3.0)  # first and longest wait before dialing a hop again
 
 
@@ -182,6 +184,8 @@ class ReverseDialer:
         self.max_frame_bytes = max_frame_bytes
         self._tasks: dict[tuple[str, str | None], asyncio.Task] = {}
         self._state: dict[tuple[str, str | None], dict[str, Any]] = {}
+        self.peer_keys: dict[str, str] = {}  # middles this node dials in to, relayed hops: keys, as heads name them
+        self.heads: set[str] = set()  # the heads this node joins (they name their own keys)
 
     def want(self, targets: Iterable[tuple[str, str | None]]) -> None:
         """The sockets to keep (a head's latest answers): (hop, None) for a hop that cannot dial this node, and
@@ -207,6 +211,7 @@ class ReverseDialer:
                 if link.relay_via is None:
                     log.info("the link to %s goes through %s's relay (neither side can dial the other)", url, head)
                 link.relay_via = (http_base(head.rstrip("/")), relay_path(url, self.own_url()))
+                link.relay_seal = (self.own_url(), self.peer_keys.get(url))  # (`mesh.seal`, with a secret)
 
     def describe(self) -> list[dict[str, Any]]:
         return [dict(state) for state in self._state.values()]
@@ -225,14 +230,20 @@ class ReverseDialer:
         async with aiohttp.ClientSession(timeout=timeout) as client:
             while True:
                 path = reverse_path(self.own_url(), relay_for)
-                try:
+                try:  # (a middle must hold the key the heads named for it; a head names its own)
+                    peer_key = None if self.identity is None or hop in {http_base(h) for h in self.heads} else \
+                        next((key for url, key in self.peer_keys.items() if http_base(url.rstrip("/")) == hop), "")
                     headers = await signed_headers(client, hop, self.secret, "GET", path, ssl=self.ssl,
-                                                   identity=self.identity)
+                                                   identity=self.identity, peer_key=peer_key)
                     async with client.ws_connect(hop + path, heartbeat=5.0, headers=headers, ssl=self.ssl,
                                                  max_msg_size=2 * self.max_frame_bytes + 65536) as ws:
+                        sealed = ws
+                        if relay_for and self.identity is not None:  # (the middle seals first, through the relay)
+                            sealed = await seal_answerer(ws, self.identity, self.own_url(), relay_for,
+                                                         self.peer_keys.get(relay_for))
                         state.update(state="up", error=None, since=time.time(), connects=state["connects"] + 1)
                         wait = REDIAL_SECONDS[0]
-                        await self.serve(ws, f"{hop} (dialed from here)")
+                        await self.serve(sealed, f"{hop} (dialed from here)")
                         state.update(state="dialing", error=f"closed (code {ws.close_code})", since=time.time())
                 except asyncio.CancelledError:
                     raise

@@ -120,6 +120,27 @@ def test_a_record_that_expires_while_being_read_fires_leave_handling_once(caplog
     assert left == ["ws://127.0.0.1:9"]  # told once
 
 
+def test_a_silent_nodes_url_stays_bound_to_its_key_for_a_grace_and_a_leave_frees_it():
+    from meshws.head.registry import BIND_GRACE
+
+    now = [100.0]
+    registry = Registry("fake-model", 12, ttl=6.0, clock=lambda: now[0])
+    RegistryEndpoints(registry, on_join=lambda record: None, on_leave=lambda url: None,
+                      authorize=lambda request, body: None)
+    record = _record(GOOD)
+    record.key = "a" * 64
+    registry.announce(record)
+    now[0] += 7  # silent past the TTL: its record goes, its binding stays
+    assert registry.nodes() == [] and registry.key_of(record.url) is None
+    assert registry.bound_key(record.url) == "a" * 64
+    now[0] += BIND_GRACE + 1
+    assert registry.bound_key(record.url) is None  # the grace is over
+    registry.announce(record)
+    assert registry.leave(record.url) and registry.bound_key(record.url) is None  # it left: free at once
+    registry.announce(record)
+    assert registry.leave(record.url, keep_binding=True) and registry.bound_key(record.url) == "a" * 64
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),

@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from helpers import serving
 from meshws.mesh import relay as relay_module
 from meshws.mesh.relay import RELAYS, WAITING, Relay
 
@@ -30,14 +31,8 @@ async def served():
 
     app.router.add_get("/back/{t}/{m}", back)
     app.router.add_get("/pipe/{t}/{m}", pipe)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    async with aiohttp.ClientSession() as client:
-        yield relay, client, f"http://127.0.0.1:{port}", counted
-    await runner.cleanup()
+    async with serving(app) as base, aiohttp.ClientSession() as client:
+        yield relay, client, base, counted
 
 
 def _pair(request):

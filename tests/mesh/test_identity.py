@@ -11,6 +11,8 @@ import aiohttp
 import pytest
 
 from fakes import CachedHeadBackend, FakeBackend
+from helpers import serving
+from meshws.access import NodeAccess
 from meshws.config import NodeSettings, check_settings
 from meshws.mesh import identity
 from meshws.mesh.auth import body_digest, signed_headers
@@ -32,20 +34,46 @@ def test_a_key_is_made_once_readable_by_its_user_only_and_kept(tmp_path):
     path.write_text("not a key\n")
     with pytest.raises(ValueError, match="does not hold a node key"):
         NodeIdentity.load_or_create(tmp_path / "cache")
+    with pytest.raises(SystemExit, match="this node's key cannot be used: .* does not hold a node key"):
+        NodeAccess(NodeSettings(role="head", layers=(0, 6), secret=SECRET, cache_dir=str(tmp_path / "cache")))
+    path.unlink()
+    (tmp_path / "elsewhere").write_text("0" * 64)
+    path.symlink_to(tmp_path / "elsewhere")  # a key file is never read (nor written) through a link
+    with pytest.raises(OSError):
+        NodeIdentity.load_or_create(tmp_path / "cache")
 
 
-def test_a_header_proves_the_key_for_that_one_request_only():
-    me, other = NodeIdentity.generate(), NodeIdentity.generate()
+def test_a_header_proves_the_key_for_that_one_request_to_that_one_node_only():
+    me, other, head, middle = (NodeIdentity.generate() for _ in range(4))
     digest = body_digest(b'{"url": "x"}')
-    header = me.header("n1", "POST", "/mesh/join", digest)
-    assert verify(header, "n1", "POST", "/mesh/join", digest) == (me.public_hex, "")
+    header = me.header("n1", "POST", "/mesh/join", digest, head.public_hex)
+    assert verify(header, "n1", "POST", "/mesh/join", digest, head.public_hex) == (me.public_hex, "")
     for changed in [("n2", "POST", "/mesh/join", digest), ("n1", "GET", "/mesh/join", digest),
                     ("n1", "POST", "/mesh/leave", digest), ("n1", "POST", "/mesh/join", body_digest(b"{}"))]:
-        assert verify(header, *changed)[0] is None
+        assert verify(header, *changed, head.public_hex)[0] is None
+    # Made for the middle's challenge, even with a nonce of the head's, it does not hold at the head.
+    for_middle = me.header("n1", "POST", "/mesh/join", digest, middle.public_hex)
+    assert "to this node" in verify(for_middle, "n1", "POST", "/mesh/join", digest, head.public_hex)[1]
     swapped = other.public_hex + header[64:]  # another's key beside my signature
-    assert "does not hold" in verify(swapped, "n1", "POST", "/mesh/join", digest)[1]
+    assert "does not hold" in verify(swapped, "n1", "POST", "/mesh/join", digest, head.public_hex)[1]
     for bad in [None, "", "x" * 300, header[:-2], header.upper(), header.replace(".", ":")]:
-        assert verify(bad, "n1", "POST", "/mesh/join", digest)[0] is None
+        assert verify(bad, "n1", "POST", "/mesh/join", digest, head.public_hex)[0] is None
+
+
+@pytest.mark.parametrize("point", [
+    "01" + "00" * 31,  # the identity: (0, 1)
+    "ec" + "ff" * 30 + "7f",  # (0, -1), of order 2
+    "00" * 32, "00" * 31 + "80",  # of order 4
+    "c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a",  # of order 8
+    "26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05",
+    "ee" + "ff" * 30 + "7f",  # y = p + 1: not canonical
+])
+def test_a_key_of_small_order_proves_nothing(point):
+    # The identity's signature (R = identity, S = 0) holds for every message under some verifiers.
+    forged = f"{point}.{'01' + '00' * 63}"
+    assert identity.small_order(point)
+    assert "small order" in verify(forged, "n1", "GET", "/mesh/reverse/x", body_digest(b""), "ab" * 32)[1]
+    assert not identity.small_order(NodeIdentity.generate().public_hex)
 
 
 def test_a_fingerprint_file_is_read_strictly(tmp_path):
@@ -121,8 +149,34 @@ async def test_a_live_registration_is_not_taken_over(head):
     assert await impostor.dial(url, reverse_path(TAIL)) == 403  # its socket would carry the tail's sessions
     assert await tail.dial(url, reverse_path(TAIL)) == 101
     assert (await tail.join(TAIL, [6, 12]))[0] == 200  # its heartbeat, with its key, goes on
-    assert (await tail.post("/mesh/leave", {"url": TAIL}))[0] == 200
+    assert (await tail.post("/mesh/leave", {"url": TAIL + "/"}))[0] == 200  # (its URL as it was written)
     assert (await impostor.join(TAIL, [6, 12]))[0] == 200  # gone: the address is free to bind again
+
+
+async def test_a_silent_members_url_is_not_taken_within_the_grace(head):
+    node, client, url = head
+    tail, impostor = Member(client, url), Member(client, url)
+    assert (await tail.join(TAIL, [6, 12]))[0] == 200
+    record = node.registry._nodes[TAIL]
+    record.last_seen -= node.registry.ttl + 1  # its heartbeats stopped (a restart, a blink of its network)
+    assert node.registry.nodes() == []
+    status, answer = await impostor.join(TAIL, [6, 12])
+    assert status == 409 and "stops answering" in answer["error"]
+    assert (await impostor.post("/mesh/leave", {"url": TAIL}))[0] == 403
+    assert (await tail.join(TAIL, [6, 12]))[0] == 200  # the node itself comes back
+
+
+async def test_nobody_joins_with_the_heads_own_peer_url(tmp_path):
+    peer = "ws://127.0.0.1:9"  # (nothing listens: the head's static link stays down)
+    node = Node(NodeSettings(role="head", port=0, layers=(0, 6), secret=SECRET, peer=peer + "/"),
+                backend=CachedHeadBackend())
+    port = await node.start()
+    try:
+        async with aiohttp.ClientSession() as client:
+            status, answer = await Member(client, f"http://127.0.0.1:{port}").join(peer, [6, 12])
+            assert status == 409 and "--peer" in answer["error"] and node.registry.nodes() == []
+    finally:
+        await node.stop()
 
 
 async def test_relay_sockets_prove_the_key_of_the_node_they_stand_for(head):
@@ -208,3 +262,67 @@ async def test_a_middle_takes_dial_ins_only_from_the_nodes_and_keys_its_head_nam
         assert await tail.dial(base, reverse_path(TAIL)) == 101
     finally:
         await middle.stop()
+
+
+async def test_a_signature_a_middle_asked_for_with_the_heads_nonce_does_not_open_the_head(head):
+    """A member posing as the middle a tail dials in to answers the tail's challenge with a nonce of the head's, to
+    replay the tail's signed dial-in at the head. Naming its own key, the signature it gets is for it alone; naming
+    the head's, the tail does not sign (its head named the middle's key)."""
+    from aiohttp import web
+
+    from meshws.mesh.auth import HEADER, listener_proof
+
+    node, client, url = head
+    tail, middle = Member(client, url), Member(client, url)
+    assert (await tail.join(TAIL, [6, 12]))[0] == 200
+    await _undialable(node, TAIL)
+    path = reverse_path(TAIL)
+    named = {"key": middle.key.public_hex}  # the key the false middle's challenge names
+    captured = {}
+
+    async def challenge(request):
+        async with client.get(url + "/mesh/challenge") as response:
+            nonce = (await response.json())["nonce"]
+        return web.json_response({"nonce": nonce, "node": named["key"],
+                                  "proof": listener_proof(SECRET, request.query["proof_for"], nonce)})
+
+    async def dial_in(request):
+        captured.update({name: request.headers[name] for name in (HEADER, identity.HEADER)})
+        raise web.HTTPForbidden()
+
+    app = web.Application()
+    app.router.add_get("/mesh/challenge", challenge)
+    app.router.add_get("/mesh/reverse/{url}", dial_in)
+    async with serving(app) as false_middle:
+        headers = await signed_headers(client, false_middle, SECRET, "GET", path, identity=tail.key,
+                                       peer_key=middle.key.public_hex)
+        with pytest.raises(aiohttp.WSServerHandshakeError):
+            await client.ws_connect(false_middle.replace("http", "ws") + path, headers=headers)
+        assert captured
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:  # replayed at the head
+            await client.ws_connect(url.replace("http", "ws") + path, headers=captured)
+        assert refused.value.status == 401  # (its signature is for the false middle)
+        async with client.get(url + "/mesh/challenge") as response:
+            named["key"] = (await response.json())["node"]  # now it names the head's key
+        with pytest.raises(ConnectionError, match="another key than its head named"):
+            await signed_headers(client, false_middle, SECRET, "GET", path, identity=tail.key,
+                                 peer_key=middle.key.public_hex)
+        assert await tail.dial(url, path) == 101  # the tail itself still dials in
+
+
+def test_keys_two_heads_name_differently_are_refused_and_a_silent_heads_are_forgotten():
+    from meshws.mesh.membership import Announcer
+
+    told = []
+    announcer = Announcer("http://h1.invalid:1,http://h2.invalid:2", record=dict, expect=told.append)
+    first, second = "a" * 64, "b" * 64
+    announcer._heard("http://h1.invalid:1", {"dial_ins": [{"url": TAIL, "key": first}]})
+    assert told[-1] == {TAIL: first}
+    announcer._heard("http://h2.invalid:2", {"dial_ins": [{"url": TAIL, "key": first}]})
+    assert told[-1] == {TAIL: first}  # (both agree)
+    announcer._heard("http://h2.invalid:2", {"dial_ins": [{"url": TAIL, "key": second}]})
+    assert told[-1] == {}  # which is it? neither
+    announcer._forget("http://h2.invalid:2")  # that head stopped answering: what it named goes
+    assert told[-1] == {TAIL: first}
+    announcer._forget("http://h1.invalid:1")
+    assert told[-1] == {}

@@ -170,6 +170,7 @@ def test_a_middle_and_a_tail_both_behind_nat_are_relayed_by_the_head_within_its_
         middle_health = health_inside(middle_behind_nat, f"http://127.0.0.1:{middle_port}")
         [to_tail] = [link for link in middle_health["links"] if link["url"] == tail.ws_url]
         assert to_tail["formed"].startswith("relayed by") and to_tail["state"] == "up"
+        assert to_tail["formed"].endswith("; sealed)")  # its frames carry MACs of its two ends' keys (`mesh.seal`)
         with urllib.request.urlopen(head.url + "/metrics", timeout=10) as response:
             metrics = response.read().decode()
         relayed = [line for line in metrics.splitlines() if line.startswith('meshws_frame_bytes_total{direction="relayed"')]
