@@ -121,7 +121,7 @@ class RegistryEndpoints:
                                 f"ends when that node leaves, or {BIND_GRACE:g} s after it stops answering)", 409)
             record.key = key
             known = self._bound(record.url) is not None
-            if not known and len(self.registry.nodes()) >= MAX_NODES:
+            if not known and (len(self.registry.nodes()) >= MAX_NODES or self.registry.crowded):
                 return _refused(f"the registry is full ({MAX_NODES} nodes)", 503)
             if not known and key and sum(r.key == key for r in self.registry.nodes()) >= URLS_PER_KEY:
                 return _refused(f"this node key has {URLS_PER_KEY} addresses joined already", 429)

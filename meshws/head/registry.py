@@ -20,7 +20,7 @@ from typing import Callable
 from .routes import NodeRecord
 
 BIND_GRACE = 300.0  # seconds a silent node's URL stays bound to its key
-LAPSED_MAX = 4096  # such bindings kept at most (the oldest go first)
+LAPSED_MAX = 4096  # such bindings; while this many are kept, new URLs wait (none is dropped within its grace)
 
 
 class Registry:
@@ -68,8 +68,11 @@ class Registry:
         now = self._clock()
         for url in [url for url, (_, when) in self._lapsed.items() if now - when > BIND_GRACE]:
             del self._lapsed[url]
-        while len(self._lapsed) > LAPSED_MAX:
-            del self._lapsed[next(iter(self._lapsed))]
+
+    @property
+    def crowded(self) -> bool:
+        """So many silent URLs are still bound that a new one may not join (a flood of throwaway joins)."""
+        return len(self._lapsed) >= LAPSED_MAX
 
     def nodes(self) -> list[NodeRecord]:
         """The nodes heard from within the TTL; the others expire now (and `on_expire` hears of each)."""

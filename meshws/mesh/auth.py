@@ -151,11 +151,12 @@ async def signed_headers(client: Any, base: str, secret: str | None, method: str
     proof = answer.get("proof") if isinstance(answer, dict) else None
     if response.status != 200 or not isinstance(nonce, str) or len(nonce) > 128:
         raise ConnectionError(f"{base} gave no challenge (HTTP {response.status})")
-    if not isinstance(proof, str) or not hmac.compare_digest(proof, listener_proof(secret, asked, nonce)):
+    if not isinstance(proof, str) or not proof.isascii() or \
+            not hmac.compare_digest(proof, listener_proof(secret, asked, nonce)):
         raise ConnectionError(f"the node at {base} cannot prove it knows the mesh secret; not dialing it")
     audience = answer.get("node")
     audience = audience if isinstance(audience, str) and _KEY_FORM.match(audience) else ""
-    if peer_key is not None and not hmac.compare_digest(audience, peer_key):
+    if peer_key is not None and (not audience or not _KEY_FORM.match(peer_key) or audience != peer_key):
         raise ConnectionError(f"the node at {base} holds another key than its head named; not dialing it")
     headers = {HEADER: sign(secret, nonce, method, path, body)}
     if identity is not None:

@@ -82,6 +82,7 @@ class Link:
         self.reversed = False  # the peer dials us (`offer`): it cannot be dialed
         self.relay_via: tuple[str, str] | None = None  # (head, path): neither side can dial, a head relays
         self.relay_seal: tuple[str, str | None] | None = None  # (this node's URL, the peer's key): `mesh.seal`
+        self.sealed = False  # the socket in use was sealed by the two ends (a relayed one)
         self._offers: asyncio.Queue[tuple[Any, asyncio.Future]] = asyncio.Queue()
         self._log_limit = LogLimiter(log)
 
@@ -274,7 +275,7 @@ class Link:
         base, path = self.relay_via or (self.url, "/ws/shard")
         headers = await signed_headers(self._client, base, self._secret, "GET", path, ssl=self._ssl,
                                        identity=self._identity)
-        self.sealed = False  # (until the two ends seal a relayed socket: `mesh.seal`)
+        self.sealed = False
         ws = await self._client.ws_connect(
             f"{base}{path}",
             heartbeat=self._heartbeat,

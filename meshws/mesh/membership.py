@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from typing import Any, Callable
 
@@ -136,7 +137,7 @@ class Announcer:
                         log.info("joined the mesh at %s", head)
                     self.joined_heads.add(head)
                     failures = 0
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError, ValueError) as exc:
+                except Exception as exc:  # (whatever answered at the head's address: the heartbeat goes on)
                     failures += 1
                     if failures == 1 or failures % 15 == 0:
                         log.warning("cannot announce to %s (%s); retrying", head, exc)
@@ -173,8 +174,8 @@ class Announcer:
             relay = _urls(answer.get("relay"))
         keys = answer.get("keys") if isinstance(answer.get("keys"), dict) else {}
         ends = set(relay) | {url for _, url in wanted if url} | {hop for hop, _ in wanted if hop != head}
-        self._keys[head] = {url: key for url, key in keys.items() if url in ends and isinstance(key, str)
-                            and len(key) <= 64}  # (the nodes this one dials in to or is relayed with, by key)
+        self._keys[head] = {url.rstrip("/"): key for url, key in keys.items() if url in ends and _is_key(key)}
+        # (the nodes this one dials in to or is relayed with, by key)
         self.reverse.peer_keys = _agreed(self._keys)
         if relay:
             self.reverse.relay_through(head, relay)
@@ -209,10 +210,14 @@ def _dial_ins(listed: Any) -> dict[str, str]:
     listed = listed if isinstance(listed, list) else []
     found = {}
     for item in listed[:MAX_DIAL_IN]:
-        if isinstance(item, dict) and _urls([item.get("url")]) and isinstance(item.get("key"), str) \
-                and len(item["key"]) <= 64:
+        if isinstance(item, dict) and _urls([item.get("url")]) and _is_key(item.get("key")):
             found[item["url"].rstrip("/")] = item["key"]
     return found
+
+
+def _is_key(key: Any) -> bool:
+    """A node key as a head names it: 64 lowercase hex digits."""
+    return isinstance(key, str) and re.fullmatch(r"[0-9a-f]{64}", key) is not None
 
 
 def _urls(listed: Any) -> list[str]:

@@ -232,7 +232,7 @@ class ReverseDialer:
                 path = reverse_path(self.own_url(), relay_for)
                 try:  # (a middle must hold the key the heads named for it; a head names its own)
                     peer_key = None if self.identity is None or hop in {http_base(h) for h in self.heads} else \
-                        next((key for url, key in self.peer_keys.items() if http_base(url.rstrip("/")) == hop), "")
+                        next((key for url, key in self.peer_keys.items() if http_base(url) == hop), "")
                     headers = await signed_headers(client, hop, self.secret, "GET", path, ssl=self.ssl,
                                                    identity=self.identity, peer_key=peer_key)
                     async with client.ws_connect(hop + path, heartbeat=5.0, headers=headers, ssl=self.ssl,

@@ -70,8 +70,9 @@ async def seal_dialer(ws: Any, identity: NodeIdentity, own_url: str, peer_url: s
 
 async def seal_answerer(ws: Any, identity: NodeIdentity, own_url: str, peer_url: str,
                         expected: str | None) -> "Sealed":
-    """The tail's side (its relay-back socket): check the middle's seal, then answer with its own."""
-    theirs = await _received_seal(ws, expected)
+    """The tail's side (its relay-back socket): check the middle's seal, then answer with its own. It waits for the
+    seal as long as the socket lives (it waits at the head for a middle to be paired with; heartbeats keep it)."""
+    theirs = await _received_seal(ws, expected, None)
     _check(theirs, _statement("dial", theirs["eph"], peer_url, own_url))
     mine = X25519PrivateKey.generate()
     eph = mine.public_key().public_bytes_raw().hex()
@@ -84,11 +85,11 @@ def _seal(identity: NodeIdentity, eph: str, signature: bytes) -> str:
     return orjson.dumps({"type": "seal", "node": identity.public_hex, "eph": eph, "sig": signature.hex()}).decode()
 
 
-async def _received_seal(ws: Any, expected: str | None) -> dict[str, str]:
+async def _received_seal(ws: Any, expected: str | None, wait: float | None = SEAL_WAIT) -> dict[str, str]:
     if not expected:
         raise SealBroken("no key is known for the other end of this relayed hop (its head has not named one)")
     try:
-        message = await ws.receive(timeout=SEAL_WAIT)
+        message = await ws.receive(timeout=wait)
     except asyncio.TimeoutError:
         raise SealBroken(f"no seal from the other end within {SEAL_WAIT:g} s") from None
     try:
@@ -99,7 +100,7 @@ async def _received_seal(ws: Any, expected: str | None) -> dict[str, str]:
     if not isinstance(seal, dict) or seal.get("type") != "seal" \
             or not all(isinstance(seal.get(name), str) and form.match(seal[name]) for name, form in _HEX.items()):
         raise SealBroken("the other end's first frame is not a seal")
-    if not hmac.compare_digest(seal["node"], expected):
+    if not expected.isascii() or not hmac.compare_digest(seal["node"], expected):
         raise SealBroken("the other end holds another key than its head named")
     return seal
 
@@ -163,7 +164,7 @@ class Sealed:
             return aiohttp.WSMessage(aiohttp.WSMsgType.ERROR, SealBroken(self.broken), None)
         self._received += 1
         if kind == b"\x00":
-            return aiohttp.WSMessage(aiohttp.WSMsgType.TEXT, payload.decode(), None)
+            return aiohttp.WSMessage(aiohttp.WSMsgType.TEXT, payload.decode(errors="replace"), None)
         return aiohttp.WSMessage(aiohttp.WSMsgType.BINARY, payload, None)
 
     def __aiter__(self) -> "Sealed":

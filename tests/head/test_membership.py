@@ -120,7 +120,8 @@ def test_a_record_that_expires_while_being_read_fires_leave_handling_once(caplog
     assert left == ["ws://127.0.0.1:9"]  # told once
 
 
-def test_a_silent_nodes_url_stays_bound_to_its_key_for_a_grace_and_a_leave_frees_it():
+def test_a_silent_nodes_url_stays_bound_to_its_key_for_a_grace_and_a_leave_frees_it(monkeypatch):
+    from meshws.head import registry as registry_module
     from meshws.head.registry import BIND_GRACE
 
     now = [100.0]
@@ -139,6 +140,15 @@ def test_a_silent_nodes_url_stays_bound_to_its_key_for_a_grace_and_a_leave_frees
     assert registry.leave(record.url) and registry.bound_key(record.url) is None  # it left: free at once
     registry.announce(record)
     assert registry.leave(record.url, keep_binding=True) and registry.bound_key(record.url) == "a" * 64
+    # A flood of throwaway URLs gone silent does not push a binding out within its grace: new URLs wait instead.
+    monkeypatch.setattr(registry_module, "LAPSED_MAX", 3)
+    for n in range(5):
+        junk = _record({**GOOD, "url": f"ws://junk-{n}.invalid:1"})
+        junk.key = "b" * 64
+        registry.announce(junk)
+        now[0] += 7
+        registry.nodes()
+    assert registry.bound_key(record.url) == "a" * 64 and registry.crowded
 
 
 json_values = st.recursive(

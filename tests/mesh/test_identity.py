@@ -307,6 +307,9 @@ async def test_a_signature_a_middle_asked_for_with_the_heads_nonce_does_not_open
         with pytest.raises(ConnectionError, match="another key than its head named"):
             await signed_headers(client, false_middle, SECRET, "GET", path, identity=tail.key,
                                  peer_key=middle.key.public_hex)
+        named["key"] = ""  # naming no key, to a node its heads named none for (or disputed)
+        with pytest.raises(ConnectionError, match="another key than its head named"):
+            await signed_headers(client, false_middle, SECRET, "GET", path, identity=tail.key, peer_key="")
         assert await tail.dial(url, path) == 101  # the tail itself still dials in
 
 

@@ -136,6 +136,14 @@ async def test_a_seal_made_for_another_hop_does_not_verify(hop):
     assert ended == ("refused", "the other end's seal is not signed by its key for this hop")
 
 
+def test_a_link_that_never_dialed_describes_itself():
+    from meshws.mesh.link import Link
+
+    link = Link("ws://tail.example:2", lambda: None, max_frame_bytes=1 << 20)
+    link.relay_via = ("http://head.example:1", "/mesh/relay/x/y")  # (as a middle's link is, before its first dial)
+    assert link.describe()["formed"] == "relayed by http://head.example:1 (neither side can dial the other)"
+
+
 async def test_without_a_named_key_nothing_is_sealed(hop):
     hop["expected"]["key"] = None
     ws = await hop["client"].ws_connect(hop["url"])
