@@ -64,8 +64,8 @@ class Registry:
     def _lapse(self, record: NodeRecord) -> None:
         if not record.key:
             return
-        self._lapsed[record.url] = (record.key, self._clock())
         now = self._clock()
+        self._lapsed[record.url] = (record.key, now)
         for url in [url for url, (_, when) in self._lapsed.items() if now - when > BIND_GRACE]:
             del self._lapsed[url]
 

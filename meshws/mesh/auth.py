@@ -25,13 +25,12 @@ from typing import Any, Callable, Iterable
 
 import orjson
 
-from .identity import HEADER as identity_header
+from .identity import HEADER as identity_header, is_key
 
 HEADER = "X-Meshws-Auth"
 CHALLENGE_PATH = "/mesh/challenge"
 MAX_SKEW = 120.0  # seconds a nonce stays valid, and how far clocks may differ
 _HEADER_FORM = re.compile(r"^(\d{1,12})\.([0-9a-f]{8})([0-9a-f]{16})([0-9a-f]{32})\.([0-9a-f]{64})$")
-_KEY_FORM = re.compile(r"^[0-9a-f]{64}$")  # a node key, as a challenge names it
 
 
 def body_digest(body: bytes) -> str:
@@ -155,8 +154,8 @@ async def signed_headers(client: Any, base: str, secret: str | None, method: str
             not hmac.compare_digest(proof, listener_proof(secret, asked, nonce)):
         raise ConnectionError(f"the node at {base} cannot prove it knows the mesh secret; not dialing it")
     audience = answer.get("node")
-    audience = audience if isinstance(audience, str) and _KEY_FORM.match(audience) else ""
-    if peer_key is not None and (not audience or not _KEY_FORM.match(peer_key) or audience != peer_key):
+    audience = audience if is_key(audience) else ""
+    if peer_key is not None and (not audience or not is_key(peer_key) or audience != peer_key):
         raise ConnectionError(f"the node at {base} holds another key than its head named; not dialing it")
     headers = {HEADER: sign(secret, nonce, method, path, body)}
     if identity is not None:

@@ -33,6 +33,11 @@ _FINGERPRINT = re.compile(r"^[0-9a-f]{32}$")
 _P = 2**255 - 19
 
 
+def is_key(value: object) -> bool:
+    """A key in hex as nodes keep and name them: 64 lowercase hex digits."""
+    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
+
+
 def fingerprint(public_hex: str) -> str:
     return hashlib.sha256(bytes.fromhex(public_hex)).hexdigest()[:32]
 
@@ -71,7 +76,7 @@ class NodeIdentity:
         descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(descriptor, "rb") as handle:
             text = handle.read(256).decode(errors="replace").strip()
-        if not re.fullmatch(r"[0-9a-f]{64}", text):
+        if not is_key(text):
             raise ValueError(f"{path} does not hold a node key (64 hex digits); move it away to make a new one")
         return cls(Ed25519PrivateKey.from_private_bytes(bytes.fromhex(text)))
 

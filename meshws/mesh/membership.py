@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from typing import Any, Callable
 
@@ -27,6 +26,7 @@ import aiohttp
 import orjson
 
 from .auth import signed_headers
+from .identity import is_key
 from .reverse import ReverseDialer
 
 log = logging.getLogger("meshws.membership")
@@ -174,15 +174,15 @@ class Announcer:
             relay = _urls(answer.get("relay"))
         keys = answer.get("keys") if isinstance(answer.get("keys"), dict) else {}
         ends = set(relay) | {url for _, url in wanted if url} | {hop for hop, _ in wanted if hop != head}
-        self._keys[head] = {url.rstrip("/"): key for url, key in keys.items() if url in ends and _is_key(key)}
-        # (the nodes this one dials in to or is relayed with, by key)
-        self.reverse.peer_keys = _agreed(self._keys)
+        named = {url.rstrip("/"): key for url, key in keys.items() if url in ends and is_key(key)}
+        if named != self._keys.get(head, {}):  # (the nodes this one dials in to or is relayed with, by key)
+            self._keys[head] = named
+            self.reverse.peer_keys = _agreed(self._keys)
         if relay:
             self.reverse.relay_through(head, relay)
         if wanted != self._dial_in.get(head, []):
             self._dial_in[head] = wanted
             self.reverse.want(target for targets in self._dial_in.values() for target in targets)
-
 
     def _forget(self, head: str) -> None:
         """A head that did not answer names no keys any more (until it answers again)."""
@@ -210,14 +210,9 @@ def _dial_ins(listed: Any) -> dict[str, str]:
     listed = listed if isinstance(listed, list) else []
     found = {}
     for item in listed[:MAX_DIAL_IN]:
-        if isinstance(item, dict) and _urls([item.get("url")]) and _is_key(item.get("key")):
+        if isinstance(item, dict) and _urls([item.get("url")]) and is_key(item.get("key")):
             found[item["url"].rstrip("/")] = item["key"]
     return found
-
-
-def _is_key(key: Any) -> bool:
-    """A node key as a head names it: 64 lowercase hex digits."""
-    return isinstance(key, str) and re.fullmatch(r"[0-9a-f]{64}", key) is not None
 
 
 def _urls(listed: Any) -> list[str]:
