@@ -4,6 +4,11 @@ The store knows nothing of torch: a cache is an opaque object and its size in
 bytes is told by the caller. Closing a session channel drops its entry; TTL,
 LRU and the byte budget are the backstop when a close never arrives.
 
+A cache that has a `release` method (`kv_blocks.LeanCache`, whose blocks other sessions may
+share) is told when the store lets it go, whatever the reason. An entry's `nbytes` is all its
+cache holds; with caches that share memory, `footprint` (given) counts what they hold together,
+each shared part once, for the totals and the byte budget.
+
 A session named `private` (a speed probe's: a few positions, for a moment) is held
 like any other but is not one of the node's sessions: it is not counted, its bytes
 are not, and storing it never evicts a session of a user.
@@ -45,10 +50,12 @@ class SessionCacheStore:
         max_bytes: int | None = None,
         measure: Callable[[Any], int] | None = None,
         emptied: Callable[[], None] | None = None,
+        footprint: Callable[[list[Any]], int] | None = None,
     ) -> None:
         self.max_sessions = max_sessions
         self._measure = measure  # a cache's positions, read from the cache itself
         self._emptied = emptied  # called (lock released, caches freed) when a change leaves no session here
+        self._footprint = footprint  # bytes several caches hold together (shared memory counted once)
         self.ttl_seconds = ttl_seconds
         self.max_bytes = max_bytes
         self._clock = clock
@@ -69,7 +76,7 @@ class SessionCacheStore:
     @property
     def total_bytes(self) -> int:
         with self._lock:
-            return sum(entry.nbytes for sid, entry in self._entries.items() if sid not in self._private)
+            return self._bytes()
 
     def session_ids(self) -> list[str]:
         with self._lock:
@@ -84,7 +91,7 @@ class SessionCacheStore:
             yield
         finally:
             with self._lock:
-                self._entries.pop(session_id, None)
+                self._remove(session_id)
                 self._private.discard(session_id)
 
     def held(self, session_id: str) -> int:
@@ -106,7 +113,9 @@ class SessionCacheStore:
         """Put (or replace) a session's cache; evicts others to respect the limits."""
         now = self._clock()
         with self._changing():
-            self._entries.pop(session_id, None)
+            old = self._entries.pop(session_id, None)
+            if old is not None and old.cache is not cache:
+                _release(old.cache)
             self._check_fits(session_id, nbytes)
             entry = CacheEntry(cache, seq_len, effective_start, now, nbytes)
             self._entries[session_id] = entry
@@ -134,12 +143,12 @@ class SessionCacheStore:
                 raise KVCacheMiss(f"no cache for session {session_id}")
             if expected_seq_len is not None and entry.seq_len != expected_seq_len \
                     and not (longer_ok and entry.seq_len > expected_seq_len):
-                del self._entries[session_id]
+                self._remove(session_id)
                 raise KVCacheMiss(
                     f"session {session_id} holds {entry.seq_len} tokens, step expects {expected_seq_len}"
                 )
             if effective_start is not None and entry.effective_start != effective_start:
-                del self._entries[session_id]
+                self._remove(session_id)
                 raise KVCacheMiss(
                     f"session {session_id} starts at layer {entry.effective_start}, step expects {effective_start}"
                 )
@@ -159,12 +168,13 @@ class SessionCacheStore:
 
     def drop(self, session_id: str) -> bool:
         with self._changing():
-            return self._entries.pop(session_id, None) is not None
+            return self._remove(session_id)
 
     def clear(self) -> int:
         with self._changing():
             count = len(self._entries)
-            self._entries.clear()
+            for sid in list(self._entries):
+                self._remove(sid)
             return count
 
     def purge_expired(self) -> int:
@@ -191,13 +201,26 @@ class SessionCacheStore:
 
     # -- internals (lock held) -------------------------------------------
 
+    def _remove(self, session_id: str) -> bool:
+        entry = self._entries.pop(session_id, None)
+        if entry is not None:
+            _release(entry.cache)
+        return entry is not None
+
+    def _bytes(self) -> int:
+        caches = [entry for sid, entry in self._entries.items() if sid not in self._private]
+        most = sum(entry.nbytes for entry in caches)  # (shared memory counted in each: a bound, and cheap)
+        if self._footprint is None or not most:
+            return most
+        return self._footprint([entry.cache for entry in caches])
+
     def _public(self) -> int:
         return len(self._entries) - sum(1 for sid in self._private if sid in self._entries)
 
     def _check_fits(self, session_id: str, nbytes: int, drop: bool = False) -> None:
         if self.max_bytes is not None and nbytes > self.max_bytes:
             if drop:
-                self._entries.pop(session_id, None)
+                self._remove(session_id)
             raise CacheBudgetExceeded(
                 f"session {session_id} needs {nbytes} cache bytes, the budget is {self.max_bytes}"
             )
@@ -205,7 +228,7 @@ class SessionCacheStore:
     def _expire(self, now: float) -> None:
         stale = [sid for sid, e in self._entries.items() if now - e.last_used > self.ttl_seconds]
         for sid in stale:
-            del self._entries[sid]
+            self._remove(sid)
         self.evictions += len(stale)
 
     def _enforce_limits(self, keep: str) -> None:
@@ -214,11 +237,19 @@ class SessionCacheStore:
                 return True
             if self.max_bytes is None:
                 return False
-            return sum(e.nbytes for sid, e in self._entries.items() if sid not in self._private) > self.max_bytes
+            if sum(e.nbytes for sid, e in self._entries.items() if sid not in self._private) <= self.max_bytes:
+                return False  # (within the budget even counting shared blocks in every cache: the usual case)
+            return self._bytes() > self.max_bytes
 
         while over():
             victim = next((sid for sid in self._entries if sid != keep and sid not in self._private), None)
             if victim is None:
                 break
-            del self._entries[victim]
+            self._remove(victim)
             self.evictions += 1
+
+
+def _release(cache: Any) -> None:
+    release = getattr(cache, "release", None)
+    if release is not None:
+        release()

@@ -19,9 +19,9 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Sequence
 
-import numpy
 import torch
 
+from .kv_blocks import KV_BLOCK
 from .native import KINDS, AttendRows, Kernels, threads
 
 
@@ -137,19 +137,17 @@ class FusedDecode:
         at `pasts`; their lengths are the caller's to move."""
         rows = len(caches)
         if hidden.shape != (rows, 1, self.width) or not cos.shape == sin.shape == (rows, self.dim) \
-                or any(len(cache.keys) != self.layers for cache in caches):
+                or any(cache.layers != self.layers for cache in caches):
             raise ValueError(f"a decode step of {rows} rows does not fit the fused layers")
         checked = AttendRows(caches, [0] * rows, pasts, self.scale)  # dtype, shape, room and distinct caches
         if (checked.kv_heads, checked.dim) != (self.kv_heads, self.dim):
             raise ValueError(f"caches of {checked.kv_heads} heads of {checked.dim} do not fit these layers")
-        both = numpy.stack([checked.pointers(layer) for layer in range(self.layers)]).reshape(self.layers, 2, rows)
-        keys, values = numpy.ascontiguousarray(both[:, 0]), numpy.ascontiguousarray(both[:, 1])  # [layers][rows]
         state = hidden.detach().reshape(rows, self.width).to(torch.float32, copy=True).contiguous()
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         failed = self.kernels.decode(rows, self.layers, ctypes.addressof(self._array), self.width, self.heads,
                                      self.kv_heads, self.dim, self.eps, self.scale, int(self.dtype == torch.bfloat16),
-                                     state.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.ctypes.data,
-                                     values.ctypes.data, checked.capacity.ctypes.data, checked.low_at.ctypes.data,
+                                     state.data_ptr(), cos.data_ptr(), sin.data_ptr(), checked.blocks.ctypes.data,
+                                     checked.first.ctypes.data, KV_BLOCK, checked.low_at.ctypes.data,
                                      checked.low_at.ctypes.data + 8 * rows, KINDS[checked.dtype], self.pairs,
                                      self.q8, threads)
         if failed:

@@ -863,9 +863,12 @@ int mw_amx_linear(const float *x, int64_t rows, int64_t in, const void *tiles, c
 /* mw_attend: one query position per row against that row's own cache (a decode step of a batch
    of sessions whose caches differ in length), after writing the row's new key and value there.
 
-   Row r's cache is keys[r], values[r]: [kv_heads, capacity[r], dim] of the cache's kind (float32
-   or bfloat16). Its new key and value (new_keys, new_values: [rows, kv_heads, dim], the same
-   kind) go to position at[r]; it attends to positions low[r] .. at[r]. Queries q and the
+   Row r's cache lies in blocks of `block` positions: position p in blocks[first[r] + p / block],
+   at p % block. A block is [layers][2][kv_heads][block][dim] of the cache's kind (float32 or
+   bfloat16): each layer's keys, then its values; blocks may be shared by several rows' caches
+   (a prefix computed once), and only the row's own block is written. Its new key and value
+   (new_keys, new_values: [rows, kv_heads, dim], the same kind) go to position at[r] of `layer`;
+   it attends to positions low[r] .. at[r]. Queries q and the
    output are float32 [rows, heads, dim]; query head h reads key head h / (heads / kv_heads).
    Scores and softmax are float32: s = scale * q.k (the dot in lanes as above), then
    exp(s - max) summed in position order, and the output sum_t e_t v_t / sum_t e_t. A row's
@@ -875,8 +878,9 @@ typedef struct {
     int64_t rows, heads, kv_heads, dim;
     const float *q;
     const void *new_keys, *new_values;
-    void *const *keys, *const *values;
-    const int64_t *capacity, *low, *at;
+    void *const *blocks;
+    const int64_t *first, *low, *at;
+    int64_t block, layer;
     int kind;
     float scale;
     float *out;
@@ -993,6 +997,14 @@ static inline __m256 hsum8(const __m256 *a) {
 }
 #endif
 
+/* Position `pos` of row `row`'s cache in the task's layer: its key (`value` 0) or its value, of key head `head`. */
+static inline char *cache_row(const attend_t *a, int64_t row, int value, int64_t head, int64_t pos) {
+    const size_t size = a->kind == KIND_F32 ? 4 : 2;
+    char *base = (char *)a->blocks[a->first[row] + pos / a->block];
+    return base + ((size_t)((a->layer * 2 + value) * a->kv_heads + head) * (size_t)a->block + (size_t)(pos % a->block))
+                      * (size_t)a->dim * size;
+}
+
 /* s[t] = scale * dot(q, key t) for the `count` cache rows from `keys`. */
 static void key_scores(const float *q, const char *keys, int64_t count, int64_t dim, int kind, float scale, float *s) {
     const size_t stride = (size_t)dim * (kind == KIND_F32 ? 4 : 2);
@@ -1008,18 +1020,19 @@ static void store_rows(const attend_t *a) {
     const size_t size = a->kind == KIND_F32 ? 4 : 2, bytes = (size_t)a->dim * size;
     for (int64_t unit = 0; unit < a->rows * a->kv_heads; unit++) {
         const int64_t row = unit / a->kv_heads, head = unit % a->kv_heads;
-        const size_t at = (size_t)(head * a->capacity[row] + a->at[row]) * bytes;
-        memcpy((char *)a->keys[row] + at, (const char *)a->new_keys + (size_t)unit * bytes, bytes);
-        memcpy((char *)a->values[row] + at, (const char *)a->new_values + (size_t)unit * bytes, bytes);
+        memcpy(cache_row(a, row, 0, head, a->at[row]), (const char *)a->new_keys + (size_t)unit * bytes, bytes);
+        memcpy(cache_row(a, row, 1, head, a->at[row]), (const char *)a->new_values + (size_t)unit * bytes, bytes);
     }
 }
 
 #ifndef GENERIC
-/* value[d0 .. d0 + n LANES) = sum_t s[t] v_t[d] over t in order, in n vector registers (a chain through memory
+/* value[d0 .. d0 + n LANES) += sum_t s[t] v_t[d] over t in order, in n vector registers (a chain through memory
    cost a store and a load per key). */
 static inline __attribute__((always_inline)) void weigh_block(float *value, const float *s, const char *v,
                                                               int64_t count, int64_t dim, int kind, int64_t d0, int n) {
-    vec acc[4] = {vzero(), vzero(), vzero(), vzero()};
+    vec acc[4];
+    for (int i = 0; i < n; i++)
+        acc[i] = vload(value + d0 + i * LANES);
     const size_t stride = (size_t)dim * (kind == KIND_F32 ? 4 : 2);
     for (int64_t t = 0; t < count; t++, v += stride) {
         ahead(v + CACHE_AHEAD * stride + d0 * (stride / dim), (size_t)n * LANES * (stride / dim));
@@ -1041,8 +1054,8 @@ static void weigh_kind(float *value, const float *s, const char *v, int64_t coun
 }
 #endif
 
-/* value[d] = sum_t s[t] v_t[d] for the `count` cache rows from `v`: each a fused multiply-add chain over t in order,
-   whatever the loop that computes it. */
+/* value[d] += sum_t s[t] v_t[d] for the `count` cache rows from `v`: each a fused multiply-add chain over t in order,
+   whatever the loop that computes it (a row's blocks in turn go on with the chains). */
 static void weigh_values(float *value, const float *s, const char *v, int64_t count, int64_t dim, int kind) {
     int64_t whole = 0;
 #ifndef GENERIC
@@ -1051,7 +1064,7 @@ static void weigh_values(float *value, const float *s, const char *v, int64_t co
 #endif
     const size_t stride = (size_t)dim * (kind == KIND_F32 ? 4 : 2);
     for (int64_t d = whole; d < dim; d++) {
-        float sum = 0.0f;
+        float sum = value[d];
         for (int64_t t = 0; t < count; t++)
             sum = fmaf(s[t], cache_at(v + t * stride, kind, d), sum);
         value[d] = sum;
@@ -1084,11 +1097,11 @@ static void exp_scores(float *s, int64_t count, float top) {
 #define GROUP_ROWS 16 /* cache rows of values widened at a time */
 #define GROUPED(call) call
 
-/* scores[g][t] = scale * dot(q_g, key t) for a key head's `group` query heads (q_g = q + g dim), `dot`'s chains and
+/* scores[g stride + t] = scale * dot(q_g, key t) for a key head's `group` query heads (q_g = q + g dim), `dot`'s chains and
    sums: each block of eight keys widened once for all the heads, then scored eight at a time (their chains overlap;
    one key's dependent multiply-adds and lane sum had bound attention by their latency), the lane sums by `hsum8`. */
 static void group_scores(const float *q, int64_t group, const char *keys, int64_t count, int64_t dim, int kind,
-                         float scale, float *scores) {
+                         float scale, float *scores, int64_t stride_scores) {
     const size_t stride = (size_t)dim * (kind == KIND_F32 ? 4 : 2);
     float wide[8 * GROUP_DIM];
     int64_t t = 0;
@@ -1106,22 +1119,20 @@ static void group_scores(const float *q, int64_t group, const char *keys, int64_
             for (int64_t d = 0; d < dim; d += LANES)
                 for (int j = 0; j < 8; j++)
                     acc[j] = vfma(vload(q + g * dim + d), vload(wide + j * dim + d), acc[j]);
-            vstore(scores + g * count + t, vtimes(vset1(scale), hsum8(acc)));
+            vstore(scores + g * stride_scores + t, vtimes(vset1(scale), hsum8(acc)));
         }
     }
     for (; t < count; t++)
         for (int64_t g = 0; g < group; g++)
-            scores[g * count + t] = scale * dot(q + g * dim, keys + (size_t)t * stride, kind, dim);
+            scores[g * stride_scores + t] = scale * dot(q + g * dim, keys + (size_t)t * stride, kind, dim);
 }
 
-/* value[g][d] = sum_t scores[g][t] v_t[d] (as `weigh_values`: one multiply-add chain over t in order per value, from
-   0), GROUP_ROWS cache rows widened at a time for all the group's heads; the chains wait in `value` between. */
-static void group_values(float *value, const float *scores, int64_t group, const char *v, int64_t count, int64_t dim,
-                         int kind) {
+/* value[g][d] += sum_t scores[g stride + t] v_t[d] (as `weigh_values`: one multiply-add chain over t in order per
+   value), GROUP_ROWS cache rows widened at a time for all the group's heads; the chains wait in `value` between. */
+static void group_values(float *value, const float *scores, int64_t stride_scores, int64_t group, const char *v,
+                         int64_t count, int64_t dim, int kind) {
     const size_t stride = (size_t)dim * (kind == KIND_F32 ? 4 : 2);
     float wide[GROUP_ROWS * GROUP_DIM];
-    for (int64_t i = 0; i < group * dim; i++)
-        value[i] = 0.0f;
     for (int64_t t0 = 0; t0 < count; t0 += GROUP_ROWS) {
         const int64_t n = count - t0 < GROUP_ROWS ? count - t0 : GROUP_ROWS;
         const char *rows = v + (size_t)t0 * stride;
@@ -1131,7 +1142,7 @@ static void group_values(float *value, const float *scores, int64_t group, const
                 vstore(wide + t * dim + d, kind == KIND_F32 ? vload((const float *)(rows + t * stride) + d)
                                                             : widen_bf16((const uint16_t *)(rows + t * stride) + d));
         for (int64_t g = 0; g < group; g++) {
-            const float *s = scores + g * count + t0;
+            const float *s = scores + g * stride_scores + t0;
             float *into = value + g * dim;
             int64_t d = 0;
             for (; d + 4 * LANES <= dim; d += 4 * LANES) {
@@ -1161,7 +1172,6 @@ static void group_values(float *value, const float *scores, int64_t group, const
 static void attend_units(const void *task, int64_t begin, int64_t end) {
     const attend_t *a = task;
     const int64_t dim = a->dim, group = a->heads / a->kv_heads;
-    const size_t size = a->kind == KIND_F32 ? 4 : 2;
     for (int64_t unit = begin; unit < end; unit++) { /* one row's one key head and its query heads */
         const int64_t row = unit / a->kv_heads, head = unit % a->kv_heads;
         const int64_t low = a->low[row], at = a->at[row], count = at - low + 1;
@@ -1171,18 +1181,18 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
             atomic_store(a->failed, 1);
             continue;
         }
-        char *keys = (char *)a->keys[row] + (size_t)(head * a->capacity[row]) * dim * size;
-        char *values = (char *)a->values[row] + (size_t)(head * a->capacity[row]) * dim * size;
         float *value = scores + count * group, *totals = value + dim * group;
         const float *q = a->q + ((row * a->heads) + head * group) * dim; /* query head g's: q + g dim */
-        keys += (size_t)low * dim * size;
-        values += (size_t)low * dim * size;
         const int grouped = dim % LANES == 0 && dim <= GROUP_DIM; /* each key and value widened once for the heads */
-        if (grouped)
-            GROUPED(group_scores(q, group, keys, count, dim, a->kind, a->scale, scores));
-        else
-            for (int64_t g = 0; g < group; g++)
-                key_scores(q + g * dim, keys, count, dim, a->kind, a->scale, scores + g * count);
+        for (int64_t p = low, n; p <= at; p += n) { /* the row's blocks in turn */
+            n = a->block - p % a->block < at - p + 1 ? a->block - p % a->block : at - p + 1;
+            const char *keys = cache_row(a, row, 0, head, p);
+            if (grouped)
+                GROUPED(group_scores(q, group, keys, n, dim, a->kind, a->scale, scores + (p - low), count));
+            else
+                for (int64_t g = 0; g < group; g++)
+                    key_scores(q + g * dim, keys, n, dim, a->kind, a->scale, scores + g * count + (p - low));
+        }
         for (int64_t g = 0; g < group; g++) {
             float *s = scores + g * count, top = -INFINITY, total = 0.0f;
             for (int64_t t = 0; t < count; t++)
@@ -1192,11 +1202,17 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
                 total += s[t];
             totals[g] = total;
         }
-        if (grouped)
-            GROUPED(group_values(value, scores, group, values, count, dim, a->kind));
-        else
-            for (int64_t g = 0; g < group; g++)
-                weigh_values(value + g * dim, scores + g * count, values, count, dim, a->kind);
+        for (int64_t i = 0; i < group * dim; i++)
+            value[i] = 0.0f;
+        for (int64_t p = low, n; p <= at; p += n) {
+            n = a->block - p % a->block < at - p + 1 ? a->block - p % a->block : at - p + 1;
+            const char *values = cache_row(a, row, 1, head, p);
+            if (grouped)
+                GROUPED(group_values(value, scores + (p - low), count, group, values, n, dim, a->kind));
+            else
+                for (int64_t g = 0; g < group; g++)
+                    weigh_values(value + g * dim, scores + g * count + (p - low), values, n, dim, a->kind);
+        }
         for (int64_t g = 0; g < group; g++) {
             float *out = a->out + ((row * a->heads) + head * group + g) * dim;
             for (int64_t d = 0; d < dim; d++)
@@ -1218,10 +1234,10 @@ static void attend_rows(const attend_t *a, int threads) {
 
 /* Returns 0, or -1 if some row found no memory (the caller undoes the step: see `decode_rows`). */
 int mw_attend(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const float *q, const void *new_keys,
-               const void *new_values, void *const *keys, void *const *values, const int64_t *capacity,
+               const void *new_values, void *const *blocks, const int64_t *first, int64_t block, int64_t layer,
                const int64_t *low, const int64_t *at, int kind, float scale, float *out, int threads) {
     atomic_int failed = 0;
-    attend_t task = {rows, heads, kv_heads, dim, q, new_keys, new_values, keys, values, capacity, low, at,
+    attend_t task = {rows, heads, kv_heads, dim, q, new_keys, new_values, blocks, first, low, at, block, layer,
                      kind, scale, out, &failed};
     attend_rows(&task, threads);
     return atomic_load(&failed) ? -1 : 0;
@@ -1471,11 +1487,11 @@ static void to_cache(void *to, int kind, const float *from, int64_t count) {
     bf16_bits(to, from, count);
 }
 
-/* keys, values: [layers][rows] cache buffers; capacity, low, at: [rows]. Returns 0, or -1 when
+/* blocks, first, block: the rows' caches, as for mw_attend; low, at: [rows]. Returns 0, or -1 when
    attention or a product found no memory (the caller undoes the step, as for mw_attend). */
 int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width, int64_t heads, int64_t kv_heads,
               int64_t dim, float eps, float scale, int round_bf16, float *h, const float *cos, const float *sin,
-              void *const *keys, void *const *values, const int64_t *capacity, const int64_t *low,
+              void *const *blocks, const int64_t *first, int64_t block, const int64_t *low,
               const int64_t *at, int cache_kind, int rope_pairs, int q8, int threads) {
     const int qkv_parts = layer[0].qkv[1].out ? 3 : 1, gate_up_parts = layer[0].gate_up[1].out ? 2 : 1;
     const int64_t inter = (layer[0].gate_up[0].out + layer[0].gate_up[1].out) / 2;
@@ -1516,8 +1532,8 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
             to_cache(new_keys + r * kv_size * size, cache_kind, row + q_size, kv_size);
             to_cache(new_values + r * kv_size * size, cache_kind, row + q_size + kv_size, kv_size);
         }
-        attend_t task = {rows, heads, kv_heads, dim, q, new_keys, new_values, keys + l * rows, values + l * rows,
-                         capacity, low, at, cache_kind, scale, att, &failed};
+        attend_t task = {rows, heads, kv_heads, dim, q, new_keys, new_values, blocks, first, low, at, block, l,
+                         cache_kind, scale, att, &failed};
         attend_rows(&task, threads);
         if (atomic_load(&failed))
             break;

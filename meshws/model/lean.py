@@ -4,7 +4,7 @@ A shard's layers come as `LayerWeights` (`lean_weights` builds them from a GGUF'
 packs a Hugging Face model's float weights), and `LeanSpec` says how they compute: Llama-style layers
 (Llama, Qwen2's q/k/v biases, Qwen3's per-head q/k norms; rotary on halves, or on pairs (2i, 2i+1) for
 a GGUF's Llama rows) or Gemma-3's (extra norms, GELU, sliding windows). A session's keys and values
-live in `LeanCache`: per-layer buffers grown in blocks and written in place. A Llama-style decode step,
+live in a `kv_blocks.LeanCache`: blocks of positions, shared between sessions where their prompts agree. A Llama-style decode step,
 for one session or a batch of them, is one call of meshws's kernel through every layer
 (`fused.FusedDecode`). Otherwise a decode step's attention is one kernel call per layer over every row's
 own cache (`native.Kernels.attend`; torch's sdpa row by row where the kernel cannot be built); prefill
@@ -25,7 +25,8 @@ from .cache_store import KVCacheMiss
 from .fused import FusedDecode
 from .native import AttendRows, Kernels
 from .native import threads as kernel_threads
-from .packed import LeanCache, Linear, linear, parts_linear
+from .kv_blocks import LeanCache
+from .packed import Linear, linear, parts_linear
 from .tensors import causal_mask, rotate_half
 
 # Rows a fused step takes (sessions, or a lap of drafts); the LM head a quarter. torch's AVX512-BF16 products beat
@@ -269,10 +270,8 @@ class LeanLayers:
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int = index,
                        mask: torch.Tensor | None = mask) -> torch.Tensor:
                 if cache is not None:
-                    cache.keys[index][:, :, past:total] = self._cached(k)
-                    cache.values[index][:, :, past:total] = self._cached(v)
-                    k = cache.keys[index][:, :, :total].to(q.dtype)
-                    v = cache.values[index][:, :, :total].to(q.dtype)
+                    cache.write(index, past, self._cached(k), self._cached(v))
+                    k, v = (t.to(q.dtype) for t in cache.read(index, total))
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                       scale=self.scaling, enable_gqa=self.heads != self.kv_heads)
 
@@ -316,13 +315,11 @@ class LeanLayers:
                                                index, threads).to(q.dtype)
                 outputs = []
                 for row, (cache, past) in enumerate(zip(caches, pasts)):
-                    cache.keys[index][:, :, past : past + 1] = self._cached(k[row : row + 1])
-                    cache.values[index][:, :, past : past + 1] = self._cached(v[row : row + 1])
+                    cache.write(index, past, self._cached(k[row : row + 1]), self._cached(v[row : row + 1]))
                     low = max(0, past + 1 - window) if window else 0
+                    keys, values = (t.to(q.dtype) for t in cache.read(index, past + 1, low))
                     outputs.append(F.scaled_dot_product_attention(  # (a group's query heads share a key head)
-                        q[row : row + 1], cache.keys[index][:, :, low : past + 1].to(q.dtype),
-                        cache.values[index][:, :, low : past + 1].to(q.dtype), scale=self.scaling,
-                        enable_gqa=self.heads != self.kv_heads))
+                        q[row : row + 1], keys, values, scale=self.scaling, enable_gqa=self.heads != self.kv_heads))
                 return torch.cat(outputs)
 
             cos, sin = rope[layer_type]
@@ -336,4 +333,4 @@ def _room(cache: LeanCache, past: int, total: int) -> None:
     """A step from `past` to `total` needs the cache to hold `past` positions, and room up to `total`."""
     if cache.length < past:
         raise KVCacheMiss(f"the cache holds {cache.length} positions, the step starts at {past}")
-    cache.reserve(total)
+    cache.reserve(total, past)

@@ -40,6 +40,7 @@ import torch
 
 from . import kernel_build
 from .block_types import BlockTensor, kernel_types, supported_names
+from .kv_blocks import KV_BLOCK, block_table
 
 log = logging.getLogger("meshws.shard")
 
@@ -97,7 +98,7 @@ class Kernels:
         self.decode = library.mw_decode  # called by `fused.FusedDecode`, which checks what it hands over
         self.decode.restype = ctypes.c_int
         self.decode.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_float] * 2 \
-            + [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4
+            + [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
         self._amx_linear = library.mw_amx_linear
         self._amx_linear.restype = ctypes.c_int
         self._amx_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -107,8 +108,8 @@ class Kernels:
         self.amx = os.environ.get("MESHWS_AMX", "1") != "0" and library.mw_amx() == 1
         self._attend = library.mw_attend
         self._attend.restype = ctypes.c_int
-        self._attend.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 8 + [ctypes.c_int, ctypes.c_float,
-                                                                              ctypes.c_void_p, ctypes.c_int]
+        self._attend.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 \
+            + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: "AttendRows", layer: int,
                threads: int) -> torch.Tensor:
@@ -120,14 +121,13 @@ class Kernels:
                 or not k.shape == v.shape == (rows, caches.kv_heads, 1, dim):
             raise ValueError(f"keys {tuple(k.shape)} {k.dtype} do not fit {len(caches.caches)} caches of "
                              f"{caches.kv_heads} heads of {caches.dim} {caches.dtype}")
-        pointers = caches.pointers(layer)
         query = q.detach().reshape(rows, heads, dim).float().contiguous()
         new_keys = k.detach().reshape(rows, caches.kv_heads, dim).contiguous()
         new_values = v.detach().reshape(rows, caches.kv_heads, dim).to(k.dtype).contiguous()
         out = torch.empty(rows, heads, dim)
         failed = self._attend(rows, heads, caches.kv_heads, dim, query.data_ptr(), new_keys.data_ptr(),
-                              new_values.data_ptr(), pointers.ctypes.data, pointers.ctypes.data + 8 * rows,
-                              caches.capacity.ctypes.data, caches.low_at.ctypes.data,
+                              new_values.data_ptr(), caches.blocks.ctypes.data, caches.first.ctypes.data, KV_BLOCK,
+                              layer, caches.low_at.ctypes.data,
                               caches.low_at.ctypes.data + 8 * rows, KINDS[caches.dtype], caches.scale,
                               out.data_ptr(), threads)
         if failed:
@@ -292,14 +292,14 @@ def kernels() -> Kernels | None:
 
 class AttendRows:
     """A decode step's rows for `Kernels.attend`, checked once for all layers: row r is at position
-    `at[r]` of its cache `caches[r]` (a `LeanCache`) and attends from `low[r]`. The caches must have
-    room for `at` (the kernel writes there) and hold keys of one dtype and shape."""
+    `at[r]` of its cache `caches[r]` (a `kv_blocks.LeanCache`) and attends from `low[r]`. The caches must
+    have room for `at`, in a block of their own (the kernel writes there), and hold keys of one dtype and shape."""
 
     def __init__(self, caches: Sequence[Any], low: Sequence[int], at: Sequence[int], scale: float) -> None:
         first = caches[0]
         self.caches, self.scale = caches, scale
         self.dtype, (self.kv_heads, self.dim) = first.dtype, first.shape
-        self.capacity = numpy.array([cache.capacity for cache in caches], dtype=numpy.int64)
+        capacity = numpy.array([cache.capacity for cache in caches], dtype=numpy.int64)
         self.low_at = numpy.array([list(low), list(at)], dtype=numpy.int64).reshape(2, len(caches))
         if len({(id(cache), int(row)) for cache, row in zip(caches, self.low_at[1])}) != len(caches):
             raise ValueError("a position of a session's cache appears twice in one step")  # (rows of one session
@@ -307,8 +307,11 @@ class AttendRows:
         if self.dtype not in (torch.float32, torch.bfloat16) or any(
                 cache.dtype != self.dtype or cache.shape != first.shape for cache in caches):
             raise ValueError("attention takes caches of one shape, in float32 or bfloat16")
-        if not ((0 <= self.low_at[0]) & (self.low_at[0] <= self.low_at[1]) & (self.low_at[1] < self.capacity)).all():
+        if not ((0 <= self.low_at[0]) & (self.low_at[0] <= self.low_at[1]) & (self.low_at[1] < capacity)).all():
             raise ValueError("each row attends within its cache: 0 <= low <= at < capacity")
+        if any(cache.blocks[int(row) // KV_BLOCK].holders != 1 for cache, row in zip(caches, self.low_at[1])):
+            raise ValueError("a step writes into a block another session holds too")
+        self.blocks, self.first = block_table(list(caches))
 
     @classmethod
     def per_type(cls, caches: Sequence[Any], pasts: Sequence[int], layer_types: Sequence[str], window: int | None,
@@ -319,8 +322,3 @@ class AttendRows:
             span = window if layer_type == "sliding_attention" else None
             found[layer_type] = cls(caches, [max(0, past + 1 - span) if span else 0 for past in pasts], pasts, scale)
         return found
-
-    def pointers(self, layer: int) -> numpy.ndarray:
-        """Every row's key buffer in `layer`, then every row's value buffer."""
-        return numpy.array([cache.keys[layer].data_ptr() for cache in self.caches]
-                           + [cache.values[layer].data_ptr() for cache in self.caches], dtype=numpy.uint64)

@@ -1,4 +1,4 @@
-"""The lean path's storage: linear weights (a GGUF's blocks, float tensors, or int8), and KV buffers.
+"""The lean path's linear weights: a GGUF's blocks, float tensors, or int8.
 
 A GGUF's linear is its `BlockTensor`, as the file stores it (`block_linear`), multiplied on meshws's
 kernels for any number of rows, with 8-bit activations (`products="q8"`) or exactly widened float32
@@ -8,9 +8,8 @@ weights multiplied by OpenBLAS are kept `[in, out]` with a numpy view (`blas`). 
 `quant="int8"` the weight is int8 with one scale per output channel: over the whole
 signed range for meshws's own kernel (`native`: activations stay float32), or, where it
 cannot be built, prepacked for FBGEMM's int8 GEMM (`quantized::linear_dynamic`), each row
-of activations then quantized to int8 on the fly with its own scale. `LeanCache` holds
-one session's keys and values for a shard's layers in buffers grown in blocks and
-written in place.
+of activations then quantized to int8 on the fly with its own scale. (A session's keys and
+values: `kv_blocks`.)
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import torch.nn.functional as F
 from .block_types import BlockTensor
 from .native import Kernels, threads
 
-CACHE_BLOCK = 128  # positions a session's key/value buffers grow by (at least)
 NATIVE_TOP = 127  # int8 weights for meshws's kernel use the whole signed range
 INT8_TOP = 63  # int8 weights in [-63, 63]: with 8-bit activations FBGEMM's AVX2 pair sums stay below 2**15
 ROTATION = 64  # the Hadamard block activations and weights are turned by (int8; widths it divides)
@@ -218,58 +216,3 @@ def int8_kernel_runs() -> bool:
         return bool(torch.allclose(linear(torch.ones(1, 64), packed), torch.full((1, 8), 64.0), rtol=0.05))
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
-
-
-class LeanCache:
-    """One session's keys and values for a shard's layers: buffers `[1, kv_heads, capacity, head_dim]` per layer.
-
-    Written in place at the step's position; grown (copied once) when a step needs more
-    room, by at least `CACHE_BLOCK` positions and by half again for long sessions.
-    `length` is the positions held; cutting back (`crop_to`) only moves it.
-    """
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        self.shape = (kv_heads, head_dim)
-        self.dtype = dtype
-        self.keys: list[torch.Tensor] = [self._empty(0) for _ in range(layers)]
-        self.values: list[torch.Tensor] = [self._empty(0) for _ in range(layers)]
-        self.length = 0
-
-    def _empty(self, capacity: int) -> torch.Tensor:
-        return torch.empty(1, self.shape[0], capacity, self.shape[1], dtype=self.dtype)
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
-
-    def reserve(self, positions: int) -> None:
-        """Room for `positions` positions in every layer (keeps what is held below `length`)."""
-        if positions <= self.capacity:
-            return
-        grown = max(positions, self.capacity + self.capacity // 2)
-        grown = -(-grown // CACHE_BLOCK) * CACHE_BLOCK
-        keep = min(self.length, self.capacity)
-        # Every new buffer first, then the swap: a failed allocation leaves all layers as they were (meshws's
-        # kernels read every layer's buffers at the capacity of the first).
-        keys, values = [self._empty(grown) for _ in self.keys], [self._empty(grown) for _ in self.values]
-        if keep:
-            for new, old in zip(keys + values, self.keys + self.values):
-                new[:, :, :keep].copy_(old[:, :, :keep])
-        self.keys, self.values = keys, values
-
-    def crop_to(self, length: int) -> None:
-        self.length = min(self.length, length)
-
-    def copy(self, length: int) -> "LeanCache":
-        """Another session's cache holding this one's first `length` positions (room for more reserved)."""
-        copied = LeanCache(len(self.keys), *self.shape, self.dtype)
-        copied.reserve(length + 1)
-        for mine, theirs in ((self.keys, copied.keys), (self.values, copied.values)):
-            for old, new in zip(mine, theirs):
-                new[:, :, :length].copy_(old[:, :, :length])
-        copied.length = length
-        return copied

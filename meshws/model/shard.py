@@ -24,6 +24,7 @@ from .compiled import compile_lean
 from .constraints import Grammars
 from .shard_facts import ShardFacts
 from .gguf_model import GgufModel
+from .kv_blocks import footprint
 from .memory import default_cache_budget, give_back, process_memory, tensor_bytes
 from .native import kernels
 from .sampling import DEFAULT as GREEDY, SamplingParams, prompt_token_logprobs, token_logprobs, verify_drafts
@@ -51,7 +52,8 @@ class ModelShard(ShardFacts):
             log.info("compute: %s (%s)", self.settings.dtype, self.dtype_reason)
         self.tokenizer = load_tokenizer(resolved) if parts.layout.is_head else None
         self.sessions = SessionCacheStore(max_sessions=self.settings.max_sessions, ttl_seconds=self.settings.cache_ttl,
-                                          max_bytes=None, measure=cache_length, emptied=give_back)
+                                          max_bytes=None, measure=cache_length, emptied=give_back,
+                                          footprint=footprint)
         self.compile_seconds: float | None = None
         self.lm_head_seconds = 0.0  # spent in the LM head so far (placement weighs a tail's apart: `speed`)
         self._use(parts)
@@ -72,7 +74,8 @@ class ModelShard(ShardFacts):
         self.parts = parts
         self.layout, self.lean, self.model = parts.layout, parts.lean, parts.model
         self.compute_dtype, self.hidden_size = parts.compute_dtype, parts.hidden_size
-        self.vocab_size, self.context_length = parts.vocab_size, parts.context_length
+        self.vocab_size = parts.vocab_size
+        self.context_length = min(parts.context_length, self.settings.ctx_size or parts.context_length)
         self.matmul, self.matmul_reason = parts.matmul
         self.weight_bytes = parts.gguf.mapped_bytes() if parts.gguf is not None else \
             tensor_bytes(self.held_tensors()) + (self.lean.kept_bytes if self.lean else 0)

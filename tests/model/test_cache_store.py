@@ -224,3 +224,36 @@ def test_a_private_session_alone_does_not_make_the_store_look_occupied():
         store.store("probe", cache=object(), seq_len=1, effective_start=0)
         assert store.drop("a") and calls == [1]  # the last user's session went: memory goes back
     assert calls == [1] and len(store) == 0
+
+
+def test_shared_blocks_count_once_in_the_totals_and_the_budget():
+    import torch
+
+    from meshws.model.kv_blocks import KV_BLOCK, LeanCache, footprint
+
+    def cache(blocks):
+        made = LeanCache(2, 1, 4, torch.float32)
+        made.reserve(blocks * KV_BLOCK)
+        made.length = blocks * KV_BLOCK
+        return made
+
+    block = 2 * 2 * KV_BLOCK * 4 * 4  # layers x (keys, values) x positions x dim x fp32
+    prefix = cache(4)
+    store = SessionCacheStore(max_sessions=8, ttl_seconds=100.0, max_bytes=7 * block, footprint=footprint)
+    store.store("prefix", prefix, prefix.length, 0, nbytes=prefix.nbytes)
+    forks = [prefix.copy(prefix.length) for _ in range(3)]
+    for index, fork in enumerate(forks):
+        fork.reserve(fork.length + 1)  # one block of its own each
+        store.store(f"s{index}", fork, fork.length, 0, nbytes=fork.nbytes)
+    assert store.total_bytes == 7 * block and len(store) == 4  # 4 shared + 3 own: within the budget, none evicted
+    assert sum(fork.nbytes for fork in forks) + prefix.nbytes == 19 * block  # (each cache counts all it reads)
+    late = prefix.copy(prefix.length)
+    late.reserve(late.length + 1)
+    store.store("late", late, late.length, 0, nbytes=late.nbytes)
+    # The prefix went first and freed nothing (its forks still read its blocks): then s0, whose own block it was.
+    assert "prefix" not in store and "s0" not in store and {"s1", "s2", "late"} <= set(store.session_ids())
+    assert store.total_bytes == 7 * block
+    assert [b.holders for b in prefix.blocks] == [3, 3, 3, 3]
+    for sid in ("s1", "s2", "late"):
+        store.drop(sid)
+    assert store.total_bytes == 0 and all(b.holders == 0 for b in prefix.blocks)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from meshws.model.native import kernels
-from meshws.model.packed import LeanCache
+from meshws.model.kv_blocks import LeanCache
 from meshws.model.sampling import SamplingParams
 from meshws.model.shard import ModelShard, ShardSettings
 
@@ -98,7 +98,8 @@ def test_a_rows_bits_do_not_depend_on_its_batch(request, model, settings):
         for index, copy in enumerate(copies):
             alone = lean.run_rows(rows[index : index + 1], positions[index : index + 1], [copy])
             assert torch.equal(alone, batched[index : index + 1])
-            assert torch.equal(copy.keys[5][:, :, : lengths[index] + 1], caches[index].keys[5][:, :, : lengths[index] + 1])
+            assert all(torch.equal(mine, theirs) for mine, theirs in zip(copy.read(5, lengths[index] + 1),
+                                                                          caches[index].read(5, lengths[index] + 1)))
     assert [cache.length for cache in caches] == [length + 1 for length in lengths]
 
 
@@ -144,7 +145,7 @@ def test_a_short_multi_token_step_runs_fused_as_rows_of_one_session(embedded_fol
         want = lean.run(lap, torch.arange(80, 85).unsqueeze(0), op_by_op)
     lean.fused = fused
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
-    assert torch.allclose(one_call.keys[11][:, :, :85], op_by_op.keys[11][:, :, :85], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(one_call.read(11, 85)[0], op_by_op.read(11, 85)[0], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(kernels() is None or not kernels().amx, reason="no AMX tiles on this CPU")

@@ -16,7 +16,7 @@ from helpers import run_chain
 from meshws.model import blas
 from meshws.model.backend import DecodeStep
 from meshws.model.native import kernels
-from meshws.model.packed import CACHE_BLOCK, LeanCache
+from meshws.model.kv_blocks import KV_BLOCK, LeanCache
 from meshws.model.shard import ModelShard, ShardSettings
 
 pytestmark = pytest.mark.real_model
@@ -72,29 +72,31 @@ def test_every_split_gives_the_transformers_tokens(embedded_folder, plain, cuts,
     assert all(shard.sessions.total_bytes == 0 for shard in shards)
 
 
-def test_kv_buffers_grow_in_blocks_are_counted_and_released(embedded_model):
+def test_kv_blocks_grow_one_at_a_time_are_counted_and_released(embedded_model):
     shard = ModelShard(embedded_model, 0, 30, LEAN)
     per_position = 30 * 2 * 3 * 64 * 4  # layers x (keys, values) x kv heads x head dim x fp32
     shard.encode_prompt(list(range(1, 11)), session_id="s")
     entry = shard.sessions.lookup("s")
     assert isinstance(entry.cache, LeanCache) and entry.seq_len == 10
-    assert shard.sessions.total_bytes == CACHE_BLOCK * per_position
+    assert shard.sessions.total_bytes == KV_BLOCK * per_position
     token = 5
-    for _ in range(CACHE_BLOCK - 10 + 1):  # one position past the first block
+    for _ in range(2 * KV_BLOCK - 10 + 1):  # one position past the second block
         token = shard.encode_next_token(token, "s").token_id
-    assert entry.seq_len == CACHE_BLOCK + 1
-    assert shard.sessions.total_bytes == entry.cache.nbytes > CACHE_BLOCK * per_position
+    assert entry.seq_len == 2 * KV_BLOCK + 1
+    assert shard.sessions.total_bytes == entry.cache.nbytes == 3 * KV_BLOCK * per_position  # no room held beyond
     assert shard.release_session("s") and shard.sessions.total_bytes == 0
 
 
-def test_growing_keeps_what_the_buffers_hold():
+def test_growing_keeps_what_the_blocks_hold():
     cache = LeanCache(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32)
     cache.reserve(3)
-    cache.keys[1][:, :, :3] = torch.arange(12.0).view(1, 1, 3, 4)
+    cache.write(1, 0, torch.arange(12.0).view(1, 1, 3, 4), -torch.arange(12.0).view(1, 1, 3, 4))
     cache.length = 3
-    cache.reserve(CACHE_BLOCK + 1)
-    assert cache.capacity == 2 * CACHE_BLOCK
-    assert torch.equal(cache.keys[1][:, :, :3], torch.arange(12.0).view(1, 1, 3, 4))
+    first = cache.blocks[0]
+    cache.reserve(KV_BLOCK + 1)
+    assert cache.capacity == 2 * KV_BLOCK and cache.blocks[0] is first  # nothing copied
+    assert torch.equal(cache.read(1, 3)[0], torch.arange(12.0).view(1, 1, 3, 4))
+    assert torch.equal(cache.read(1, 3)[1], -torch.arange(12.0).view(1, 1, 3, 4))
     cache.crop_to(2)
     assert cache.length == 2
 
@@ -102,21 +104,41 @@ def test_growing_keeps_what_the_buffers_hold():
 def test_a_cache_that_cannot_grow_is_left_as_it_was(monkeypatch):
     cache = LeanCache(layers=3, kv_heads=1, head_dim=4, dtype=torch.float32)
     cache.reserve(3)
-    cache.keys[2][:, :, :3] = 1.0
+    cache.write(2, 0, torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4))
     cache.length = 3
+    shared = cache.copy(3)
     made = []
+    real = cache._new_block
 
-    def empty(capacity):
-        if len(made) == 4:  # the fifth of six new buffers: no memory
+    def new_block():
+        if len(made) == 2:  # the third new block: no memory
             raise RuntimeError("out of memory")
-        made.append(capacity)
-        return torch.empty(1, 1, capacity, 4)
+        made.append(1)
+        return real()
 
-    monkeypatch.setattr(cache, "_empty", empty)
+    monkeypatch.setattr(cache, "_new_block", new_block)
     with pytest.raises(RuntimeError):
-        cache.reserve(CACHE_BLOCK + 1)
-    assert {t.shape[2] for t in cache.keys + cache.values} == {cache.capacity} == {CACHE_BLOCK}
-    assert torch.equal(cache.keys[2][:, :, :3], torch.ones(1, 1, 3, 4))
+        cache.reserve(2 * KV_BLOCK + 1)  # a copy of the shared block and two more
+    assert cache.blocks == shared.blocks and cache.blocks[0].holders == 2
+    assert torch.equal(cache.read(2, 3)[0], torch.ones(1, 1, 3, 4))
+
+
+def test_a_fork_shares_blocks_until_one_writes_and_release_leaves_no_holders(embedded_model):
+    shard = ModelShard(embedded_model, 0, 30, LEAN)
+    prompt = list(range(1, 2 * KV_BLOCK + 20))
+    shard.encode_prompt(prompt, session_id="a")
+    whole = shard.sessions.total_bytes
+    assert shard.fork_session("a", "b", 2 * KV_BLOCK + 5)
+    assert shard.sessions.total_bytes == whole, "a fork holds no bytes of its own until it writes"
+    a, b = (shard.sessions.lookup(sid).cache for sid in "ab")
+    assert a.blocks == b.blocks and b.shared_positions == 2 * KV_BLOCK + 5
+    block = whole // 3
+    shard.encode_next_token(7, "b")  # position 2 KV_BLOCK + 5: the third block becomes b's own
+    assert b.blocks[:2] == a.blocks[:2] and b.blocks[2] is not a.blocks[2]
+    assert shard.sessions.total_bytes == whole + block
+    assert shard.release_session("a") and shard.sessions.total_bytes == 3 * block
+    assert [blk.holders for blk in b.blocks] == [1, 1, 1]
+    assert shard.release_session("b") and shard.sessions.total_bytes == 0
 
 
 @pytest.mark.parametrize("quant", [None, "int8", "int8-fbgemm"])

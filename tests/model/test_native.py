@@ -11,7 +11,8 @@ import torch
 
 from meshws.model import native
 from meshws.model.native import AttendRows
-from meshws.model.packed import NATIVE_TOP, LeanCache, linear, pack_linear
+from meshws.model.kv_blocks import KV_BLOCK, LeanCache
+from meshws.model.packed import NATIVE_TOP, linear, pack_linear
 
 KERNELS = native.kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler here")
@@ -192,9 +193,8 @@ def _caches(lengths, dtype, kv_heads=3, dim=64, seed=0):
     for length in lengths:
         cache = LeanCache(2, kv_heads, dim, dtype)
         cache.reserve(length + 1)
-        for buffers in (cache.keys, cache.values):
-            for buffer in buffers:
-                buffer.copy_(torch.randn(buffer.shape, generator=generator).to(dtype))
+        for block in cache.blocks:
+            block.data.copy_(torch.randn(block.data.shape, generator=generator).to(dtype))
         cache.length = length
         found.append(cache)
     return found
@@ -213,9 +213,10 @@ def test_decode_attention_over_caches_of_different_lengths_equals_sdpa_row_by_ro
     out = KERNELS.attend(q, k, v, AttendRows(caches, low, lengths, 0.125), 1, 2)
     assert out.shape == q.shape and out.dtype == dtype
     for row, (cache, start, at) in enumerate(zip(caches, low, lengths)):
-        assert torch.equal(cache.keys[1][0, :, at], k[row, :, 0]) and torch.equal(cache.values[1][0, :, at], v[row, :, 0])
-        assert not torch.equal(cache.keys[0][0, :, at], k[row, :, 0]), "only the layer asked for is written"
-        keys, values = (buffer[1][:, :, start : at + 1].float() for buffer in (cache.keys, cache.values))
+        written = cache.read(1, at + 1, at)
+        assert torch.equal(written[0][0, :, 0], k[row, :, 0]) and torch.equal(written[1][0, :, 0], v[row, :, 0])
+        assert not torch.equal(cache.read(0, at + 1, at)[0][0, :, 0], k[row, :, 0]), "only the layer asked is written"
+        keys, values = (buffer.float() for buffer in cache.read(1, at + 1, start))
         want = torch.nn.functional.scaled_dot_product_attention(q[row : row + 1].float(), keys, values, scale=0.125,
                                                                  enable_gqa=True)
         assert torch.allclose(out[row : row + 1].float(), want, atol=1e-5 if dtype == torch.float32 else 1e-2)
@@ -402,3 +403,33 @@ def test_the_vector_exp_and_bf16_rounding_agree_with_libm_and_across_instruction
             assert (got & 0x7FFFFFFF) > 0x7F800000
         else:
             assert _ulps(got, reference) <= 0x10000, (hex(got), hex(reference))  # one bf16 ulp
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_on_shared_blocks_equals_its_own_copy_bit_for_bit(dtype):
+    """Two sessions on one prefix's blocks attend as a session holding its own copy, and neither writes the other's."""
+    prefix, = _caches([2 * KV_BLOCK + 10], dtype)
+    mine, theirs = prefix.copy(2 * KV_BLOCK + 10), prefix.copy(KV_BLOCK + 3)  # the second cuts into a shared block
+    alone = LeanCache(2, 3, 64, dtype)
+    alone.reserve(prefix.length + 1)
+    for block, source in zip(alone.blocks, prefix.blocks):
+        block.data.copy_(source.data)
+    alone.length = prefix.length
+    for cache in (mine, theirs):
+        cache.reserve(cache.length + 1)
+    assert mine.blocks[:2] == prefix.blocks[:2] and mine.blocks[2] is not prefix.blocks[2]  # copied: written there
+    assert theirs.blocks[0] is prefix.blocks[0] and theirs.blocks[1] is not prefix.blocks[1]
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 9, 1, 64, generator=generator).to(dtype)
+    k, v = (torch.randn(2, 3, 1, 64, generator=generator).to(dtype) for _ in range(2))
+    before = [block.data.clone() for block in prefix.blocks]
+    out = KERNELS.attend(q, k, v, AttendRows([mine, theirs], [0, 0], [mine.length, theirs.length], 0.125), 1, 2)
+    want = KERNELS.attend(q[:1], k[:1], v[:1], AttendRows([alone], [0], [alone.length], 0.125), 1, 1)
+    assert torch.equal(out[:1], want)
+    assert all(torch.equal(block.data, old) for block, old in zip(prefix.blocks, before)), "the prefix is unchanged"
+    with pytest.raises(ValueError, match="another session holds"):
+        AttendRows([prefix.copy(KV_BLOCK)], [0], [5], 0.125)
+    for cache in (mine, theirs):
+        cache.release()
+    assert [block.holders for block in prefix.blocks] == [2, 1, 1]  # (the third block: a copy held the other)
