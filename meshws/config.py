@@ -28,6 +28,7 @@ class NodeSettings:
     registry_ttl: float = 6.0  # seconds the head keeps a joined node it has not heard from
     max_sessions: int = 64  # KV caches held at once on this node (LRU beyond)
     cache_ttl: float = 600.0  # seconds an idle session's cache is kept
+    ctx_size: int | None = None  # the most tokens one session may hold (prompt and answer); None: the model's context
     max_cache_bytes: int | None = None  # byte budget for this node's KV caches; None: half the memory free at start
     memory: int | None = None  # bytes of weights and KV caches this node may hold (placement); None: free memory less
     replan_seconds: float = 10.0  # on a head: how long a node's speed must stay a quarter off before a re-plan
@@ -68,6 +69,7 @@ class NodeSettings:
     # -- warm sessions (issue 17) --
     warm_sessions: int = 0  # finished HTTP generations kept open for a request sharing their prefix (0: none)
     warm_ttl: float = 300.0  # seconds a warm session may wait for such a request
+    shared_prefixes: int = 16  # on a head: prompt prefixes kept on every shard of their route (0: none)
     # -- speculative decoding (issue 16) --
     draft: str = "ngram"  # how the head guesses next tokens: ngram (prompt lookup) or none
     draft_tokens: int = 4  # the most guesses one decode lap carries
@@ -91,9 +93,9 @@ _HELP = {
     "registry_ttl": "on a head: seconds a joined node stays registered without a heartbeat",
     "max_sessions": "KV-cached sessions held at once; the least recently used is dropped beyond",
     "cache_ttl": "seconds an idle session's KV cache is kept",
+    "ctx_size": "the most tokens a session may hold, prompt and answer (default: the model's context length)",
     "memory": "the weights and KV caches this node may hold, e.g. 300M or 4G: placement gives it no span that does "
-              "not fit, and its KV caches get what its weights leave (default: the memory free at start, less a "
-              "tenth)",
+              "not fit, its KV caches get what its weights leave (default: the memory free at start, less a tenth)",
     "replan_seconds": "on a head: seconds a node's measured speed must stay more than a quarter off the plan's before "
                       "the head re-plans and moves layers (0: only when nodes join or leave)",
     "max_cache_bytes": "byte budget for all KV caches on this node, e.g. 2G; least recently used dropped beyond "
@@ -104,8 +106,7 @@ _HELP = {
     "compute": "what runs the decoder layers: lean (the GGUF's blocks, in-place KV buffers: Llama, Qwen2, Qwen3, "
                "Gemma-3), transformers (its modules, a GGUF's weights dequantized in memory), or auto (lean where it "
                "runs)",
-    "compile": "run the lean path through torch.compile (compiled at start, cached on disk for restarts); "
-               "off by default: on CPU it saves little (docs/performance.md)",
+    "compile": "run the lean path through torch.compile (cached on disk for restarts; on CPU it saves little)",
     "quant": "int8: a model folder's float linear weights as int8 with a scale per output channel, run by "
              "meshws's kernel (FBGEMM without a C compiler); a GGUF's blocks are its weights already",
     "matmul": "what multiplies float32 weights on the lean path: torch (MKL on x86), openblas (numpy's), or auto: "
@@ -150,6 +151,8 @@ _HELP = {
     "sse_ping": "on a head: seconds an SSE stream may stay silent (waiting in the queue, a long prefill) before "
     "a ': ping' comment line keeps proxies from cutting it",
     "warm_ttl": "on a head: seconds a warm session (--warm-sessions) waits for a request before it is closed",
+    "shared_prefixes": "on a head: prompt prefixes kept on every shard for any request that begins with the same "
+                       "tokens (cache_salt apart), least recently used out first (0: none)",
     "draft": "on a head: speculative decoding's guesses of the next tokens: ngram (prompt lookup: what followed "
              "the last few tokens earlier in the prompt or answer; no second model) or none (one token per lap)",
     "draft_tokens": "on a head: the most guesses one decode lap carries (adapted per answer to what the tail keeps)",
@@ -220,7 +223,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 _TYPES = {
     "role": str, "model": str, "layers": parse_layers_or_auto, "host": str, "port": int, "peer": _peer,
-    "join": _heads, "advertise": _peer, "registry_ttl": float, "max_sessions": int, "cache_ttl": float,
+    "join": _heads, "advertise": _peer, "registry_ttl": float, "max_sessions": int, "cache_ttl": float, "ctx_size": int,
     "max_cache_bytes": parse_size, "memory": parse_size, "replan_seconds": float, "dtype": str, "compute": str,
     "quant": str, "compile": _flag, "matmul": str, "wire_dtype": str, "threads": int, "max_frame_bytes": parse_size,
     "compress_min_bytes": parse_size, "step_timeout": float, "api_key": str, "api_key_file": str, "secret": str,
@@ -228,7 +231,7 @@ _TYPES = {
     "cors_origins": _names, "allowed_hosts": _names, "max_generations": int, "cache_dir": str, "log_level": str,
     "max_queue": int, "queue_timeout": float, "write_timeout": float, "sse_ping": float, "drain_timeout": float,
     "max_link_sessions": int, "max_link_frames": int, "prefill_chunk": int, "warm_sessions": int, "warm_ttl": float,
-    "draft": str, "draft_tokens": int, "served_model_name": _names,
+    "shared_prefixes": int, "draft": str, "draft_tokens": int, "served_model_name": _names,
 }
 
 _CHOICES = {
@@ -322,8 +325,6 @@ def check_settings(settings: NodeSettings) -> str | None:
         return "--layers auto is for a head, or a middle, tail or auto node that --join's a head"
     if settings.memory is not None and settings.memory < 2**20:
         return "--memory must be at least 1M"
-    if settings.replan_seconds < 0:
-        return "--replan-seconds must be 0 or more"
     if settings.role == "head" and isinstance(settings.layers, tuple) and settings.layers[0] != 0:
         return "a head node starts at layer 0"
     if settings.role in ("middle", "tail") and isinstance(settings.layers, tuple) and settings.layers[0] == 0:
@@ -349,9 +350,10 @@ def check_settings(settings: NodeSettings) -> str | None:
                 return f"--trusted-nodes {settings.trusted_nodes} names no fingerprint: no node could join"
         except (OSError, UnicodeDecodeError, ValueError) as exc:
             return f"--trusted-nodes: {exc}"
-    for name in ("max_link_sessions", "max_link_frames", "prefill_chunk", "sse_ping"):
-        if getattr(settings, name) < 1:
-            return f"--{name.replace('_', '-')} must be at least 1"
+    for name, least in (("max_link_sessions", 1), ("max_link_frames", 1), ("prefill_chunk", 1), ("sse_ping", 1),
+                        ("shared_prefixes", 0), ("ctx_size", 2), ("replan_seconds", 0)):
+        if getattr(settings, name) is not None and getattr(settings, name) < least:
+            return f"--{name.replace('_', '-')} must be at least {least}"
     if not 0 <= settings.draft_tokens <= 16:
         return "--draft-tokens must be between 0 and 16"
     if settings.warm_sessions < 0 or settings.warm_ttl <= 0:

@@ -70,8 +70,9 @@ class NodeReports:
                         longest_wait_s=round(queue.longest_wait, 2), max_generations=queue.slots,
                         max_queue=queue.max_queue, draining=queue.draining,
                         # sessions kept open between answers, apart from generating ones
-                        kept_sessions={"conversations": self.head.conversations - len(self.head.warm),
-                                       "warm": len(self.head.warm), "warm_limit": self.head.warm.size})
+                        kept_sessions={"conversations": self.head.conversations - len(self.head.warm)
+                                       - len(self.head.prefixes), "warm": len(self.head.warm),
+                                       "warm_limit": self.head.warm.size, "prefixes": self.head.prefixes.describe()})
             info["recent_laps"] = self.recent_laps.view()  # each link's share of a lap, each shard's load
         if self.registry is not None:
             info["nodes"] = [record.describe() for record in self.registry.nodes()]
@@ -126,6 +127,8 @@ class NodeReports:
         self.metrics.admission_refused.labels(reason).inc()
 
     def _generation_finished(self, stats: GenerationStats, outcome: str) -> None:
+        if stats.internal:
+            return
         metrics = self.metrics
         metrics.generations.labels(outcome).inc()
         metrics.generated_tokens.inc(stats.completion_tokens)

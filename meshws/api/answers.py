@@ -49,7 +49,8 @@ def run_spec(head: HeadService, spec: CompletionSpec, stats: GenerationStats, ad
     request = GenerationRequest(prompt=spec.prompt, max_tokens=spec.max_tokens, sampling=spec.sampling,
                                 prompt_ids=spec.prompt_ids, ignore_eos=spec.ignore_eos)
     return head.stream(request, spec.stop, stats, admission, token_ids, conversation,
-                       owner=spec.owner if spec.cache_prompt else None)
+                       owner=spec.owner if spec.cache_prompt else None,
+                       prefix_key=spec.cache_salt if spec.cache_prompt else None)
 
 
 def finish_reason(stats: GenerationStats) -> str:

@@ -29,7 +29,8 @@ EXTENSIONS = {
     "repetition_penalty": "divide the logits of tokens seen so far (1: off)",
     "return_token_ids": "the answer carries its token ids (and the prompt's)",
     "ignore_eos": "go on past the end of the answer until max_tokens (benchmarks)",
-    "cache_prompt": "false keeps the request out of the warm pool",
+    "cache_prompt": "false keeps the request out of the warm pool and of shared prompt prefixes",
+    "cache_salt": "shared prompt prefixes serve only requests with the same salt (vLLM's field)",
 }
 # ... and OpenAI fields meshws does not implement: accepted only with the value that asks for nothing.
 NO_OP = {

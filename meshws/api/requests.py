@@ -44,6 +44,7 @@ class CompletionSpec:
     ignore_eos: bool = False
     cache_prompt: bool = True  # llama-server's field: false keeps the request out of the warm pool
     owner: str = ""  # who may adopt this request's warm session later: the same client address and `user`
+    cache_salt: str = ""  # vLLM's field: shared prompt prefixes serve requests of the same salt only
     model: str = ""  # the name the request called the model by (answers echo it)
     tools: ToolSpec | None = None  # chat: the functions the model may call (the answer's calls are read back)
     echo: bool = False  # a completion's text starts with its prompt
@@ -156,10 +157,11 @@ def check_common(body: dict[str, Any], chat: bool) -> None:
     if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
         raise ApiError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls",
                        code="invalid_type")
-    user = body.get("user")
-    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
-        raise ApiError(400, f"'user' must be a string of at most {MAX_USER_CHARS} characters", param="user",
-                       code="invalid_value")
+    for name in ("user", "cache_salt"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, str) or len(value) > MAX_USER_CHARS):
+            raise ApiError(400, f"'{name}' must be a string of at most {MAX_USER_CHARS} characters", param=name,
+                           code="invalid_value")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)):
         raise ApiError(400, "'stream_options' must be an object with a boolean include_usage",
@@ -306,6 +308,7 @@ async def complete_spec(draft: RequestDraft, head: HeadService) -> CompletionSpe
         ignore_eos=bool(body.get("ignore_eos")),
         cache_prompt=body.get("cache_prompt") is not False and not draft.sampling.prompt_logprobs,  # all prefilled
         echo=bool(body.get("echo")),
+        cache_salt=body.get("cache_salt") or "",
         tools=draft.tools,
         n=_integer(body, "n", 1, 1, high=MAX_CHOICES) or 1,
         model=body["model"],

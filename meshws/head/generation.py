@@ -94,8 +94,11 @@ class Generator:
         sid = stats.sid
         self.active[sid] = stats
         warm = conversation is not None and conversation.warm
-        parent = self.paths.get(fork.sid) if fork is not None else None
-        if parent is not None and parent.route is not None:  # the first choice's route: its caches are there
+        kept = self.kept.get(fork.sid) if fork is not None else None  # (a shared prompt prefix)
+        parent = self.paths.get(fork.sid, kept.path if kept else None) if fork is not None else None
+        if parent is not None and parent.route is not None:  # the parent's route: its caches are there
+            if route is not None:
+                route.release()
             route = self.planner.hold(replace(parent.route, on_done=None))
         path = conversation.path if warm else RoutedPath(self.planner, sid, route, self.step_timeout,
                                                          self.compress_min_bytes, self.secret)

@@ -19,6 +19,7 @@ from ..mesh.compute import ComputeWorker
 from ..model.backend import ShardBackend
 from .admission import AdmissionQueue, Refused, Slot
 from .conversation import Conversation, WarmPool
+from .prefixes import PrefixPool, hold_prefix
 from .generation import GenerationRequest, GenerationStats, Generator
 from .grammars import GrammarCompiler
 from .planner import RoutePlanner
@@ -68,7 +69,7 @@ class ChoiceOf:
 class HeadService:
     def __init__(self, backend: ShardBackend, worker: ComputeWorker, generator: Generator, planner: RoutePlanner,
                  queue: AdmissionQueue, warm_sessions: int = 0, warm_ttl: float = 300.0,
-                 aliases: Sequence[str] = ()) -> None:
+                 aliases: Sequence[str] = (), shared_prefixes: int = 0) -> None:
         self._backend = backend
         self._worker = worker
         self._generator = generator
@@ -82,6 +83,8 @@ class HeadService:
         self.prompts = PromptBuilder(backend.tokenizer)
         self.grammars = GrammarCompiler()  # structured output's grammars: off the loop, bounded (`grammars`)
         self.warm = WarmPool(warm_sessions, warm_ttl, generator.end)
+        self.prefixes = PrefixPool(shared_prefixes, lambda tokens, fork: hold_prefix(generator, tokens, fork),
+                                   generator.end)
 
     @property
     def generations(self) -> int:
@@ -135,7 +138,8 @@ class HeadService:
 
     def stream(self, request: GenerationRequest, stop: Sequence[str], stats: GenerationStats, admission: Admission,
                token_ids: list[int] | None = None, conversation: Conversation | None = None,
-               owner: str | None = None, choice: ChoiceOf | None = None) -> AsyncIterator[str]:
+               owner: str | None = None, choice: ChoiceOf | None = None,
+               prefix_key: str | None = None) -> AsyncIterator[str]:
         """The answer's text as it is decided; stats fill in as it runs. Close it (aclosing) to stop early.
 
         With a `conversation` (a /ws/chat socket's), the answer goes on in its session.
@@ -143,27 +147,36 @@ class HeadService:
         longest prefix with its prompt among those of the same `owner` (if any), and leaves
         its own session in the pool. No `owner` (`cache_prompt: false`): no pool. Sessions
         never cross owners: a shared prefix's cached length would tell one client what
-        another one sent.
+        another one sent. A new session (not a warm one) starts from the shared prompt prefix
+        of its `prefix_key` (`prefixes`), if it has one; None: none.
         """
         if choice is not None:  # one of an `n` > 1 request's choices: the admission is the request's, held to its end
             route = admission.route if choice.fork is None else None
             return stream_completion(self._generator, request, self.decode, stop, stats, token_ids, route, None,
                                      None, choice.fork, choice.prefilled)
-        if conversation is not None or not self.warm.size or owner is None:
-            return stream_completion(self._generator, request, self.decode, stop, stats, token_ids,
-                                     admission.route, admission.slot, conversation)
-        return self._pooled(request, stop, stats, admission, token_ids, owner)
+        pooled = conversation is None and bool(self.warm.size) and owner is not None
+        return self._streamed(request, stop, stats, admission, token_ids, conversation, owner if pooled else None,
+                              prefix_key)
 
-    async def _pooled(self, request: GenerationRequest, stop: Sequence[str], stats: GenerationStats,
-                      admission: Admission, token_ids: list[int] | None, owner: str) -> AsyncIterator[str]:
-        conversation = self.warm.adopt(request.prompt_ids or [], owner) or Conversation(owner=owner)
+    async def _streamed(self, request: GenerationRequest, stop: Sequence[str], stats: GenerationStats,
+                        admission: Admission, token_ids: list[int] | None, conversation: Conversation | None,
+                        owner: str | None, prefix_key: str | None) -> AsyncIterator[str]:
+        if owner is not None:  # the warm pool's
+            conversation = self.warm.adopt(request.prompt_ids or [], owner) or Conversation(owner=owner)
+        fork, computed = None, 0
         try:
+            if prefix_key is not None and request.prompt_ids and (conversation is None or not conversation.warm):
+                fork, computed = await self.prefixes.fork_for(request.prompt_ids, prefix_key) or (None, 0)
             async with aclosing(stream_completion(self._generator, request, self.decode, stop, stats, token_ids,
-                                                  admission.route, admission.slot, conversation)) as deltas:
+                                                  admission.route, admission.slot, conversation, fork)) as deltas:
                 async for delta in deltas:
                     yield delta
         finally:
-            await run_uncancelled(self.warm.put(conversation))
+            if fork is not None and stats.cache_misses and stats.cached_tokens < fork.length:  # a shard lost it
+                await run_uncancelled(self.prefixes.spoiled(fork))
+            stats.cached_tokens = max(0, stats.cached_tokens - computed)  # (this request's own build: not cached)
+            if owner is not None:
+                await run_uncancelled(self.warm.put(conversation))
 
     async def warm_ctx(self, app: object) -> AsyncIterator[None]:
         """An aiohttp cleanup context: the warm pool's TTL is kept while the node runs; its sessions end at stop."""
@@ -181,6 +194,7 @@ class HeadService:
         with suppress(asyncio.CancelledError):
             await task
         await self.warm.clear()
+        await self.prefixes.clear()
 
     async def end_conversation(self, conversation: Conversation) -> None:
         """Close a conversation's session on every hop (a /ws/chat reset or close)."""
@@ -217,7 +231,8 @@ def build_head(backend: ShardBackend, worker: ComputeWorker, planner: RoutePlann
     generator = Generator(backend, worker, planner=planner, step_timeout=settings.step_timeout,
                           compress_min_bytes=settings.compress_min_bytes, on_finish=on_finish,
                           secret=settings.secret, draft_tokens=settings.draft_tokens if settings.draft == "ngram" else 0,
-                          max_kept=settings.max_generations + settings.warm_sessions + KEPT_CONVERSATIONS)
+                          max_kept=settings.max_generations + settings.warm_sessions + settings.shared_prefixes
+                          + KEPT_CONVERSATIONS)
     queue = AdmissionQueue(settings.max_generations, settings.max_queue, settings.queue_timeout)
     return HeadService(backend, worker, generator, planner, queue, settings.warm_sessions, settings.warm_ttl,
-                       settings.served_model_name)
+                       settings.served_model_name, settings.shared_prefixes)

@@ -58,6 +58,7 @@ class GenerationStats:
     finished_at: float | None = None
     prefills: int = 0
     cache_misses: int = 0
+    internal: bool = False  # the head's own (a shared prefix built): no request's, not in the metrics
     failovers: int = 0
     moves: int = 0  # times it parked while the head moved layers (`rebalance`), then went on, prefilled again
     cached_tokens: int = 0  # prompt tokens a conversation's caches already held

@@ -45,9 +45,11 @@ from .bench_compute import (gguf_of, measure_bandwidth, measure_decode_step, mea
                             measure_llama_cpp)
 from .bench_gguf import measure_gguf, print_gguf
 from .bench_plot import write_gguf_plot, write_plot
+from .bench_kv import add_kv_arguments, run_kv_suite
 from .bench_laps import measure_laps
 from .bench_llama import measure_llama_cpp_sessions
 from .bench_nodes import measure_processes
+from .bench_placement import add_placement_arguments
 from .bench_turns import measure_conversation
 from .local_mesh import tail_start
 from .memory_bench import measure_memory, print_memory, report_path, write_report
@@ -226,8 +228,7 @@ def print_table(report: dict[str, Any]) -> None:
                 f"{key[:-11].replace('_', ' ')} {value:.2f}x" for key, value in spec.items() if key.endswith("time_ratio"))
                 + f"; tokens per lap (delayed, repeat) {spec['delayed_repeat_ngram']['tokens_per_lap']}")
         wire = result["wire"]
-        print(f"frames: decode {wire.get('decode_frame_bytes')} B, prefill {wire.get('prefill_frame_bytes')} B "
-              f"({wire['prefill_tokens']} tokens)")
+        print(f"frames: decode {wire.get('decode_frame_bytes')} B, prefill {wire.get('prefill_frame_bytes')} B")
         for context, entry in result["stateless"].items():
             print(f"context {context:>5}: cached step {entry['cached_step_s'] * 1000:.1f} ms, stateless "
                   f"{entry['stateless_step_s'] * 1000:.1f} ms ({entry['stateless_over_cached']}x)")
@@ -241,14 +242,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded", help="the embedded model, or a GGUF file (its own section "
                         "only, unless --suite all)")
-    parser.add_argument("--suite", choices=("auto", "all", "gguf", "placement"), default="auto",
-                        help="gguf: the GGUF section only; all: every section; auto: all on the embedded model, the "
-                        "GGUF section on another file; placement: the automatic plan against hand-placed chains on "
-                        "simulated machines, and its live moves (`bench_placement`; needs root and cgroup v1)")
-    parser.add_argument("--node-memory", default="300M", help="placement: each simulated machine's --memory")
-    parser.add_argument("--slow-share", type=float, default=0.15, help="placement: the slow machine's share of a core")
-    parser.add_argument("--chains", type=int, default=4, help="placement: hand-placed chains measured")
-    parser.add_argument("--long-tokens", type=int, default=1000, help="placement: the answer the machines swap under")
+    parser.add_argument("--suite", choices=("auto", "all", "gguf", "placement", "kv"), default="auto",
+                        help="gguf: the GGUF section; all: every section; auto: all on the embedded model, gguf on "
+                        "another file; placement: `bench_placement` (root, cgroup v1); kv: `bench_kv`")
+    add_placement_arguments(parser)
+    add_kv_arguments(parser)
     parser.add_argument("--dtype", nargs="+", default=["auto", "float32"], choices=("auto", "bfloat16", "float32"),
                         help="auto: a GGUF's blocks with 8-bit activations (the nodes' default); float32: exact")
     parser.add_argument("--sessions", nargs="+", type=int, default=[1, 4, 16, 32])
@@ -280,7 +278,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     gguf = gguf_of(args.model)
     suite = args.suite if args.suite != "auto" else ("all" if args.model in ("embedded", "") or gguf is None else "gguf")
     gguf_section = None
-    if gguf is not None and suite != "placement":
+    if suite == "kv":
+        return run_kv_suite(args, gguf, out)
+    if gguf is not None and suite not in ("placement", "kv"):
         gguf_section = measure_gguf(gguf, 16 if args.short else 64, parts=args.parts)
         print_gguf(gguf_section)
         if suite == "gguf":

@@ -19,6 +19,7 @@ Each node's log is kept beside the report (`logs/`).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import json
@@ -35,6 +36,13 @@ from .machines import Machine, wait_for_plan
 from .streams import stream_once
 
 LEAVE_TOKENS = 300
+
+
+def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--node-memory", default="300M", help="placement: each simulated machine's --memory")
+    parser.add_argument("--slow-share", type=float, default=0.15, help="placement: the slow machine's share of a core")
+    parser.add_argument("--chains", type=int, default=4, help="placement: hand-placed chains measured")
+    parser.add_argument("--long-tokens", type=int, default=1000, help="placement: the answer the machines swap under")
 
 
 def run_placement(model: str, prompt_ids: list[int], model_id: str, memory: str, slow: float, tokens: int,

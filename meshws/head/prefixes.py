@@ -1,0 +1,194 @@
+"""Prompt prefixes shared by every request that begins with them, computed once and kept on every shard.
+
+A `SharedPrefix` is a session of its own, kept open by the head like a conversation: its caches
+hold a prompt's whole blocks of tokens (`kv_blocks.KV_BLOCK`). A new session starts as a fork of
+the kept prefix whose tokens agree with its prompt's for longest (compared token by token, never
+by a hash), at that many tokens: every shard of the prefix's route starts the new cache on the
+prefix's blocks (shared, counted once, copied only from where the two differ) and only the rest
+of the prompt is prefilled; `cached_tokens` says how much was not. A prompt whose whole blocks go
+a block or more beyond what any prefix shares with it has them built first as a prefix of its
+own (from that one), which it then forks as any later request does.
+
+Prefixes serve requests of the same `key` only (the request's `cache_salt`; "" for all others):
+whether a prefix was kept, and so `cached_tokens` and the time to the first token, tells a client
+what another sent first. Bounded (`size`, least recently used out first) and timed (`ttl`); the
+shards' byte budgets may drop one sooner, and a request forking a prefix gone from a shard gets a
+cache miss there and prefills in full, which ends the prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence
+
+from contextlib import aclosing
+
+from ..model.kv_blocks import KV_BLOCK
+from .conversation import Conversation, common_prefix
+from .stats import Fork, GenerationRequest, GenerationStats
+
+log = logging.getLogger("meshws.prefixes")
+
+BUILD_WAIT = 60.0  # seconds a request waits for a prefix another one is building before it prefills in full
+MIN_SHARED = 16  # leading tokens below which sharing is not worth a fork
+
+Build = Callable[[list[int], Fork | None], Awaitable[Conversation | None]]  # tokens, from -> the kept session
+End = Callable[[Conversation], Awaitable[None]]
+
+
+@dataclass(eq=False)
+class SharedPrefix:
+    key: str
+    tokens: list[int]
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    session: Conversation | None = None  # once built; None after a failed build
+    last_used: float = field(default_factory=time.monotonic)
+    users: int = 0  # requests that forked it
+
+    @property
+    def live(self) -> bool:
+        return not self.ready.is_set() or (self.session is not None and self.session.warm)
+
+
+class PrefixPool:
+    def __init__(self, size: int, build: Build, end: End, ttl: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.size = size
+        self.ttl = ttl
+        self._build = build  # prefills a prefix as a kept session (`Generator.hold_prefix`)
+        self._end = end  # closes a kept session on every shard
+        self._clock = clock
+        self._entries: list[SharedPrefix] = []  # least recently used first
+        self.hits = self.built = self.evictions = 0
+
+    def __len__(self) -> int:
+        return sum(1 for entry in self._entries if entry.ready.is_set() and entry.live)
+
+    async def fork_for(self, prompt_ids: Sequence[int], key: str) -> tuple[Fork, int] | None:
+        """Where a new session with this prompt starts: the kept prefix sharing the most tokens with it, forked at
+        that many; or, where the prompt's whole blocks go a block or more beyond that, a prefix of them built now
+        (from that one) and forked whole. Also the tokens this request had computed for it (a build it started).
+        None: no pool, or nothing worth sharing."""
+        if not self.size:
+            return None
+        await self._sweep()
+        entry, shared = self._best(prompt_ids, key)
+        if entry is not None and not entry.ready.is_set():  # (another request's build: wait, then look again)
+            await self._ready(entry)
+            entry, shared = self._best(prompt_ids, key)
+        length, computed = (len(prompt_ids) - 1) // KV_BLOCK * KV_BLOCK, 0
+        if length >= shared + KV_BLOCK:
+            base = entry if entry is not None and entry.ready.is_set() and shared >= MIN_SHARED else None
+            computed = length - (shared if base is not None else 0)
+            entry, shared = self._start(list(prompt_ids[:length]), key, base, shared), length
+        if entry is None or shared < MIN_SHARED or not await self._ready(entry):
+            return None
+        session = entry.session
+        if session is None or not session.warm:
+            return None
+        entry.last_used, entry.users = self._clock(), entry.users + 1
+        self._entries.remove(entry)
+        self._entries.append(entry)
+        self.hits += not computed
+        return Fork(session.sid, shared), computed
+
+    async def spoiled(self, fork: Fork) -> None:
+        """A session forked from this prefix found it missing somewhere (evicted by a shard's budget): it goes."""
+        for entry in list(self._entries):
+            if entry.session is not None and entry.session.sid == fork.sid:
+                await self._evict(entry)
+
+    async def clear(self) -> None:
+        for entry in list(self._entries):
+            await self._evict(entry)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kept": len(self), "limit": self.size, "hits": self.hits, "built": self.built,
+                "evictions": self.evictions}
+
+    # -- internals -----------------------------------------------------------
+
+    def _best(self, prompt_ids: Sequence[int], key: str) -> tuple[SharedPrefix | None, int]:
+        """The live prefix of `key` sharing the most leading tokens with the prompt, and how many (less its last)."""
+        best, shared = None, 0
+        for entry in self._entries:
+            if entry.key == key and entry.live:
+                count = min(common_prefix(entry.tokens, prompt_ids), len(prompt_ids) - 1)
+                if count > shared:
+                    best, shared = entry, count
+        return best, shared
+
+    async def _ready(self, entry: SharedPrefix) -> bool:
+        try:
+            await asyncio.wait_for(entry.ready.wait(), BUILD_WAIT)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def _start(self, tokens: list[int], key: str, base: SharedPrefix | None, shared: int) -> SharedPrefix:
+        """A new prefix of `tokens`, built in the background from `base`'s first `shared` tokens, if given."""
+        entry = SharedPrefix(key, tokens, last_used=self._clock())
+        self._entries.append(entry)
+
+        async def build() -> None:
+            fork = None
+            if base is not None and base.session is not None and base.session.warm:
+                fork = Fork(base.session.sid, shared)
+            try:
+                entry.session = await self._build(tokens, fork)
+            except Exception as exc:  # (the requests waiting for it prefill in full)
+                log.info("a shared prefix of %d tokens could not be built (%s)", len(tokens), exc)
+            finally:
+                entry.ready.set()
+            if entry.session is None:
+                self._drop(entry)
+            else:
+                self.built += 1
+                await self._sweep()
+
+        asyncio.get_running_loop().create_task(build())
+        return entry
+
+    async def _sweep(self) -> None:
+        """Drop prefixes whose session ended elsewhere, then end those idle past the TTL, then the oldest beyond
+        the bound (those still building are left to finish)."""
+        now = self._clock()
+        for entry in [e for e in self._entries if not e.live]:
+            self._drop(entry)
+        for entry in [e for e in self._entries if e.ready.is_set() and now - e.last_used > self.ttl]:
+            await self._evict(entry)
+        while len(self._entries) > self.size:
+            oldest = next((e for e in self._entries if e.ready.is_set()), None)
+            if oldest is None:
+                break
+            await self._evict(oldest)
+
+    def _drop(self, entry: SharedPrefix) -> None:
+        if entry in self._entries:
+            self._entries.remove(entry)
+
+    async def _evict(self, entry: SharedPrefix) -> None:
+        if entry not in self._entries:
+            return
+        self._entries.remove(entry)
+        self.evictions += 1
+        if entry.session is not None and entry.session.warm:
+            await self._end(entry.session)
+
+
+async def hold_prefix(generator: Any, tokens: list[int], fork: Fork | None) -> Conversation | None:
+    """`tokens` prefilled on a route as a session kept open (from `fork`'s, if given): a prefix for others to fork."""
+    conversation = Conversation()
+    stats = GenerationStats(sid=conversation.sid, internal=True)
+    request = GenerationRequest(prompt="", max_tokens=1, prompt_ids=list(tokens), ignore_eos=True)
+    async with aclosing(generator.generate(request, stats, conversation=conversation, fork=fork)) as events:
+        async for _ in events:
+            pass
+    if conversation.warm and conversation.held == list(tokens):
+        return conversation
+    if conversation.warm:
+        await generator.end(conversation)
+    return None

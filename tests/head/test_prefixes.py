@@ -1,0 +1,94 @@
+"""The shared prefix pool's rules with a fake build: exact tokens only, the longest wins, one build for concurrent
+requests, a salt apart, bounded, and a prefix lost on a shard goes."""
+
+import asyncio
+
+from meshws.head.conversation import Conversation
+from meshws.head.prefixes import PrefixPool
+from meshws.model.kv_blocks import KV_BLOCK as B
+
+
+class Builds:
+    def __init__(self, fail=False):
+        self.made, self.ended, self.fail = [], [], fail
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def build(self, tokens, fork):
+        await self.gate.wait()
+        if self.fail:
+            raise RuntimeError("no route")
+        session = Conversation(path=object(), held=list(tokens))
+        self.made.append((len(tokens), fork))
+        return session
+
+    async def end(self, session):
+        session.path = None
+        self.ended.append(session)
+
+
+def _prompt(length, seed=0):
+    return [(seed * 7919 + i * 31) % 5000 + 1 for i in range(length)]
+
+
+async def test_the_first_request_builds_its_prefix_and_the_next_forks_it():
+    builds = Builds()
+    pool = PrefixPool(4, builds.build, builds.end)
+    prompt = _prompt(2 * B + 10)
+    fork, computed = await pool.fork_for(prompt, "")
+    assert fork.length == 2 * B and computed == 2 * B and builds.made == [(2 * B, None)]
+    again, computed = await pool.fork_for(prompt[: 2 * B + 1] + [9, 9, 9], "")  # another question after it
+    assert again == fork and computed == 0 and pool.hits == 1 and len(builds.made) == 1
+    short, computed = await pool.fork_for(prompt[:B], "")  # shorter than the prefix: its start, all but the last
+    assert short == type(fork)(fork.sid, B - 1) and computed == 0 and len(builds.made) == 1
+    assert await pool.fork_for(_prompt(B, seed=5), "") is None, "nothing shared, and too short to keep"
+
+
+async def test_tokens_must_match_exactly_and_a_longer_prompt_extends_the_longest_prefix():
+    builds = Builds()
+    pool = PrefixPool(8, builds.build, builds.end)
+    prompt = _prompt(3 * B + 5)
+    first, _ = await pool.fork_for(prompt[: B + 3], "")
+    near = list(prompt)
+    near[B - 1] += 1  # the last token of the first block differs: the prefix serves the tokens before it only
+    other, computed = await pool.fork_for(near, "")
+    assert other.sid != first.sid and other.length == 3 * B and computed == 2 * B + 1
+    assert builds.made[-1] == (3 * B, type(first)(first.sid, B - 1))
+    longer, computed = await pool.fork_for(prompt, "")  # the first block is kept: only the rest is computed
+    assert computed == 2 * B and builds.made[-1] == (3 * B, first) and longer.length == 3 * B
+    question, computed = await pool.fork_for(near[: 3 * B + 1] + [1, 2, 3], "")  # within `near`'s blocks
+    assert question == other and computed == 0
+
+
+async def test_concurrent_requests_wait_for_one_build_and_a_salt_keeps_prefixes_apart():
+    builds = Builds()
+    builds.gate.clear()
+    pool = PrefixPool(4, builds.build, builds.end)
+    prompt = _prompt(B + 8)
+    waiting = [asyncio.create_task(pool.fork_for(prompt, "")) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    builds.gate.set()
+    results = await asyncio.gather(*waiting)
+    assert len(builds.made) == 1 and len({fork for fork, _ in results}) == 1
+    assert sorted(computed for _, computed in results) == [0, 0, B], "only the request that built it computed it"
+    salted, computed = await pool.fork_for(prompt, "tenant-b")
+    assert salted != results[0][0] and computed == B and len(builds.made) == 2
+
+
+async def test_the_bound_ends_the_least_recently_used_and_a_lost_prefix_goes():
+    builds = Builds()
+    pool = PrefixPool(2, builds.build, builds.end)
+    forks = [(await pool.fork_for(_prompt(B + 1, seed), ""))[0] for seed in range(3)]
+    await asyncio.sleep(0)
+    assert len(pool) == 2 and len(builds.ended) == 1 and builds.ended[0].sid == forks[0].sid
+    await pool.spoiled(forks[2])
+    assert len(pool) == 1 and builds.ended[-1].sid == forks[2].sid
+    await pool.clear()
+    assert len(pool) == 0 and len(builds.ended) == 3 and pool.evictions == 3
+
+
+async def test_a_failed_build_leaves_nothing_and_the_request_prefills_in_full():
+    builds = Builds(fail=True)
+    pool = PrefixPool(2, builds.build, builds.end)
+    assert await pool.fork_for(_prompt(B + 1), "") is None
+    assert len(pool) == 0 and pool._entries == []
