@@ -42,6 +42,7 @@ class NodeReports:
             "total_layers": backend.total_layers,
             "sessions": len(backend.sessions),
             "cache_bytes": backend.sessions.total_bytes,
+            "prefixes": backend.sessions.prefixes,  # shared prompt prefixes held, apart from "sessions"
             "weight_bytes": backend.weight_bytes,  # what this node's layers cost, and the process in all
             "weights": backend.weight_facts(),  # mapped from the GGUF, resident now, per block type
             **process_memory(),  # resident_bytes, peak_resident_bytes

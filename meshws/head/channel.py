@@ -52,9 +52,9 @@ class HopChannel:
 
     async def open(self, sampling: SamplingParams, prompt_tokens: int, route: tuple[RouteHop, ...],
                    resume: bool = False, fork: tuple[str, int] | None = None,
-                   layers: tuple[int, int] | None = None) -> None:
+                   layers: tuple[int, int] | None = None, kept: bool = False) -> None:
         mac = sign_route(self.secret, self.sid, [hop.to_wire() for hop in route]) if self.secret and route else None
-        message = Open(self.sid, sampling, prompt_tokens, route, mac, resume, fork, layers)
+        message = Open(self.sid, sampling, prompt_tokens, route, mac, resume, fork, layers, kept=kept)
         self.hung_url = None if route else self.link.url  # behind a dialed route, any of its hops may hang
         if not self.link.is_up:
             await self.link.wait_up(LINK_WAIT)
@@ -112,6 +112,7 @@ class RoutedPath:
         self.route: Route | None = None
         self.channel: HopChannel | None = None
         self.avoid: set[str] = set()
+        self.kept = False  # a shared prompt prefix's session (`prefixes`): every shard counts it apart
 
     @property
     def view(self) -> list[dict]:
@@ -128,7 +129,8 @@ class RoutedPath:
         if self.route.link is not None:
             self.channel = HopChannel(self.route.link, self.sid, self.step_timeout, self.compress_min_bytes,
                                       self.secret)
-            await self.channel.open(sampling, prompt_tokens, self.route.hops, fork=fork, layers=self.route.layers)
+            await self.channel.open(sampling, prompt_tokens, self.route.hops, fork=fork, layers=self.route.layers,
+                                    kept=self.kept)
 
     async def resume(self, sampling: SamplingParams, prompt_tokens: int) -> None:
         """A conversation's next answer on the same route: every hop keeps its cache and takes the new sampling."""

@@ -102,6 +102,8 @@ class Generator:
             route = self.planner.hold(replace(parent.route, on_done=None))
         path = conversation.path if warm else RoutedPath(self.planner, sid, route, self.step_timeout,
                                                          self.compress_min_bytes, self.secret)
+        if stats.internal:  # a shared prompt prefix: counted apart from users' sessions on every shard
+            path.kept = self.backend.sessions.keep_apart(sid) or True
         if warm and route is not None:
             route.release()  # the conversation goes on along its own route
         speculation = Speculation(NgramDrafter(), self.draft_tokens) \

@@ -48,11 +48,7 @@ HELLO_WAIT = 15.0  # seconds a dialer has to send its hello
 
 class ShardService:
     def __init__(
-        self,
-        backend: ShardBackend,
-        worker: ComputeWorker,
-        links: LinkPool,
-        metrics: NodeMetrics,
+        self, backend: ShardBackend, worker: ComputeWorker, links: LinkPool, metrics: NodeMetrics,
         *,
         node_name: str,
         hello: Callable[[], Hello],
@@ -252,6 +248,8 @@ class ShardService:
             message = replace(message, fork=None)  # nor does a hop behind us copy one
         self.sessions[sid] = session
         link.owned.add(sid)
+        if message.kept:
+            self.backend.sessions.keep_apart(sid)
         if next_hop is not None:
             next_hop.subscribe(sid, self._relay_to(link))
             onward = self.next_hops.onward(message, route)

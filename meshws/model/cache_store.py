@@ -61,6 +61,7 @@ class SessionCacheStore:
         self._clock = clock
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()
         self._private: set[str] = set()  # ids of entries that are no user's session (see the module's note)
+        self._kept: set[str] = set()  # ids of sessions that hold a shared prompt prefix: counted apart
         self._lock = threading.Lock()
         self.evictions = 0  # entries removed by TTL, LRU or the byte budget
 
@@ -81,6 +82,17 @@ class SessionCacheStore:
     def session_ids(self) -> list[str]:
         with self._lock:
             return [sid for sid in self._entries if sid not in self._private]
+
+    def keep_apart(self, session_id: str) -> None:
+        """`session_id` holds a prompt prefix kept for others to fork: not counted among the sessions (`prefixes`),
+        its bytes are, and the budget may evict it like any other."""
+        with self._lock:
+            self._kept.add(session_id)
+
+    @property
+    def prefixes(self) -> int:
+        with self._lock:
+            return sum(1 for sid in self._kept if sid in self._entries)
 
     @contextmanager
     def private(self, session_id: str) -> Iterator[None]:
@@ -168,6 +180,7 @@ class SessionCacheStore:
 
     def drop(self, session_id: str) -> bool:
         with self._changing():
+            self._kept.discard(session_id)
             return self._remove(session_id)
 
     def clear(self) -> int:
@@ -175,6 +188,7 @@ class SessionCacheStore:
             count = len(self._entries)
             for sid in list(self._entries):
                 self._remove(sid)
+            self._kept.clear()
             return count
 
     def purge_expired(self) -> int:
@@ -205,6 +219,7 @@ class SessionCacheStore:
         entry = self._entries.pop(session_id, None)
         if entry is not None:
             _release(entry.cache)
+            self._kept.discard(session_id)
         return entry is not None
 
     def _bytes(self) -> int:
@@ -215,7 +230,8 @@ class SessionCacheStore:
         return self._footprint([entry.cache for entry in caches])
 
     def _public(self) -> int:
-        return len(self._entries) - sum(1 for sid in self._private if sid in self._entries)
+        apart = self._private | self._kept
+        return len(self._entries) - sum(1 for sid in apart if sid in self._entries)
 
     def _check_fits(self, session_id: str, nbytes: int, drop: bool = False) -> None:
         if self.max_bytes is not None and nbytes > self.max_bytes:

@@ -257,3 +257,13 @@ def test_shared_blocks_count_once_in_the_totals_and_the_budget():
     for sid in ("s1", "s2", "late"):
         store.drop(sid)
     assert store.total_bytes == 0 and all(b.holders == 0 for b in prefix.blocks)
+
+
+def test_a_kept_prefix_is_counted_apart_from_the_sessions_but_in_the_bytes():
+    store = SessionCacheStore(max_sessions=1, ttl_seconds=100.0)
+    store.keep_apart("prefix")
+    store.store("prefix", object(), 64, 0, nbytes=100)
+    store.store("user", object(), 70, 0, nbytes=10)
+    assert len(store) == 1 and store.prefixes == 1 and store.total_bytes == 110  # (the cap counts users only)
+    store.drop("prefix")
+    assert store.prefixes == 0 and store.total_bytes == 10

@@ -24,7 +24,7 @@ SYSTEM = ("You are a patient assistant for a small bicycle repair shop in a hill
           + "Answer briefly, name tools precisely, and never invent prices. " * 3).strip()
 QUESTIONS = ["How do I fix a flat tire?", "Which tools do I need for that?", "And how long does it take?",
              "Thanks. What about a squeaky chain?"]
-WARM = ("--warm-sessions", "2", "--warm-ttl", "6")
+WARM = ("--warm-sessions", "2", "--warm-ttl", "6", "--shared-prefixes", "0")  # (prefixes: test_shared_prefixes)
 
 
 @pytest.fixture(scope="module")

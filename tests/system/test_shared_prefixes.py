@@ -68,10 +68,12 @@ async def test_clients_share_a_system_prompt_and_answer_as_a_fresh_prefill(mesh,
         _, _, cached = await _ask(client, mesh, SYSTEM, "How do I true a wheel?", cache_prompt=False)
         assert cached == 0, "cache_prompt false: no shared prefix"
 
-    # At most two prefixes are kept (--shared-prefixes 2): each shard holds them and nothing else between answers.
-    assert [node.wait_sessions(2)["sessions"] for node in mesh.nodes] == [2, 2]
-    health = mesh.head.health()
-    assert health["kept_sessions"]["prefixes"]["kept"] == 2
+    # At most two prefixes are kept (--shared-prefixes 2): between answers each shard holds them, apart from its
+    # sessions (none), and their blocks once.
+    for node in mesh.nodes:
+        health = node.wait_sessions(0)
+        assert (health["sessions"], health["prefixes"]) == (0, 2) and health["cache_bytes"] > 0
+    assert mesh.head.health()["kept_sessions"]["prefixes"]["kept"] == 2
 
 
 async def test_the_context_limit_is_ctx_size(mesh):

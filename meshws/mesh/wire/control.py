@@ -107,6 +107,8 @@ class Open:
     `fork`: one of several choices of a request (`n`): the new session's cache starts as a
     copy of the first `length` positions of another session on the same link, so the
     prompt is prefilled once; a shard that lacks that session starts empty (a cache miss).
+    `kept`: the session holds a prompt prefix the head keeps for other sessions to fork (`head.prefixes`): a
+    shard counts it apart from its users' sessions.
     `layers`: the span the head's route expects the receiver to run; a node that serves another span now
     (its layers moved: `head.placement`) refuses the session as lost, so no hidden state meets the wrong layers.
     """
@@ -120,9 +122,12 @@ class Open:
     resume: bool = False  # keep the session's cache if this link carries it already
     fork: tuple[str, int] | None = None  # (sid, length): start the cache as a copy of that session's first positions
     layers: tuple[int, int] | None = None  # the receiver's span as the route expects it (None: not checked)
+    kept: bool = False  # a shared prompt prefix, not a user's session
 
     def to_wire(self) -> dict[str, Any]:
         message: dict[str, Any] = {"type": self.type, "sid": self.sid, "sampling": self.sampling.to_wire()}
+        if self.kept:
+            message["kept"] = True
         if self.fork is not None:
             message["fork"] = {"sid": self.fork[0], "length": self.fork[1]}
         if self.prompt_tokens is not None:
@@ -145,9 +150,9 @@ class Open:
             prompt_tokens = int_field(data, "prompt_tokens", 0) if data.get("prompt_tokens") is not None else None
             route = tuple(RouteHop.parse(hop) for hop in list_field(data, "route"))
             route_mac = name_field(data, "route_mac") if data.get("route_mac") is not None else None
-            resume = data.get("resume", False)
-            if not isinstance(resume, bool):
-                raise FrameError("resume must be true or false")
+            resume, kept = data.get("resume", False), data.get("kept", False)
+            if not isinstance(resume, bool) or not isinstance(kept, bool):
+                raise FrameError("resume and kept must be true or false")
             fork = data.get("fork")
             if fork is not None:
                 if not isinstance(fork, dict):
@@ -156,7 +161,7 @@ class Open:
             layers = layers_field(data, "layers") if data.get("layers") is not None else None
         except ValueError as exc:  # FrameError included
             raise FrameError(f"bad open: {exc}", sid) from None
-        return cls(sid, sampling, prompt_tokens, route, route_mac, resume, fork, layers)
+        return cls(sid, sampling, prompt_tokens, route, route_mac, resume, fork, layers, kept)
 
 
 @dataclass(frozen=True)
