@@ -29,6 +29,7 @@ class NodeSettings:
     max_sessions: int = 64  # KV caches held at once on this node (LRU beyond)
     cache_ttl: float = 600.0  # seconds an idle session's cache is kept
     ctx_size: int | None = None  # the most tokens one session may hold (prompt and answer); None: the model's context
+    kv_dtype: str = "auto"  # keys and values: auto (bfloat16 on a GGUF's default path, float32 under --dtype float32)
     max_cache_bytes: int | None = None  # byte budget for this node's KV caches; None: half the memory free at start
     memory: int | None = None  # bytes of weights and KV caches this node may hold (placement); None: free memory less
     replan_seconds: float = 10.0  # on a head: how long a node's speed must stay a quarter off before a re-plan
@@ -94,6 +95,8 @@ _HELP = {
     "max_sessions": "KV-cached sessions held at once; the least recently used is dropped beyond",
     "cache_ttl": "seconds an idle session's KV cache is kept",
     "ctx_size": "the most tokens a session may hold, prompt and answer (default: the model's context length)",
+    "kv_dtype": "keys and values: auto (bfloat16; float32 under --dtype float32), float32, bfloat16 or q8_0 "
+                "(llama.cpp's)",
     "memory": "the weights and KV caches this node may hold, e.g. 300M or 4G: placement gives it no span that does "
               "not fit, its KV caches get what its weights leave (default: the memory free at start, less a tenth)",
     "replan_seconds": "on a head: seconds a node's measured speed must stay more than a quarter off the plan's before "
@@ -224,8 +227,9 @@ def _names(text: str) -> tuple[str, ...]:
 _TYPES = {
     "role": str, "model": str, "layers": parse_layers_or_auto, "host": str, "port": int, "peer": _peer,
     "join": _heads, "advertise": _peer, "registry_ttl": float, "max_sessions": int, "cache_ttl": float, "ctx_size": int,
-    "max_cache_bytes": parse_size, "memory": parse_size, "replan_seconds": float, "dtype": str, "compute": str,
-    "quant": str, "compile": _flag, "matmul": str, "wire_dtype": str, "threads": int, "max_frame_bytes": parse_size,
+    "kv_dtype": str, "max_cache_bytes": parse_size, "memory": parse_size, "replan_seconds": float, "dtype": str,
+    "compute": str, "quant": str, "compile": _flag, "matmul": str, "wire_dtype": str, "threads": int,
+    "max_frame_bytes": parse_size,
     "compress_min_bytes": parse_size, "step_timeout": float, "api_key": str, "api_key_file": str, "secret": str,
     "secret_file": str, "insecure": _flag, "trusted_nodes": str, "tls_cert": str, "tls_key": str, "tls_ca": str,
     "cors_origins": _names, "allowed_hosts": _names, "max_generations": int, "cache_dir": str, "log_level": str,
@@ -235,13 +239,9 @@ _TYPES = {
 }
 
 _CHOICES = {
-    "role": ROLES,
-    "dtype": ("auto", "float32", "bfloat16"),
-    "compute": ("auto", "lean", "transformers"),
-    "quant": ("none", "int8"),
-    "matmul": ("auto", "torch", "openblas"),
-    "draft": ("ngram", "none"),
-    "wire_dtype": ("auto", "float32", "bfloat16", "float16"),
+    "role": ROLES, "dtype": ("auto", "float32", "bfloat16"), "compute": ("auto", "lean", "transformers"),
+    "quant": ("none", "int8"), "matmul": ("auto", "torch", "openblas"), "draft": ("ngram", "none"),
+    "wire_dtype": ("auto", "float32", "bfloat16", "float16"), "kv_dtype": ("auto", "float32", "bfloat16", "q8_0"),
     "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
 

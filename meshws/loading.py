@@ -17,7 +17,7 @@ def load_backend(settings: NodeSettings, threads: int | None = None,
                                    max_cache_bytes=settings.max_cache_bytes, memory=settings.memory,
                                    threads=threads or settings.threads,
                                    compute=settings.compute, quant=settings.quant, compile=settings.compile,
-                                   matmul=settings.matmul, ctx_size=settings.ctx_size)
+                                   matmul=settings.matmul, ctx_size=settings.ctx_size, kv_dtype=settings.kv_dtype)
     return ModelShard(settings.model, start, end, shard_settings, cache_dir=settings.cache_dir)
 
 

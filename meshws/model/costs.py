@@ -84,7 +84,7 @@ def costs_from_sizes(sizes: dict[str, int], layers: int, kv_bytes_per_token: int
     return ModelCosts(tuple(per_layer), embedding_bytes, head, kv_bytes_per_token)
 
 
-def gguf_costs(path: Path, kv_element_bytes: int = 2) -> ModelCosts:
+def gguf_costs(path: Path, kv_element_bytes: float = 2) -> ModelCosts:
     """A GGUF's costs from its tensor table (no weight is read)."""
     from .gguf_file import geometry, read_table
 
@@ -95,7 +95,7 @@ def gguf_costs(path: Path, kv_element_bytes: int = 2) -> ModelCosts:
     return costs_from_sizes(sizes, layers, 2 * kv_heads * head_dim * kv_element_bytes, gguf=True)
 
 
-def folder_costs(folder: Path, layers: int, kv_heads: int, head_dim: int, kv_element_bytes: int = 2) -> ModelCosts:
+def folder_costs(folder: Path, layers: int, kv_heads: int, head_dim: int, kv_element_bytes: float = 2) -> ModelCosts:
     """A Hugging Face folder's costs from its safetensors headers (each file's first bytes only)."""
     return costs_from_sizes(dict(_safetensors_sizes(sorted(folder.glob("*.safetensors")))), layers,
                             2 * kv_heads * head_dim * kv_element_bytes, gguf=False)

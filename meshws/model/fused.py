@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from .kv_blocks import KV_BLOCK
-from .native import KINDS, AttendRows, Kernels, threads
+from .native import CACHE_KINDS, KINDS, AttendRows, Kernels, threads
 
 
 class _Weight(ctypes.Structure):
@@ -148,7 +148,7 @@ class FusedDecode:
                                      self.kv_heads, self.dim, self.eps, self.scale, int(self.dtype == torch.bfloat16),
                                      state.data_ptr(), cos.data_ptr(), sin.data_ptr(), checked.blocks.ctypes.data,
                                      checked.first.ctypes.data, KV_BLOCK, checked.low_at.ctypes.data,
-                                     checked.low_at.ctypes.data + 8 * rows, KINDS[checked.dtype], self.pairs,
+                                     checked.low_at.ctypes.data + 8 * rows, CACHE_KINDS[checked.dtype], self.pairs,
                                      self.q8, threads)
         if failed:
             raise MemoryError("no memory for a decode step")

@@ -76,6 +76,7 @@ typedef __m256 vec;
 #define KIND_F16 1
 #define KIND_BF16 30
 #define KIND_INT8 100 /* meshws's int8 with a scale per output: no ggml type */
+#define KIND_Q8_0 8   /* a cache in ggml's Q8_0 blocks: 32 values as int8 and their float16 scale, 34 bytes */
 #define OUT_TILE 4   /* outputs computed together */
 #define ROW_BLOCK 64 /* rows that share one widening of a tile's weights */
 
@@ -95,6 +96,33 @@ static int is_block_kind(int kind);
 static void widen_values(const struct block_type *t, const void *w, int64_t at, int64_t count, float *to);
 static int64_t block_offset(const struct block_type *t, int64_t at);
 static float half_to_float(const uint8_t *p);
+
+/* Bytes of a cache row of `dim` values of `kind`: float32, bfloat16, or Q8_0 blocks (dim a multiple of 32). */
+static inline size_t row_bytes(int kind, int64_t dim) {
+    return kind == KIND_F32 ? (size_t)dim * 4 : kind == KIND_Q8_0 ? (size_t)dim / 32 * 34 : (size_t)dim * 2;
+}
+
+/* IEEE float16 of a float, rounded to nearest even (a Q8_0 block's scale, as ggml stores it). */
+static uint16_t float_to_half(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    const uint32_t sign = (bits >> 16) & 0x8000u, magnitude = bits & 0x7fffffffu;
+    if (magnitude >= 0x7f800000u) /* inf, NaN (quiet) */
+        return (uint16_t)(sign | 0x7c00u | (magnitude > 0x7f800000u ? 0x200u : 0));
+    if (magnitude >= 0x477ff000u) /* rounds past the largest half: inf */
+        return (uint16_t)(sign | 0x7c00u);
+    if (magnitude < 0x38800000u) { /* a subnormal half (or 0): the value in units of 2^-24, to nearest even */
+        const uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
+        const int shift = 126 - (int)(magnitude >> 23); /* 14 for 2^-15 .. */
+        if (shift > 24)
+            return (uint16_t)sign;
+        const uint32_t kept = mantissa >> shift, rest = mantissa & ((1u << shift) - 1), half_way = 1u << (shift - 1);
+        return (uint16_t)(sign | (kept + (rest > half_way || (rest == half_way && (kept & 1)))));
+    }
+    const uint32_t rebased = magnitude - 0x38000000u; /* exponent 127 -> 15 */
+    const uint32_t kept = rebased >> 13, rest = rebased & 0x1fffu;
+    return (uint16_t)(sign | (kept + (rest > 0x1000u || (rest == 0x1000u && (kept & 1)))));
+}
 
 /* `bytes` on a cache line's boundary (free() frees it): a vector load that straddles two lines costs two, and a
    16-row product of widened weights or of the fused step's own rows ran a quarter slower on malloc's 16 bytes. */
@@ -999,11 +1027,44 @@ static inline __m256 hsum8(const __m256 *a) {
 
 /* Position `pos` of row `row`'s cache in the task's layer: its key (`value` 0) or its value, of key head `head`. */
 static inline char *cache_row(const attend_t *a, int64_t row, int value, int64_t head, int64_t pos) {
-    const size_t size = a->kind == KIND_F32 ? 4 : 2;
     char *base = (char *)a->blocks[a->first[row] + pos / a->block];
     return base + ((size_t)((a->layer * 2 + value) * a->kv_heads + head) * (size_t)a->block + (size_t)(pos % a->block))
-                      * (size_t)a->dim * size;
+                      * row_bytes(a->kind, a->dim);
 }
+
+/* ggml's Q8_0 rows (`quantize_row_q8_0_ref`): per 32 values d = max |x| / 127, kept as float16, and x / d rounded
+   to int8 (0 when d is). `dim` a multiple of 32. */
+static void to_q8_0(uint8_t *to, const float *from, int64_t count) {
+    for (int64_t b = 0; b < count / 32; b++) {
+        const float *x = from + 32 * b;
+        uint8_t *block = to + 34 * b;
+        float top = 0.0f;
+        for (int i = 0; i < 32; i++)
+            top = fmaxf(top, fabsf(x[i]));
+        const float d = top / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        const uint16_t half = float_to_half(d);
+        memcpy(block, &half, 2);
+        for (int i = 0; i < 32; i++)
+            block[2 + i] = (uint8_t)(int8_t)roundf(x[i] * inverse);
+    }
+}
+
+/* Q8_0 rows widened as gguf dequantizes them: d (the float16 widened) times each int8. */
+static void from_q8_0(float *to, const uint8_t *from, int64_t count) {
+    for (int64_t b = 0; b < count / 32; b++) {
+        const float d = half_to_float(from + 34 * b);
+        for (int i = 0; i < 32; i++)
+            to[32 * b + i] = d * (float)(int8_t)from[34 * b + 2 + i];
+    }
+}
+
+int mw_to_q8_0(const float *from, int64_t count, uint8_t *to) {
+    if (count % 32)
+        return -1;
+    to_q8_0(to, from, count);
+    return 0;
+}
+
 
 /* s[t] = scale * dot(q, key t) for the `count` cache rows from `keys`. */
 static void key_scores(const float *q, const char *keys, int64_t count, int64_t dim, int kind, float scale, float *s) {
@@ -1017,7 +1078,7 @@ static void key_scores(const float *q, const char *keys, int64_t count, int64_t 
 /* Every row's new key and value into its cache, before any row attends: rows of one session at
    consecutive positions (a multi-token step) then each see the keys of the rows before them. */
 static void store_rows(const attend_t *a) {
-    const size_t size = a->kind == KIND_F32 ? 4 : 2, bytes = (size_t)a->dim * size;
+    const size_t bytes = row_bytes(a->kind, a->dim);
     for (int64_t unit = 0; unit < a->rows * a->kv_heads; unit++) {
         const int64_t row = unit / a->kv_heads, head = unit % a->kv_heads;
         memcpy(cache_row(a, row, 0, head, a->at[row]), (const char *)a->new_keys + (size_t)unit * bytes, bytes);
@@ -1169,29 +1230,39 @@ static void group_values(float *value, const float *scores, int64_t stride_score
 #define GROUPED(call) (void)0
 #endif
 
+/* `count` cache rows from `rows` as attention reads them: as stored, or (Q8_0) widened into `into`. */
+static const char *widen_rows(const attend_t *a, const char *rows, int64_t count, float *into) {
+    if (a->kind != KIND_Q8_0)
+        return rows;
+    from_q8_0(into, (const uint8_t *)rows, count * a->dim);
+    return (const char *)into;
+}
+
 static void attend_units(const void *task, int64_t begin, int64_t end) {
     const attend_t *a = task;
     const int64_t dim = a->dim, group = a->heads / a->kv_heads;
     for (int64_t unit = begin; unit < end; unit++) { /* one row's one key head and its query heads */
         const int64_t row = unit / a->kv_heads, head = unit % a->kv_heads;
         const int64_t low = a->low[row], at = a->at[row], count = at - low + 1;
-        const size_t need = (size_t)(count * group + dim * group + group); /* scores, values, totals */
+        const int kind = a->kind == KIND_Q8_0 ? KIND_F32 : a->kind; /* Q8_0: each block's rows widened first */
+        const size_t wide = a->kind == KIND_Q8_0 ? (size_t)(a->block * dim) : 0;
+        const size_t need = (size_t)(count * group + dim * group + group) + wide; /* scores, values, totals */
         float stack[STACK_SCORES], *scores = need <= STACK_SCORES ? stack : malloc(sizeof(float) * need);
         if (!scores) {
             atomic_store(a->failed, 1);
             continue;
         }
-        float *value = scores + count * group, *totals = value + dim * group;
+        float *value = scores + count * group, *totals = value + dim * group, *widened = totals + group;
         const float *q = a->q + ((row * a->heads) + head * group) * dim; /* query head g's: q + g dim */
         const int grouped = dim % LANES == 0 && dim <= GROUP_DIM; /* each key and value widened once for the heads */
         for (int64_t p = low, n; p <= at; p += n) { /* the row's blocks in turn */
             n = a->block - p % a->block < at - p + 1 ? a->block - p % a->block : at - p + 1;
-            const char *keys = cache_row(a, row, 0, head, p);
+            const char *keys = widen_rows(a, cache_row(a, row, 0, head, p), n, widened);
             if (grouped)
-                GROUPED(group_scores(q, group, keys, n, dim, a->kind, a->scale, scores + (p - low), count));
+                GROUPED(group_scores(q, group, keys, n, dim, kind, a->scale, scores + (p - low), count));
             else
                 for (int64_t g = 0; g < group; g++)
-                    key_scores(q + g * dim, keys, n, dim, a->kind, a->scale, scores + g * count + (p - low));
+                    key_scores(q + g * dim, keys, n, dim, kind, a->scale, scores + g * count + (p - low));
         }
         for (int64_t g = 0; g < group; g++) {
             float *s = scores + g * count, top = -INFINITY, total = 0.0f;
@@ -1206,12 +1277,12 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
             value[i] = 0.0f;
         for (int64_t p = low, n; p <= at; p += n) {
             n = a->block - p % a->block < at - p + 1 ? a->block - p % a->block : at - p + 1;
-            const char *values = cache_row(a, row, 1, head, p);
+            const char *values = widen_rows(a, cache_row(a, row, 1, head, p), n, widened);
             if (grouped)
-                GROUPED(group_values(value, scores + (p - low), count, group, values, n, dim, a->kind));
+                GROUPED(group_values(value, scores + (p - low), count, group, values, n, dim, kind));
             else
                 for (int64_t g = 0; g < group; g++)
-                    weigh_values(value + g * dim, scores + g * count + (p - low), values, n, dim, a->kind);
+                    weigh_values(value + g * dim, scores + g * count + (p - low), values, n, dim, kind);
         }
         for (int64_t g = 0; g < group; g++) {
             float *out = a->out + ((row * a->heads) + head * group + g) * dim;
@@ -1484,6 +1555,10 @@ static void to_cache(void *to, int kind, const float *from, int64_t count) {
         memcpy(to, from, sizeof(float) * count);
         return;
     }
+    if (kind == KIND_Q8_0) {
+        to_q8_0(to, from, count);
+        return;
+    }
     bf16_bits(to, from, count);
 }
 
@@ -1496,10 +1571,10 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
     const int qkv_parts = layer[0].qkv[1].out ? 3 : 1, gate_up_parts = layer[0].gate_up[1].out ? 2 : 1;
     const int64_t inter = (layer[0].gate_up[0].out + layer[0].gate_up[1].out) / 2;
     const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
-    const int64_t qkv_size = q_size + 2 * kv_size, size = cache_kind == KIND_F32 ? 4 : 2;
+    const int64_t qkv_size = q_size + 2 * kv_size, size = (int64_t)row_bytes(cache_kind, kv_size); /* a row's */
     const int64_t floats = rows * (width + qkv_size + 2 * q_size + width + 3 * inter);
     float *x = lined(sizeof(float) * floats);
-    char *fresh = malloc((size_t)(2 * rows * kv_size * size));
+    char *fresh = malloc((size_t)(2 * rows * size));
     if (!x || !fresh) {
         free(x);
         free(fresh);
@@ -1507,7 +1582,7 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
     }
     float *qkv = x + rows * width, *q = qkv + rows * qkv_size, *att = q + rows * q_size;
     float *out = att + rows * q_size, *gate_up = out + rows * width, *act = gate_up + rows * 2 * inter;
-    char *new_keys = fresh, *new_values = fresh + rows * kv_size * size;
+    char *new_keys = fresh, *new_values = fresh + rows * size;
     atomic_int failed = 0;
     for (int64_t l = 0; l < layers && !atomic_load(&failed); l++) {
         const mw_layer *p = layer + l;
@@ -1529,8 +1604,8 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
             for (int64_t head = 0; head < kv_heads; head++)
                 rotate(row + q_size + head * dim, cos + r * dim, sin + r * dim, dim, round_bf16, rope_pairs);
             memcpy(q + r * q_size, row, sizeof(float) * q_size);
-            to_cache(new_keys + r * kv_size * size, cache_kind, row + q_size, kv_size);
-            to_cache(new_values + r * kv_size * size, cache_kind, row + q_size + kv_size, kv_size);
+            to_cache(new_keys + r * size, cache_kind, row + q_size, kv_size);
+            to_cache(new_values + r * size, cache_kind, row + q_size + kv_size, kv_size);
         }
         attend_t task = {rows, heads, kv_heads, dim, q, new_keys, new_values, blocks, first, low, at, block, l,
                          cache_kind, scale, att, &failed};

@@ -23,6 +23,16 @@ import torch
 from .tensors import cache_nbytes
 
 KV_BLOCK = 64  # positions per block: a session holds at most this many positions of room it does not use
+KV_Q8_0 = "q8_0"  # a cache's dtype: ggml's Q8_0 blocks (32 values as int8, a float16 scale), as llama.cpp's q8_0 KV
+
+
+def row_width(dtype: torch.dtype | str, head_dim: int) -> tuple[torch.dtype, int]:
+    """How a cache of `dtype` stores a head's row of `head_dim` values: its tensors' dtype and the row's width."""
+    if dtype == KV_Q8_0:
+        if head_dim % 32:
+            raise ValueError(f"q8_0 keys and values take heads of a multiple of 32 values, not {head_dim}")
+        return torch.uint8, head_dim // 32 * 34
+    return dtype, head_dim  # type: ignore[return-value]
 
 
 class KVBlock:
@@ -36,10 +46,11 @@ class KVBlock:
 class LeanCache:
     """One session's keys and values for a shard's layers, in blocks; `length` is the positions held."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype | str) -> None:
         self.layers = layers
         self.shape = (kv_heads, head_dim)
-        self.dtype = dtype
+        self.dtype = dtype  # float32, bfloat16 or KV_Q8_0
+        self.storage, self.width = row_width(dtype, head_dim)
         self.blocks: list[KVBlock] = []
         self.length = 0
         self.released = False
@@ -64,8 +75,7 @@ class LeanCache:
         return min(count, self.length)
 
     def _new_block(self) -> KVBlock:
-        kv_heads, dim = self.shape
-        return KVBlock(torch.empty(self.layers, 2, kv_heads, KV_BLOCK, dim, dtype=self.dtype))
+        return KVBlock(torch.empty(self.layers, 2, self.shape[0], KV_BLOCK, self.width, dtype=self.storage))
 
     def reserve(self, positions: int, start: int | None = None) -> None:
         """Room for `positions` positions, and the blocks a step writes (from `start`, this cache's length if not
@@ -104,7 +114,8 @@ class LeanCache:
     # -- reading and writing one layer through torch -------------------------------
 
     def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Keys and values `[1, kv_heads, T, dim]` at positions `start ..` of `layer` (room reserved)."""
+        """Keys and values `[1, kv_heads, T, width]` as stored (`Kernels.to_q8_0`'s bytes for q8_0) at positions
+        `start ..` of `layer` (room reserved)."""
         done, count = 0, keys.shape[2]
         while done < count:
             at = start + done
@@ -115,7 +126,8 @@ class LeanCache:
             done += n
 
     def read(self, layer: int, end: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values `[1, kv_heads, end - start, dim]` of `layer` (gathered: a copy, unless in one block)."""
+        """Keys and values `[1, kv_heads, end - start, dim]` of `layer` (gathered: a copy, unless in one block;
+        q8_0 widened to float32 as gguf dequantizes it)."""
         parts = []
         at = start
         while at < end:
@@ -125,13 +137,23 @@ class LeanCache:
             at += n
         if not parts:
             kv_heads, dim = self.shape
-            empty = torch.empty(1, kv_heads, 0, dim, dtype=self.dtype)
+            empty = torch.empty(1, kv_heads, 0, dim, dtype=torch.float32 if self.dtype == KV_Q8_0 else self.dtype)
             return empty, empty
-        both = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [2, kv_heads, T, dim]
+        both = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [2, kv_heads, T, width]
+        if self.dtype == KV_Q8_0:
+            both = from_q8_0(both, self.shape[1])
         return both[0].unsqueeze(0), both[1].unsqueeze(0)
 
     def pointers(self) -> list[int]:
         return [block.data.data_ptr() for block in self.blocks]
+
+
+def from_q8_0(blocks: torch.Tensor, dim: int) -> torch.Tensor:
+    """Q8_0 rows `[..., dim / 32 * 34]` widened to float32 `[..., dim]` as gguf dequantizes them: each block's
+    float16 scale times its int8 values (what meshws's kernel reads them as)."""
+    shaped = blocks.reshape(*blocks.shape[:-1], dim // 32, 34)
+    scales = shaped[..., :2].contiguous().view(torch.float16).float()
+    return (scales * shaped[..., 2:].contiguous().view(torch.int8).float()).reshape(*blocks.shape[:-1], dim)
 
 
 def block_table(caches: list[LeanCache]) -> tuple[numpy.ndarray, numpy.ndarray]:

@@ -14,7 +14,7 @@ by operation, so float32 tokens are the transformers path's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,7 +25,7 @@ from .cache_store import KVCacheMiss
 from .fused import FusedDecode
 from .native import AttendRows, Kernels
 from .native import threads as kernel_threads
-from .kv_blocks import LeanCache
+from .kv_blocks import KV_Q8_0, LeanCache, row_width
 from .packed import Linear, linear, parts_linear
 from .tensors import causal_mask, rotate_half
 
@@ -61,7 +61,7 @@ class LeanSpec:
 
     kind: str  # "llama" (Llama, Qwen2, Qwen3: the fused decode) or "gemma3"
     dtype: torch.dtype  # hidden states in torch's operations
-    cache_dtype: torch.dtype  # keys and values
+    cache_dtype: torch.dtype | str  # keys and values: float32, bfloat16 or "q8_0" (`kv_blocks.KV_Q8_0`)
     heads: int
     kv_heads: int
     head_dim: int
@@ -236,7 +236,21 @@ class LeanLayers:
         return self._after(hidden, attend(q, k, v), layer)
 
     def _cached(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Keys or values as the cache stores them."""
+        if self.spec.cache_dtype == KV_Q8_0:
+            return self.kernels.to_q8_0(tensor)
         return tensor.to(self.spec.cache_dtype)
+
+    def use_kv_dtype(self, kv_dtype: str) -> None:
+        """Keys and values in `kv_dtype` (--kv-dtype): auto keeps the default (bfloat16 under 8-bit activations,
+        float32 under exact products); q8_0 needs meshws's kernels. ValueError where it cannot be."""
+        if kv_dtype == "auto":
+            return
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "q8_0": KV_Q8_0}[kv_dtype]
+        if dtype == KV_Q8_0 and self.kernels is None:
+            raise ValueError("--kv-dtype q8_0 needs meshws's kernels, which could not be built here")
+        row_width(dtype, self.head_dim)  # (q8_0: heads of a multiple of 32 values)
+        self.spec = replace(self.spec, cache_dtype=dtype)
 
     # -- one session: a prefill, a chunk or a decode step ----------------------
 

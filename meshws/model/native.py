@@ -40,7 +40,7 @@ import torch
 
 from . import kernel_build
 from .block_types import BlockTensor, kernel_types, supported_names
-from .kv_blocks import KV_BLOCK, block_table
+from .kv_blocks import KV_BLOCK, KV_Q8_0, block_table
 
 log = logging.getLogger("meshws.shard")
 
@@ -64,6 +64,7 @@ def threads() -> int:
 # Weights `mw_linear` takes, by dtype, as the kernels number them (ggml's type ids; int8 with scales is meshws's own);
 # caches are float32 or bfloat16. A GGUF's block tensors go by their own type ids (`block_types`).
 KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30, torch.int8: 100}
+CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 30, KV_Q8_0: 8}  # keys and values (Q8_0: ggml's id)
 PATHS = {"chosen": 0, "tiles": 1, "direct": 2}  # a 32-value block type's product paths (`quants.c`'s PATH_*)
 
 
@@ -106,6 +107,8 @@ class Kernels:
         library.mw_amx.restype = ctypes.c_int
         # AMX tiles for bf16 products: the CPU has them (the build saw __AMX_BF16__) and Linux lets us use them.
         self.amx = os.environ.get("MESHWS_AMX", "1") != "0" and library.mw_amx() == 1
+        self._to_q8_0 = library.mw_to_q8_0
+        self._to_q8_0.restype, self._to_q8_0.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         self._attend = library.mw_attend
         self._attend.restype = ctypes.c_int
         self._attend.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 \
@@ -114,25 +117,34 @@ class Kernels:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: "AttendRows", layer: int,
                threads: int) -> torch.Tensor:
         """One decode step's attention in `layer` for rows of different sessions (`caches`): row r's new key
-        and value (`k`, `v` `[rows, kv_heads, 1, dim]`, the caches' dtype) are written at its position in
-        its own cache, and its query (`q` `[rows, heads, 1, dim]`) attends to its positions there."""
+        and value (`k`, `v` `[rows, kv_heads, 1, width]`, as the caches store them) are written at its position
+        in its own cache, and its query (`q` `[rows, heads, 1, dim]`) attends to its positions there."""
         rows, heads, _, dim = q.shape
-        if rows != len(caches.caches) or dim != caches.dim or heads % caches.kv_heads or k.dtype != caches.dtype \
-                or not k.shape == v.shape == (rows, caches.kv_heads, 1, dim):
+        width = caches.caches[0].width
+        if rows != len(caches.caches) or dim != caches.dim or heads % caches.kv_heads \
+                or k.dtype != caches.caches[0].storage or not k.shape == v.shape == (rows, caches.kv_heads, 1, width):
             raise ValueError(f"keys {tuple(k.shape)} {k.dtype} do not fit {len(caches.caches)} caches of "
                              f"{caches.kv_heads} heads of {caches.dim} {caches.dtype}")
         query = q.detach().reshape(rows, heads, dim).float().contiguous()
-        new_keys = k.detach().reshape(rows, caches.kv_heads, dim).contiguous()
-        new_values = v.detach().reshape(rows, caches.kv_heads, dim).to(k.dtype).contiguous()
+        new_keys = k.detach().reshape(rows, caches.kv_heads, width).contiguous()
+        new_values = v.detach().reshape(rows, caches.kv_heads, width).to(k.dtype).contiguous()
         out = torch.empty(rows, heads, dim)
         failed = self._attend(rows, heads, caches.kv_heads, dim, query.data_ptr(), new_keys.data_ptr(),
                               new_values.data_ptr(), caches.blocks.ctypes.data, caches.first.ctypes.data, KV_BLOCK,
                               layer, caches.low_at.ctypes.data,
-                              caches.low_at.ctypes.data + 8 * rows, KINDS[caches.dtype], caches.scale,
+                              caches.low_at.ctypes.data + 8 * rows, CACHE_KINDS[caches.dtype], caches.scale,
                               out.data_ptr(), threads)
         if failed:
             raise MemoryError("no memory for a decode step's attention scores")
         return out.view(rows, heads, 1, dim).to(q.dtype)
+
+    def to_q8_0(self, values: torch.Tensor) -> torch.Tensor:
+        """Values `[..., dim]` (dim a multiple of 32) as ggml's Q8_0 blocks, `[..., dim / 32 * 34]` bytes."""
+        flat = values.detach().float().contiguous()
+        out = torch.empty(*values.shape[:-1], values.shape[-1] // 32 * 34, dtype=torch.uint8)
+        if self._to_q8_0(flat.data_ptr(), flat.numel(), out.data_ptr()):
+            raise ValueError(f"q8_0 takes rows of a multiple of 32 values, not {values.shape[-1]}")
+        return out
 
     def amx_tiles(self, weight: torch.Tensor) -> torch.Tensor | None:
         """bfloat16 weights `[out, in]` repacked for `amx_linear` (1 KiB tiles of 16 outputs x 32 inputs, input
@@ -304,9 +316,9 @@ class AttendRows:
         if len({(id(cache), int(row)) for cache, row in zip(caches, self.low_at[1])}) != len(caches):
             raise ValueError("a position of a session's cache appears twice in one step")  # (rows of one session
             # at consecutive positions are a multi-token step: each sees the keys of the rows before it)
-        if self.dtype not in (torch.float32, torch.bfloat16) or any(
+        if self.dtype not in CACHE_KINDS or any(
                 cache.dtype != self.dtype or cache.shape != first.shape for cache in caches):
-            raise ValueError("attention takes caches of one shape, in float32 or bfloat16")
+            raise ValueError("attention takes caches of one shape, in float32, bfloat16 or q8_0")
         if not ((0 <= self.low_at[0]) & (self.low_at[0] <= self.low_at[1]) & (self.low_at[1] < capacity)).all():
             raise ValueError("each row attends within its cache: 0 <= low <= at < capacity")
         if any(cache.blocks[int(row) // KV_BLOCK].holders != 1 for cache, row in zip(caches, self.low_at[1])):

@@ -30,6 +30,7 @@ class ShardSettings:
     max_sessions: int = 64  # KV caches held at once (LRU beyond)
     cache_ttl: float = 600.0  # seconds an idle session's cache is kept
     ctx_size: int | None = None  # the most positions one session may hold; None: the model's context length
+    kv_dtype: str = "auto"  # keys and values: auto (bfloat16 under 8-bit activations, else float32), float32, bfloat16, q8_0
     max_cache_bytes: int | None = None  # byte budget for all KV caches (LRU beyond); None: sized from free memory
     memory: int | None = None  # bytes of weights and KV caches this node may hold: KV gets what the weights leave
     threads: int | None = None  # torch intra-op threads; None = torch's default
@@ -49,6 +50,8 @@ class ShardSettings:
             raise ValueError(f"compute must be auto, lean or transformers, not {self.compute!r}")
         if self.quant not in (None, "none", "int8"):
             raise ValueError(f"quant must be int8 or none, not {self.quant!r}")
+        if self.kv_dtype not in ("auto", "float32", "bfloat16", "q8_0"):
+            raise ValueError(f"kv dtype must be auto, float32, bfloat16 or q8_0, not {self.kv_dtype!r}")
         if self.matmul not in ("auto", "torch", "openblas"):
             raise ValueError(f"matmul must be auto, torch or openblas, not {self.matmul!r}")
         dtype, reason = choose_dtype(self.dtype)

@@ -73,6 +73,8 @@ class ModelShard(ShardFacts):
         """Serve `parts`: what depends on the span (the layers, their weights' bytes, the KV budget)."""
         self.parts = parts
         self.layout, self.lean, self.model = parts.layout, parts.lean, parts.model
+        if self.lean is not None:
+            self.lean.use_kv_dtype(self.settings.kv_dtype)
         self.compute_dtype, self.hidden_size = parts.compute_dtype, parts.hidden_size
         self.vocab_size = parts.vocab_size
         self.context_length = min(parts.context_length, self.settings.ctx_size or parts.context_length)

@@ -29,6 +29,7 @@ class ShardFacts:
         return {"path": self.compute_path, "dtype": self.settings.dtype, "dtype_reason": self.dtype_reason,
                 "matmul": self.matmul, "matmul_reason": self.matmul_reason, "threads": blas.threads(),
                 "attention": self.lean.attention if self.lean is not None else "transformers",
+                "kv_dtype": str(self.lean.spec.cache_dtype).replace("torch.", "") if self.lean is not None else None,
                 "compile_seconds": self.compile_seconds, **(self.lean.facts() if self.lean else {"products": {}})}
 
     def held_tensors(self) -> list[torch.Tensor]:
@@ -71,7 +72,8 @@ class ShardFacts:
     @functools.cached_property
     def costs(self) -> ModelCosts:
         """What each part of the model costs (`costs`): the span's work and bytes, for placement."""
-        kv_bytes = 4 if self.settings.dtype == "float32" else 2
+        kv_bytes = {"q8_0": 34 / 32, "bfloat16": 2, "float32": 4}.get(self.settings.kv_dtype,
+                                                                     4 if self.settings.dtype == "float32" else 2)
         if self.resolved.gguf is not None:
             return gguf_costs(self.resolved.gguf, kv_bytes)
         config = self.parts.model.config

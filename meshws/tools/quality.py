@@ -64,6 +64,49 @@ def text_logits(shard: Any, ids: Sequence[int]) -> torch.Tensor:
         return shard.last_logits(hidden, len(ids)).float()
 
 
+def cached_logits(shard: Any, ids: Sequence[int]) -> torch.Tensor:
+    """Next-token logits at every position of `ids`, prefilled into a session's cache (its KV dtype counts)."""
+    from meshws.model.tensors import positions
+
+    with torch.inference_mode():
+        hidden = shard.layers.run(shard.embed(ids), positions(0, len(ids)), "text", "prefill")
+        shard.release_session("text")
+        return shard.last_logits(hidden, len(ids)).float()
+
+
+def measure_kv(model: str | None, tokens: int, dtype: str, kv_dtypes: Sequence[str]) -> dict[str, Any]:
+    """Keys and values in each of `kv_dtypes` (the first the reference), the products exact: greedy agreement on
+    the first five prompts, mean log-likelihood of the fixed text prefilled through the cache, and KV bytes."""
+    from meshws.model.shard import ModelShard, ShardSettings
+    from meshws.model.source import locate_model
+
+    resolved = locate_model(model)
+    shards = {kv: ModelShard(resolved, 0, None, ShardSettings(dtype=dtype, compute="lean", kv_dtype=kv))
+              for kv in kv_dtypes}
+    reference, tokenizer = shards[kv_dtypes[0]], shards[kv_dtypes[0]].tokenizer
+    ids = reference.tokenize(TEXT)
+    targets = torch.tensor(ids[1:])
+    result: dict[str, Any] = {"model": resolved.model_id, "dtype": dtype, "tokens": tokens, "kv": {}}
+    prompts = [reference.tokenize(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                                add_generation_prompt=True, tokenize=False))
+               for text in PROMPTS[:5]]
+    wanted = [greedy(reference, prompt, tokens, "want") for prompt in prompts]
+    for kv, shard in shards.items():
+        logits = cached_logits(shard, ids)[:-1]
+        shard.encode_prompt(ids, session_id="size")
+        got = [greedy(shard, prompt, tokens, "got") for prompt in prompts]
+        result["kv"][kv] = {
+            "mean_loglik": float(torch.log_softmax(logits, -1).gather(1, targets[:, None]).mean()),
+            "identical_answers": sum(a == b for a, b in zip(got, wanted)), "answers": len(prompts),
+            "shared_prefixes": [common_prefix(a, b) for a, b in zip(got, wanted)],
+            "kv_bytes_per_token": shard.sessions.total_bytes / 64 / -(-len(ids) // 64)}
+        shard.release_session("size")
+    base = result["kv"][kv_dtypes[0]]["mean_loglik"]
+    for entry in result["kv"].values():
+        entry["loglik_change"] = round(abs(entry["mean_loglik"] - base) / abs(base), 5)
+    return result
+
+
 def measure(model: str | None, tokens: int, dtype: str) -> dict[str, Any]:
     from meshws.model.shard import ModelShard, ShardSettings
     from meshws.model.source import locate_model
@@ -102,7 +145,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens compared per prompt")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", default=None, help="where to write the JSON")
+    parser.add_argument("--kv", nargs="+", default=None, metavar="KV_DTYPE",
+                        help="compare keys and values in these dtypes instead (the first the reference), e.g. "
+                        "--kv bfloat16 q8_0 (issue 63: log-likelihood within 0.5%%, 4 of 5 answers the same)")
     args = parser.parse_args(argv)
+    if args.kv:
+        result = measure_kv(args.model, args.tokens, args.dtype, args.kv)
+        print(json.dumps(result, indent=1))
+        if args.out:
+            with open(args.out, "w") as handle:
+                json.dump(result, handle, indent=2)
+        return 0
     result = measure(args.model, args.tokens, args.dtype)
     print(f"{result['model']} ({result['dtype']} vs {result['fast']}), {result['tokens']} greedy tokens per prompt")
     for row in result["prompts"]:

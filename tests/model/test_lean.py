@@ -163,3 +163,19 @@ def test_batched_lean_rows_equal_each_row_alone(embedded_model, embedded_folder,
     for index in range(len(prompts)):
         shard.release_session(f"row-{index}")
     assert shard.sessions.total_bytes == 0
+
+
+@pytest.mark.skipif(kernels() is None, reason="q8_0 keys and values need meshws's kernels")
+def test_q8_0_keys_and_values_hold_17_64ths_of_float32_and_a_batch_decodes_as_each_alone(embedded_model):
+    shard = ModelShard(embedded_model, 0, 30, replace(LEAN, kv_dtype="q8_0"))
+    assert shard.compute_facts["kv_dtype"] == "q8_0"
+    prompts = [list(range(1, 40)), list(range(7, 90)), list(range(3, 12))]
+    firsts = [shard.encode_prompt(ids, session_id=f"s{index}").token_id for index, ids in enumerate(prompts)]
+    assert shard.sessions.total_bytes == (1 + 2 + 1) * KV_BLOCK * 30 * 2 * 3 * 68  # blocks x layers x k, v x heads
+    batched = shard.decode_batch([DecodeStep(f"s{index}", token_id=token) for index, token in enumerate(firsts)])
+    for index, (ids, first) in enumerate(zip(prompts, firsts)):
+        alone = shard.encode_prompt(ids + [first], session_id="alone").token_id
+        assert batched[index].token_id == alone, "a row's q8_0 attention is the same alone as in a batch"
+    for sid in ("s0", "s1", "s2", "alone"):
+        shard.release_session(sid)
+    assert shard.sessions.total_bytes == 0

@@ -433,3 +433,46 @@ def test_decode_attention_on_shared_blocks_equals_its_own_copy_bit_for_bit(dtype
     for cache in (mine, theirs):
         cache.release()
     assert [block.holders for block in prefix.blocks] == [2, 1, 1]  # (the third block: a copy held the other)
+
+
+@needs_kernels
+def test_q8_0_rows_are_ggufs_and_attention_reads_them_as_the_widened_floats_bit_for_bit():
+    """q8_0 keys and values: quantized as gguf does it, and attention on them equals attention on a float32 cache
+    holding their widened values, in a batch as alone (row-invariant bits, as the other kinds)."""
+    import gguf
+
+    from meshws.model.kv_blocks import KV_Q8_0, from_q8_0
+
+    generator = torch.Generator().manual_seed(7)
+    values = torch.randn(6, 3, 64, generator=generator) * 4
+    values[0, 0, :32] = 0.0  # a zero block: scale 0
+    blocks = KERNELS.to_q8_0(values)
+    want = gguf.quants.quantize(values.numpy().reshape(-1, 64), gguf.GGMLQuantizationType.Q8_0)
+    assert blocks.numpy().tobytes() == want.tobytes()
+    widened = from_q8_0(blocks, 64)
+    dequantized = gguf.quants.dequantize(want, gguf.GGMLQuantizationType.Q8_0).reshape(6, 3, 64)
+    assert torch.equal(widened, torch.from_numpy(dequantized))
+
+    lengths, low = [3, 70, 200], [0, 0, 9]
+    quantized, floats = [], []
+    for length in lengths:
+        q8, f32 = LeanCache(2, 3, 64, KV_Q8_0), LeanCache(2, 3, 64, torch.float32)
+        for cache in (q8, f32):
+            cache.reserve(length + 1)
+            cache.length = length
+        for mine, twin in zip(q8.blocks, f32.blocks):
+            mine.data.copy_(KERNELS.to_q8_0(torch.randn(*mine.data.shape[:-1], 64, generator=generator)))
+            twin.data.copy_(from_q8_0(mine.data, 64))
+        quantized.append(q8)
+        floats.append(f32)
+    assert quantized[0].nbytes * 64 == floats[0].nbytes * 17  # 34 bytes a 32 values against 128
+    q = torch.randn(3, 9, 1, 64, generator=generator)
+    k, v = (KERNELS.to_q8_0(torch.randn(3, 3, 1, 64, generator=generator)) for _ in range(2))
+    out = KERNELS.attend(q, k, v, AttendRows(quantized, low, lengths, 0.125), 1, 2)
+    want = KERNELS.attend(q, from_q8_0(k, 64), from_q8_0(v, 64), AttendRows(floats, low, lengths, 0.125), 1, 2)
+    assert torch.equal(out, want)
+    for row in range(3):
+        assert torch.equal(quantized[row].read(1, lengths[row] + 1)[0], floats[row].read(1, lengths[row] + 1)[0])
+        alone = KERNELS.attend(q[row : row + 1], k[row : row + 1], v[row : row + 1],
+                               AttendRows([quantized[row]], [low[row]], [lengths[row]], 0.125), 1, 1)
+        assert torch.equal(alone, out[row : row + 1])
