@@ -77,6 +77,7 @@ typedef __m256 vec;
 #define KIND_BF16 30
 #define KIND_INT8 100 /* meshws's int8 with a scale per output: no ggml type */
 #define KIND_Q8_0 8   /* a cache in ggml's Q8_0 blocks: 32 values as int8 and their float16 scale, 34 bytes */
+#define Q8_RUN 64     /* rows of a Q8_0 cache widened at a time (a divisor of the block: a run never spans two) */
 #define OUT_TILE 4   /* outputs computed together */
 #define ROW_BLOCK 64 /* rows that share one widening of a tile's weights */
 
@@ -1044,8 +1045,10 @@ static void to_q8_0(uint8_t *to, const float *from, int64_t count) {
         const float d = top / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
         const uint16_t half = float_to_half(d);
         memcpy(block, &half, 2);
-        for (int i = 0; i < 32; i++)
-            block[2 + i] = (uint8_t)(int8_t)roundf(x[i] * inverse);
+        for (int i = 0; i < 32; i++) {
+            const float q = roundf(x[i] * inverse);
+            block[2 + i] = (uint8_t)(int8_t)(q == q ? q : 0.0f); /* (a NaN stays defined: 0) */
+        }
     }
 }
 
@@ -1230,6 +1233,14 @@ static void group_values(float *value, const float *scores, int64_t stride_score
 #define GROUPED(call) (void)0
 #endif
 
+/* The first rows of the row's next block (from `p`, if it attends there) asked for ahead: a block's rows lie apart
+   from the last's, where neither the loops' own hints nor the CPU's prefetcher look. */
+static inline void next_block(const attend_t *a, int64_t row, int value, int64_t head, int64_t p, int64_t at) {
+    if (p <= at)
+        ahead(cache_row(a, row, value, head, p), (size_t)(at - p + 1 < CACHE_AHEAD ? at - p + 1 : CACHE_AHEAD)
+                                                     * row_bytes(a->kind, a->dim));
+}
+
 /* `count` cache rows from `rows` as attention reads them: as stored, or (Q8_0) widened into `into`. */
 static const char *widen_rows(const attend_t *a, const char *rows, int64_t count, float *into) {
     if (a->kind != KIND_Q8_0)
@@ -1245,7 +1256,8 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
         const int64_t row = unit / a->kv_heads, head = unit % a->kv_heads;
         const int64_t low = a->low[row], at = a->at[row], count = at - low + 1;
         const int kind = a->kind == KIND_Q8_0 ? KIND_F32 : a->kind; /* Q8_0: each block's rows widened first */
-        const size_t wide = a->kind == KIND_Q8_0 ? (size_t)(a->block * dim) : 0;
+        const int64_t run = a->kind == KIND_Q8_0 && a->block % Q8_RUN == 0 ? Q8_RUN : a->block; /* rows widened at once */
+        const size_t wide = a->kind == KIND_Q8_0 ? (size_t)(run * dim) : 0;
         const size_t need = (size_t)(count * group + dim * group + group) + wide; /* scores, values, totals */
         float stack[STACK_SCORES], *scores = need <= STACK_SCORES ? stack : malloc(sizeof(float) * need);
         if (!scores) {
@@ -1256,7 +1268,8 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
         const float *q = a->q + ((row * a->heads) + head * group) * dim; /* query head g's: q + g dim */
         const int grouped = dim % LANES == 0 && dim <= GROUP_DIM; /* each key and value widened once for the heads */
         for (int64_t p = low, n; p <= at; p += n) { /* the row's blocks in turn */
-            n = a->block - p % a->block < at - p + 1 ? a->block - p % a->block : at - p + 1;
+            n = run - p % run < at - p + 1 ? run - p % run : at - p + 1;
+            next_block(a, row, 0, head, p + n, at);
             const char *keys = widen_rows(a, cache_row(a, row, 0, head, p), n, widened);
             if (grouped)
                 GROUPED(group_scores(q, group, keys, n, dim, kind, a->scale, scores + (p - low), count));
@@ -1276,7 +1289,8 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
         for (int64_t i = 0; i < group * dim; i++)
             value[i] = 0.0f;
         for (int64_t p = low, n; p <= at; p += n) {
-            n = a->block - p % a->block < at - p + 1 ? a->block - p % a->block : at - p + 1;
+            n = run - p % run < at - p + 1 ? run - p % run : at - p + 1;
+            next_block(a, row, 1, head, p + n, at);
             const char *values = widen_rows(a, cache_row(a, row, 1, head, p), n, widened);
             if (grouped)
                 GROUPED(group_values(value, scores + (p - low), count, group, values, n, dim, kind));

@@ -15,14 +15,20 @@ costs a needless copy, never a wrong one, and a block's memory goes when no cach
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy
 import torch
 
+from .cache_store import KVCacheMiss
 from .tensors import cache_nbytes
 
-KV_BLOCK = 64  # positions per block: a session holds at most this many positions of room it does not use
+# Positions per block: a session holds fewer than this many positions of room it does not use. Attention reads a
+# block's rows of one head as one run; runs of 64 positions made long decode steps a tenth slower than one buffer,
+# runs of 256 cost a few percent (docs/performance.md).
+KV_BLOCK = 256
+_HOLDERS = threading.Lock()  # every change of a block's holders
 KV_Q8_0 = "q8_0"  # a cache's dtype: ggml's Q8_0 blocks (32 values as int8, a float16 scale), as llama.cpp's q8_0 KV
 
 
@@ -81,6 +87,8 @@ class LeanCache:
         """Room for `positions` positions, and the blocks a step writes (from `start`, this cache's length if not
         said) made this cache's own: a block shared with another is copied first. Every new block is made before
         any is swapped in, so a failed allocation leaves the cache as it was."""
+        if self.released:  # (its blocks may look unshared to another session now: never written again)
+            raise KVCacheMiss("the session's cache was let go")
         start = self.length if start is None else start
         first, last = start // KV_BLOCK, (positions - 1) // KV_BLOCK
         copies = {index: self._new_block() for index in range(first, min(last + 1, len(self.blocks)))
@@ -88,7 +96,8 @@ class LeanCache:
         added = [self._new_block() for _ in range(len(self.blocks), last + 1)]
         for index, block in copies.items():
             block.data.copy_(self.blocks[index].data)
-            self.blocks[index].holders -= 1
+            with _HOLDERS:
+                self.blocks[index].holders -= 1
             self.blocks[index] = block
         self.blocks.extend(added)
 
@@ -98,18 +107,20 @@ class LeanCache:
     def copy(self, length: int) -> "LeanCache":
         """Another session's cache holding this one's first `length` positions, on the same blocks."""
         copied = LeanCache(self.layers, *self.shape, self.dtype)
-        for block in self.blocks[: -(-length // KV_BLOCK)]:
-            block.holders += 1
-            copied.blocks.append(block)
+        with _HOLDERS:
+            for block in self.blocks[: -(-length // KV_BLOCK)]:
+                block.holders += 1
+                copied.blocks.append(block)
         copied.length = min(length, self.length)
         return copied
 
     def release(self) -> None:
         """The session let this cache go: its blocks are no longer its (the memory goes with the last reference)."""
-        if not self.released:
-            self.released = True
-            for block in self.blocks:
-                block.holders -= 1
+        with _HOLDERS:  # (the store may let a cache go on the event loop while the worker forks another)
+            if not self.released:
+                self.released = True
+                for block in self.blocks:
+                    block.holders -= 1
 
     # -- reading and writing one layer through torch -------------------------------
 

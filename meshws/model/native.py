@@ -140,6 +140,8 @@ class Kernels:
 
     def to_q8_0(self, values: torch.Tensor) -> torch.Tensor:
         """Values `[..., dim]` (dim a multiple of 32) as ggml's Q8_0 blocks, `[..., dim / 32 * 34]` bytes."""
+        if values.shape[-1] % 32:
+            raise ValueError(f"q8_0 takes rows of a multiple of 32 values, not {values.shape[-1]}")
         flat = values.detach().float().contiguous()
         out = torch.empty(*values.shape[:-1], values.shape[-1] // 32 * 34, dtype=torch.uint8)
         if self._to_q8_0(flat.data_ptr(), flat.numel(), out.data_ptr()):

@@ -171,7 +171,8 @@ def test_q8_0_keys_and_values_hold_17_64ths_of_float32_and_a_batch_decodes_as_ea
     assert shard.compute_facts["kv_dtype"] == "q8_0"
     prompts = [list(range(1, 40)), list(range(7, 90)), list(range(3, 12))]
     firsts = [shard.encode_prompt(ids, session_id=f"s{index}").token_id for index, ids in enumerate(prompts)]
-    assert shard.sessions.total_bytes == (1 + 2 + 1) * KV_BLOCK * 30 * 2 * 3 * 68  # blocks x layers x k, v x heads
+    blocks = sum(-(-len(ids) // KV_BLOCK) for ids in prompts)
+    assert shard.sessions.total_bytes == blocks * KV_BLOCK * 30 * 2 * 3 * 68  # positions x layers x k, v x heads
     batched = shard.decode_batch([DecodeStep(f"s{index}", token_id=token) for index, token in enumerate(firsts)])
     for index, (ids, first) in enumerate(zip(prompts, firsts)):
         alone = shard.encode_prompt(ids + [first], session_id="alone").token_id
