@@ -103,7 +103,8 @@ class Generator:
         path = conversation.path if warm else RoutedPath(self.planner, sid, route, self.step_timeout,
                                                          self.compress_min_bytes, self.secret)
         if stats.internal:  # a shared prompt prefix: counted apart from users' sessions on every shard
-            path.kept = self.backend.sessions.keep_apart(sid) or True
+            path.kept = True
+            self.backend.sessions.keep_apart(sid)
         if warm and route is not None:
             route.release()  # the conversation goes on along its own route
         speculation = Speculation(NgramDrafter(), self.draft_tokens) \

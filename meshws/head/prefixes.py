@@ -1,13 +1,14 @@
 """Prompt prefixes shared by every request that begins with them, computed once and kept on every shard.
 
 A `SharedPrefix` is a session of its own, kept open by the head like a conversation: its caches
-hold a prompt's whole blocks of tokens (`kv_blocks.KV_BLOCK`). A new session starts as a fork of
-the kept prefix whose tokens agree with its prompt's for longest (compared token by token, never
-by a hash), at that many tokens: every shard of the prefix's route starts the new cache on the
+hold a prompt's whole blocks of `PREFIX_BLOCK` tokens. A new session starts as a fork of
+the kept prefix whose tokens agree with its prompt's for the most whole blocks (compared token by
+token, never by a hash), at that many tokens: every shard of the prefix's route starts the new cache on the
 prefix's blocks (shared, counted once, copied only from where the two differ) and only the rest
-of the prompt is prefilled; `cached_tokens` says how much was not. A prompt whose whole blocks go
-a block or more beyond what any prefix shares with it has them built first as a prefix of its
-own (from that one), which it then forks as any later request does.
+of the prompt is prefilled; `cached_tokens` says how much was not. A prompt that shares no block
+with any kept prefix, or whose whole blocks go two or more beyond what one shares with it (a
+conversation's next turn, not another question after the same system prompt), has them built
+first as a prefix of its own (from that one), which it then forks as any later request does.
 
 Prefixes serve requests of the same `key` only (the request's `cache_salt`; "" for all others):
 whether a prefix was kept, and so `cached_tokens` and the time to the first token, tells a client
@@ -26,14 +27,14 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from contextlib import aclosing
 
-from ..model.kv_blocks import KV_BLOCK
 from .conversation import Conversation, common_prefix
 from .stats import Fork, GenerationRequest, GenerationStats
 
 log = logging.getLogger("meshws.prefixes")
 
 BUILD_WAIT = 60.0  # seconds a request waits for a prefix another one is building before it prefills in full
-MIN_SHARED = 16  # leading tokens below which sharing is not worth a fork
+PREFIX_BLOCK = 64  # tokens are shared in whole blocks of this many (a kept prefix's, and a fork's)
+MAX_BUILDS = 2  # prefixes built at once (beyond, a request forks what is kept, or prefills in full)
 
 Build = Callable[[list[int], Fork | None], Awaitable[Conversation | None]]  # tokens, from -> the kept session
 End = Callable[[Conversation], Awaitable[None]]
@@ -62,34 +63,35 @@ class PrefixPool:
         self._end = end  # closes a kept session on every shard
         self._clock = clock
         self._entries: list[SharedPrefix] = []  # least recently used first
+        self._builds: set[asyncio.Task] = set()  # (held: the loop keeps only a weak reference to a task)
         self.hits = self.built = self.evictions = 0
 
     def __len__(self) -> int:
         return sum(1 for entry in self._entries if entry.ready.is_set() and entry.live)
 
     async def fork_for(self, prompt_ids: Sequence[int], key: str) -> tuple[Fork, int] | None:
-        """Where a new session with this prompt starts: the kept prefix sharing the most tokens with it, forked at
-        that many; or, where the prompt's whole blocks go a block or more beyond that, a prefix of them built now
-        (from that one) and forked whole. Also the tokens this request had computed for it (a build it started).
-        None: no pool, or nothing worth sharing."""
+        """Where a new session with this prompt starts: the kept prefix sharing the most whole blocks with it, forked
+        at that many tokens; or, where the prompt's whole blocks go beyond that, a prefix of them built now (from
+        that one) and forked whole. Also the tokens this request had computed for it (a build it started). None:
+        no pool, or nothing worth sharing."""
         if not self.size:
             return None
-        await self._sweep()
+        await self.sweep()
+        entry, shared = self._best(prompt_ids, key, building=True)
+        if entry is not None and not entry.ready.is_set():  # another request builds what this one needs: wait
+            if not await self._ready(entry):
+                return None
         entry, shared = self._best(prompt_ids, key)
-        if entry is not None and not entry.ready.is_set():  # (another request's build: wait, then look again)
-            await self._ready(entry)
-            entry, shared = self._best(prompt_ids, key)
-        length, computed = (len(prompt_ids) - 1) // KV_BLOCK * KV_BLOCK, 0
-        if length >= shared + KV_BLOCK:
-            base = entry if entry is not None and entry.ready.is_set() and shared >= MIN_SHARED else None
-            computed = length - (shared if base is not None else 0)
-            entry, shared = self._start(list(prompt_ids[:length]), key, base, shared), length
-        if entry is None or shared < MIN_SHARED or not await self._ready(entry):
+        length, computed = (len(prompt_ids) - 1) // PREFIX_BLOCK * PREFIX_BLOCK, 0
+        if length > shared and (not shared or length - shared >= 2 * PREFIX_BLOCK) and len(self._builds) < MAX_BUILDS:
+            computed = length - shared
+            entry, shared = self._start(list(prompt_ids[:length]), key, entry, shared), length
+            if not await self._ready(entry):
+                return None
+        session = entry.session if entry is not None and shared else None
+        if session is None or not session.warm or not _reachable(session):
             return None
-        session = entry.session
-        if session is None or not session.warm:
-            return None
-        entry.last_used, entry.users = self._clock(), entry.users + 1
+        entry.last_used = session.last_used = self._clock()  # (the head's bound on kept sessions reads the latter)
         self._entries.remove(entry)
         self._entries.append(entry)
         self.hits += not computed
@@ -111,12 +113,15 @@ class PrefixPool:
 
     # -- internals -----------------------------------------------------------
 
-    def _best(self, prompt_ids: Sequence[int], key: str) -> tuple[SharedPrefix | None, int]:
-        """The live prefix of `key` sharing the most leading tokens with the prompt, and how many (less its last)."""
+    def _best(self, prompt_ids: Sequence[int], key: str, building: bool = False) -> tuple[SharedPrefix | None, int]:
+        """The prefix of `key` (built, or with `building` also being built) sharing the most whole blocks of leading
+        tokens with the prompt (its last token apart), and how many tokens that is. Only whole blocks are shared:
+        a client learns whether another sent the same 64 tokens, never one token at a time."""
         best, shared = None, 0
         for entry in self._entries:
-            if entry.key == key and entry.live:
+            if entry.key == key and entry.live and (building or entry.ready.is_set()):
                 count = min(common_prefix(entry.tokens, prompt_ids), len(prompt_ids) - 1)
+                count = count // PREFIX_BLOCK * PREFIX_BLOCK
                 if count > shared:
                     best, shared = entry, count
         return best, shared
@@ -129,7 +134,8 @@ class PrefixPool:
             return False
 
     def _start(self, tokens: list[int], key: str, base: SharedPrefix | None, shared: int) -> SharedPrefix:
-        """A new prefix of `tokens`, built in the background from `base`'s first `shared` tokens, if given."""
+        """A new prefix of `tokens`, built in the background from `base`'s first `shared` tokens, if given (a build
+        goes on when its requester goes: the prefix serves the next)."""
         entry = SharedPrefix(key, tokens, last_used=self._clock())
         self._entries.append(entry)
 
@@ -147,12 +153,17 @@ class PrefixPool:
                 self._drop(entry)
             else:
                 self.built += 1
-                await self._sweep()
+                entry.last_used = self._clock()  # (the newest: its requests fork it before any sweep ends it)
+                if entry in self._entries:
+                    self._entries.remove(entry)
+                    self._entries.append(entry)
 
-        asyncio.get_running_loop().create_task(build())
+        task = asyncio.get_running_loop().create_task(build())
+        self._builds.add(task)
+        task.add_done_callback(self._builds.discard)
         return entry
 
-    async def _sweep(self) -> None:
+    async def sweep(self) -> None:
         """Drop prefixes whose session ended elsewhere, then end those idle past the TTL, then the oldest beyond
         the bound (those still building are left to finish)."""
         now = self._clock()
@@ -177,6 +188,12 @@ class PrefixPool:
         self.evictions += 1
         if entry.session is not None and entry.session.warm:
             await self._end(entry.session)
+
+
+def _reachable(session: Conversation) -> bool:
+    """Is the prefix's first hop up (a new session's `open` goes there before any failover could route around)?"""
+    link = getattr(getattr(session.path, "route", None), "link", None)
+    return link is None or link.is_up
 
 
 async def hold_prefix(generator: Any, tokens: list[int], fork: Fork | None) -> Conversation | None:

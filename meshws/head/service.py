@@ -185,6 +185,7 @@ class HeadService:
                 await asyncio.sleep(min(self.warm.ttl / 4, 5.0))
                 try:
                     await self.warm.sweep()
+                    await self.prefixes.sweep()
                 except Exception:  # the sweep goes on whatever one release raised
                     log.exception("sweeping the warm pool failed")
 

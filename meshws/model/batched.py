@@ -277,7 +277,7 @@ def prefill_rows(shard: Any, steps: Sequence[PrefillStep],
         for index, decode in enumerate(decodes, start=len(steps)):
             try:
                 entry, hidden, past = _prepare(shard, decode)
-                entry.cache.reserve(past + 1)
+                entry.cache.reserve(past + 1, past)
                 riding.append((index, entry, hidden, past))
             except (KVCacheMiss, ValueError) as exc:
                 results[index] = exc

@@ -248,17 +248,18 @@ class SessionCacheStore:
         self.evictions += len(stale)
 
     def _enforce_limits(self, keep: str) -> None:
-        def over() -> bool:  # (a private entry counts toward neither limit, and is never the victim)
-            if self._public() > self.max_sessions:
-                return True
+        def over_bytes() -> bool:
             if self.max_bytes is None:
                 return False
             if sum(e.nbytes for sid, e in self._entries.items() if sid not in self._private) <= self.max_bytes:
                 return False  # (within the budget even counting shared blocks in every cache: the usual case)
             return self._bytes() > self.max_bytes
 
-        while over():
-            victim = next((sid for sid in self._entries if sid != keep and sid not in self._private), None)
+        # (a private entry counts toward neither limit and is never the victim; a kept prefix counts toward the
+        # bytes only, so only the bytes may take it)
+        while (count := self._public() > self.max_sessions) or over_bytes():
+            apart = self._private | (self._kept if count else set())
+            victim = next((sid for sid in self._entries if sid != keep and sid not in apart), None)
             if victim is None:
                 break
             self._remove(victim)

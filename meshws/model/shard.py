@@ -25,7 +25,7 @@ from .constraints import Grammars
 from .shard_facts import ShardFacts
 from .gguf_model import GgufModel
 from .kv_blocks import footprint
-from .memory import default_cache_budget, give_back, process_memory, tensor_bytes
+from .memory import default_cache_budget, give_back, map_large_allocations, process_memory, tensor_bytes
 from .native import kernels
 from .sampling import DEFAULT as GREEDY, SamplingParams, prompt_token_logprobs, token_logprobs, verify_drafts
 from .session_layers import SessionLayers, fork as fork_cache
@@ -51,6 +51,7 @@ class ModelShard(ShardFacts):
         if self.settings.dtype_was_auto:
             log.info("compute: %s (%s)", self.settings.dtype, self.dtype_reason)
         self.tokenizer = load_tokenizer(resolved) if parts.layout.is_head else None
+        map_large_allocations()  # (KV blocks and work buffers freed are given back at once)
         self.sessions = SessionCacheStore(max_sessions=self.settings.max_sessions, ttl_seconds=self.settings.cache_ttl,
                                           max_bytes=None, measure=cache_length, emptied=give_back,
                                           footprint=footprint)

@@ -4,8 +4,7 @@ requests, a salt apart, bounded, and a prefix lost on a shard goes."""
 import asyncio
 
 from meshws.head.conversation import Conversation
-from meshws.head.prefixes import PrefixPool
-from meshws.model.kv_blocks import KV_BLOCK as B
+from meshws.head.prefixes import PREFIX_BLOCK as B, PrefixPool
 
 
 class Builds:
@@ -39,9 +38,9 @@ async def test_the_first_request_builds_its_prefix_and_the_next_forks_it():
     assert fork.length == 2 * B and computed == 2 * B and builds.made == [(2 * B, None)]
     again, computed = await pool.fork_for(prompt[: 2 * B + 1] + [9, 9, 9], "")  # another question after it
     assert again == fork and computed == 0 and pool.hits == 1 and len(builds.made) == 1
-    short, computed = await pool.fork_for(prompt[:B], "")  # shorter than the prefix: its start, all but the last
-    assert short == type(fork)(fork.sid, B - 1) and computed == 0 and len(builds.made) == 1
+    assert await pool.fork_for(prompt[:B], "") is None, "less than a whole block shared (its last token runs)"
     assert await pool.fork_for(_prompt(B, seed=5), "") is None, "nothing shared, and too short to keep"
+    assert len(builds.made) == 1
 
 
 async def test_tokens_must_match_exactly_and_a_longer_prompt_extends_the_longest_prefix():
@@ -50,14 +49,16 @@ async def test_tokens_must_match_exactly_and_a_longer_prompt_extends_the_longest
     prompt = _prompt(3 * B + 5)
     first, _ = await pool.fork_for(prompt[: B + 3], "")
     near = list(prompt)
-    near[B - 1] += 1  # the last token of the first block differs: the prefix serves the tokens before it only
+    near[B - 1] += 1  # the last token of the first block differs: no whole block is shared, never a token alone
     other, computed = await pool.fork_for(near, "")
-    assert other.sid != first.sid and other.length == 3 * B and computed == 2 * B + 1
-    assert builds.made[-1] == (3 * B, type(first)(first.sid, B - 1))
+    assert other.sid != first.sid and other.length == 3 * B and computed == 3 * B
+    assert builds.made[-1] == (3 * B, None)
     longer, computed = await pool.fork_for(prompt, "")  # the first block is kept: only the rest is computed
     assert computed == 2 * B and builds.made[-1] == (3 * B, first) and longer.length == 3 * B
     question, computed = await pool.fork_for(near[: 3 * B + 1] + [1, 2, 3], "")  # within `near`'s blocks
     assert question == other and computed == 0
+    one_more, computed = await pool.fork_for(prompt[: 3 * B + 40] + [5] * 40, "")  # a block beyond: not worth one
+    assert one_more == longer and computed == 0 and len(builds.made) == 3
 
 
 async def test_concurrent_requests_wait_for_one_build_and_a_salt_keeps_prefixes_apart():
@@ -79,7 +80,7 @@ async def test_the_bound_ends_the_least_recently_used_and_a_lost_prefix_goes():
     builds = Builds()
     pool = PrefixPool(2, builds.build, builds.end)
     forks = [(await pool.fork_for(_prompt(B + 1, seed), ""))[0] for seed in range(3)]
-    await asyncio.sleep(0)
+    await pool.sweep()  # (the head sweeps now and then, and before each request)
     assert len(pool) == 2 and len(builds.ended) == 1 and builds.ended[0].sid == forks[0].sid
     await pool.spoiled(forks[2])
     assert len(pool) == 1 and builds.ended[-1].sid == forks[2].sid

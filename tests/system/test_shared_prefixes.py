@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from helpers import EXACT, MODEL, golden
-from meshws.model.kv_blocks import KV_BLOCK
+from meshws.head.prefixes import PREFIX_BLOCK
 from meshws.tools.launch import Mesh
 
 pytestmark = [pytest.mark.real_model, pytest.mark.processes]
@@ -43,28 +43,28 @@ async def test_clients_share_a_system_prompt_and_answer_as_a_fresh_prefill(mesh,
     async with aiohttp.ClientSession() as client:
         ids, tokens, cached = await _ask(client, mesh, SYSTEM, "My chain keeps skipping. Why?", user="alice")
         assert tokens == golden(reference_model, ids, STEPS) and cached == 0, "the first computes the prefix"
-        kept = (len(ids) - 1) // KV_BLOCK * KV_BLOCK
+        kept = (len(ids) - 1) // PREFIX_BLOCK * PREFIX_BLOCK
         system_tokens = None
         for question in ("What should I pack for a six hour ride?", "How do I bleed hydraulic brakes?"):
             other, tokens, cached = await _ask(client, mesh, SYSTEM, question, user="bob")
             assert tokens == golden(reference_model, other, STEPS)
             shared = next(i for i, (a, b) in enumerate(zip(ids, other)) if a != b)
             system_tokens = shared
-            assert cached == min(shared, kept) >= 4 * KV_BLOCK, (cached, shared, kept)
+            assert cached == min(shared // PREFIX_BLOCK * PREFIX_BLOCK, kept) >= 4 * PREFIX_BLOCK, (cached, shared)
 
         # One token apart inside the first block: only the tokens before it are shared, and the answer is fresh.
         near = SYSTEM.replace("mountain bike club", "mountain bike team", 1)
         near_ids, tokens, cached = await _ask(client, mesh, near, "My chain keeps skipping. Why?")
         assert tokens == golden(reference_model, near_ids, STEPS)
         differ = next(i for i, (a, b) in enumerate(zip(ids, near_ids)) if a != b)
-        assert differ < KV_BLOCK and cached == (differ if differ >= 16 else 0)
+        assert differ < PREFIX_BLOCK and cached == 0, "whole blocks only: never the tokens before a difference"
 
         # A salt keeps tenants apart: nothing shared with the unsalted, then shared among the same salt.
         _, tokens, cached = await _ask(client, mesh, SYSTEM, "What should I pack for a six hour ride?",
                                        cache_salt="tenant-b")
         assert cached == 0
         _, _, cached = await _ask(client, mesh, SYSTEM, "How do I true a wheel?", cache_salt="tenant-b")
-        assert cached >= system_tokens - KV_BLOCK
+        assert cached >= system_tokens - PREFIX_BLOCK
         _, _, cached = await _ask(client, mesh, SYSTEM, "How do I true a wheel?", cache_prompt=False)
         assert cached == 0, "cache_prompt false: no shared prefix"
 
