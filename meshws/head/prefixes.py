@@ -92,8 +92,9 @@ class PrefixPool:
         if session is None or not session.warm or not _reachable(session):
             return None
         entry.last_used = session.last_used = self._clock()  # (the head's bound on kept sessions reads the latter)
-        self._entries.remove(entry)
-        self._entries.append(entry)
+        if entry in self._entries:  # (the most recent now; a sweep meanwhile may have taken it out)
+            self._entries.remove(entry)
+            self._entries.append(entry)
         self.hits += not computed
         return Fork(session.sid, shared), computed
 
