@@ -140,7 +140,7 @@ def prefixes(gguf: str, prompt: int, clients: int = 8) -> dict[str, Any]:
     layers = geometry(read_table(Path(gguf)))[0]
     half = layers // 2
     mesh = Mesh([("head", f"0-{half - 1}"), ("tail", f"{half}-{layers - 1}")],
-                common=("--model", gguf, "--draft", "none"),
+                common=("--model", gguf, "--draft", "none"), extra={"head": ("--shared-prefixes", "16")},
                 cpus=["0", "1"] if cores >= 2 else None, timeout=300)
     try:
         model = _model(mesh.head)

@@ -115,14 +115,15 @@ async def measure_turns(url: str, model: str, tokens: int, turns: int) -> dict[s
 
 
 def measure_conversation(model: str, layers: int, dtype: str, model_id: str, tokens: int, turns: int) -> dict[str, Any]:
-    """A head + tail started as a user would, with a warm pool; the conversation scenario through it."""
+    """A head + tail started as a user would, with a warm pool; the conversation scenario through it (shared prompt
+    prefixes off: turn 1 would find the prefix the fresh runs built, and the figure is the warm pool's)."""
     import asyncio
 
     from .launch import Mesh
 
     split = layers // 2
     mesh = Mesh([("head", f"0-{split - 1}"), ("tail", f"{split}-{layers - 1}")],
-                common=("--model", model, "--dtype", dtype), extra={"head": ("--warm-sessions", "4")},
+                common=("--model", model, "--dtype", dtype), extra={"head": ("--warm-sessions", "4", "--shared-prefixes", "0")},
                 split_threads=False)
     try:
         return asyncio.run(measure_turns(mesh.head.url, model_id, tokens, turns))
