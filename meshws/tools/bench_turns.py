@@ -123,7 +123,8 @@ def measure_conversation(model: str, layers: int, dtype: str, model_id: str, tok
 
     split = layers // 2
     mesh = Mesh([("head", f"0-{split - 1}"), ("tail", f"{split}-{layers - 1}")],
-                common=("--model", model, "--dtype", dtype), extra={"head": ("--warm-sessions", "4", "--shared-prefixes", "0")},
+                common=("--model", model, "--dtype", dtype),
+                extra={"head": ("--warm-sessions", "4", "--shared-prefixes", "0")},
                 split_threads=False)
     try:
         return asyncio.run(measure_turns(mesh.head.url, model_id, tokens, turns))
