@@ -27,6 +27,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from contextlib import aclosing
 
+from ..mesh.aio import waited
 from .conversation import Conversation, common_prefix
 from .stats import Fork, GenerationRequest, GenerationStats
 
@@ -79,14 +80,14 @@ class PrefixPool:
         await self.sweep()
         entry, shared = self._best(prompt_ids, key, building=True)
         if entry is not None and not entry.ready.is_set():  # another request builds what this one needs: wait
-            if not await self._ready(entry):
+            if not await waited(entry.ready, BUILD_WAIT):
                 return None
         entry, shared = self._best(prompt_ids, key)
         length, computed = (len(prompt_ids) - 1) // PREFIX_BLOCK * PREFIX_BLOCK, 0
         if length > shared and (not shared or length - shared >= 2 * PREFIX_BLOCK) and len(self._builds) < MAX_BUILDS:
             computed = length - shared
             entry, shared = self._start(list(prompt_ids[:length]), key, entry, shared), length
-            if not await self._ready(entry):
+            if not await waited(entry.ready, BUILD_WAIT):
                 return None
         session = entry.session if entry is not None and shared else None
         if session is None or not session.warm or not _reachable(session):
@@ -126,13 +127,6 @@ class PrefixPool:
                 if count > shared:
                     best, shared = entry, count
         return best, shared
-
-    async def _ready(self, entry: SharedPrefix) -> bool:
-        try:
-            await asyncio.wait_for(entry.ready.wait(), BUILD_WAIT)
-            return True
-        except asyncio.TimeoutError:
-            return False
 
     def _start(self, tokens: list[int], key: str, base: SharedPrefix | None, shared: int) -> SharedPrefix:
         """A new prefix of `tokens`, built in the background from `base`'s first `shared` tokens, if given (a build

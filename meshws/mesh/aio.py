@@ -10,6 +10,15 @@ from typing import Any, Callable, Coroutine
 import aiohttp
 
 
+async def waited(event: asyncio.Event, timeout: float) -> bool:
+    """Wait for `event` at most `timeout` seconds; whether it was set."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+        return True
+    except asyncio.TimeoutError:
+        return False
+
+
 async def until(done: Callable[[], bool], timeout: float) -> bool:
     """Wait until `done()` (polled every 50 ms) or `timeout` seconds; whether it came true."""
     deadline = time.monotonic() + timeout

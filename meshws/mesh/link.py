@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import aiohttp
 
-from .aio import no_way_to
+from .aio import no_way_to, waited
 from .auth import signed_headers
 from .log_limit import LogLimiter
 from ..model.backend import TensorPayload
@@ -108,11 +108,7 @@ class Link:
         return done
 
     async def wait_up(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self._up.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        return await waited(self._up, timeout)
 
     @property
     def is_up(self) -> bool:
