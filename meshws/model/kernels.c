@@ -917,6 +917,8 @@ typedef struct {
 } attend_t;
 
 #define STACK_SCORES 4096 /* floats of scores kept on the stack; longer rows take the heap */
+#define MLP_ROWS 64 /* rows of a fused step whose MLP runs at once (its gate, up and activations: 3 x inter each) */
+#define STACK_WIDE (Q8_RUN * 128) /* floats of widened Q8_0 rows kept on the stack (heads of up to 128 values) */
 #define CACHE_AHEAD 8     /* cache rows a key's or value's loop asks for ahead (a hint: past the end, nothing) */
 
 #ifndef GENERIC
@@ -1067,6 +1069,30 @@ int mw_to_q8_0(const float *from, int64_t count, uint8_t *to) {
     to_q8_0(to, from, count);
     return 0;
 }
+
+/* q8_0 keys and values are kept turned: each head's values by the orthonormal Walsh-Hadamard matrix of its largest
+   power-of-two part (a 64-value head: H64), which spreads one outlier over the head instead of leaving it to set
+   the scale of its 32-value block. q.k is the same for turned q and k (H is orthogonal), and the output of
+   attention over turned values is turned back with H again (H is its own inverse). One function turns them on
+   every path (`mw_decode`, and `lean` around `mw_attend` and torch's attention), so their bits agree. */
+static void turn(float *x, int64_t heads, int64_t dim) {
+    const int64_t size = dim & -dim;
+    const float norm = 1.0f / sqrtf((float)size);
+    for (int64_t at = 0; at < heads * dim; at += size) {
+        float *v = x + at;
+        for (int64_t half = 1; half < size; half *= 2)
+            for (int64_t i = 0; i < size; i += 2 * half)
+                for (int64_t j = i; j < i + half; j++) {
+                    const float a = v[j], b = v[j + half];
+                    v[j] = a + b;
+                    v[j + half] = a - b;
+                }
+        for (int64_t i = 0; i < size; i++)
+            v[i] *= norm;
+    }
+}
+
+void mw_turn(float *x, int64_t heads, int64_t dim) { turn(x, heads, dim); }
 
 
 /* s[t] = scale * dot(q, key t) for the `count` cache rows from `keys`. */
@@ -1257,14 +1283,16 @@ static void attend_units(const void *task, int64_t begin, int64_t end) {
         const int64_t low = a->low[row], at = a->at[row], count = at - low + 1;
         const int kind = a->kind == KIND_Q8_0 ? KIND_F32 : a->kind; /* Q8_0: each block's rows widened first */
         const int64_t run = a->kind == KIND_Q8_0 && a->block % Q8_RUN == 0 ? Q8_RUN : a->block; /* rows widened at once */
-        const size_t wide = a->kind == KIND_Q8_0 ? (size_t)(run * dim) : 0;
-        const size_t need = (size_t)(count * group + dim * group + group) + wide; /* scores, values, totals */
+        const size_t wide = a->kind == KIND_Q8_0 ? (size_t)(run * dim) : 0; /* (on the stack where it fits) */
+        const size_t need = (size_t)(count * group + dim * group + group) + (wide > STACK_WIDE ? wide : 0);
         float stack[STACK_SCORES], *scores = need <= STACK_SCORES ? stack : malloc(sizeof(float) * need);
+        float wide_stack[STACK_WIDE];
         if (!scores) {
             atomic_store(a->failed, 1);
             continue;
         }
-        float *value = scores + count * group, *totals = value + dim * group, *widened = totals + group;
+        float *value = scores + count * group, *totals = value + dim * group;
+        float *widened = wide > STACK_WIDE ? totals + group : wide_stack;
         const float *q = a->q + ((row * a->heads) + head * group) * dim; /* query head g's: q + g dim */
         const int grouped = dim % LANES == 0 && dim <= GROUP_DIM; /* each key and value widened once for the heads */
         for (int64_t p = low, n; p <= at; p += n) { /* the row's blocks in turn */
@@ -1586,7 +1614,9 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
     const int64_t inter = (layer[0].gate_up[0].out + layer[0].gate_up[1].out) / 2;
     const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
     const int64_t qkv_size = q_size + 2 * kv_size, size = (int64_t)row_bytes(cache_kind, kv_size); /* a row's */
-    const int64_t floats = rows * (width + qkv_size + 2 * q_size + width + 3 * inter);
+    const int64_t mlp_rows = rows < MLP_ROWS ? rows : MLP_ROWS; /* the MLP's rows at a time: a prompt's chunk of
+                                                                  hundreds of rows holds a quarter of the memory */
+    const int64_t floats = rows * (width + qkv_size + 2 * q_size + width) + mlp_rows * 3 * inter;
     float *x = lined(sizeof(float) * floats);
     char *fresh = malloc((size_t)(2 * rows * size));
     if (!x || !fresh) {
@@ -1595,7 +1625,7 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
         return -1;
     }
     float *qkv = x + rows * width, *q = qkv + rows * qkv_size, *att = q + rows * q_size;
-    float *out = att + rows * q_size, *gate_up = out + rows * width, *act = gate_up + rows * 2 * inter;
+    float *out = att + rows * q_size, *gate_up = out + rows * width, *act = gate_up + mlp_rows * 2 * inter;
     char *new_keys = fresh, *new_values = fresh + rows * size;
     atomic_int failed = 0;
     for (int64_t l = 0; l < layers && !atomic_load(&failed); l++) {
@@ -1617,6 +1647,8 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
                 rotate(row + head * dim, cos + r * dim, sin + r * dim, dim, round_bf16, rope_pairs);
             for (int64_t head = 0; head < kv_heads; head++)
                 rotate(row + q_size + head * dim, cos + r * dim, sin + r * dim, dim, round_bf16, rope_pairs);
+            if (cache_kind == KIND_Q8_0) /* (q, k and v: heads + 2 * kv_heads heads of dim) */
+                turn(row, heads + 2 * kv_heads, dim);
             memcpy(q + r * q_size, row, sizeof(float) * q_size);
             to_cache(new_keys + r * size, cache_kind, row + q_size, kv_size);
             to_cache(new_values + r * size, cache_kind, row + q_size + kv_size, kv_size);
@@ -1626,22 +1658,28 @@ int mw_decode(int64_t rows, int64_t layers, const mw_layer *layer, int64_t width
         attend_rows(&task, threads);
         if (atomic_load(&failed))
             break;
+        if (cache_kind == KIND_Q8_0)
+            turn(att, rows * heads, dim);
         if (product(&p->o, 1, att, rows, out, round_bf16, 0, q8, threads)) {
             atomic_store(&failed, 1);
             break;
         }
         add_into(h, out, rows * width, round_bf16);
         rms_norm(h, p->norm_post, rows, width, eps, x, round_bf16);
-        if (product(p->gate_up, gate_up_parts, x, rows, gate_up, round_bf16, 1, q8, threads)) {
-            atomic_store(&failed, 1);
-            break;
+        for (int64_t r0 = 0; r0 < rows && !atomic_load(&failed); r0 += mlp_rows) { /* (a row's bits: the same) */
+            const int64_t n = rows - r0 < mlp_rows ? rows - r0 : mlp_rows;
+            if (product(p->gate_up, gate_up_parts, x + r0 * width, n, gate_up, round_bf16, 1, q8, threads)) {
+                atomic_store(&failed, 1);
+                break;
+            }
+            for (int64_t r = 0; r < n; r++)
+                silu_row(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, act + r * inter, inter,
+                         round_bf16);
+            if (product(&p->down, 1, act, n, out + r0 * width, round_bf16, 1, q8, threads))
+                atomic_store(&failed, 1);
         }
-        for (int64_t r = 0; r < rows; r++)
-            silu_row(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, act + r * inter, inter, round_bf16);
-        if (product(&p->down, 1, act, rows, out, round_bf16, 1, q8, threads)) {
-            atomic_store(&failed, 1);
+        if (atomic_load(&failed))
             break;
-        }
         add_into(h, out, rows * width, round_bf16);
     }
     free(x);

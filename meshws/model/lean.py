@@ -233,6 +233,9 @@ class LeanLayers:
     def _block(self, layer: LayerWeights, hidden: torch.Tensor, attend: Callable[[torch.Tensor, torch.Tensor,
                torch.Tensor], torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self._before(hidden, layer, cos, sin)
+        if self.spec.cache_dtype == KV_Q8_0:  # kept turned (`Kernels.turn`): q.k as before, the output turned back
+            turn = self.kernels.turn
+            return self._after(hidden, turn(attend(turn(q), turn(k), turn(v))).to(q.dtype), layer)
         return self._after(hidden, attend(q, k, v), layer)
 
     def _cached(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -109,6 +109,8 @@ class Kernels:
         self.amx = os.environ.get("MESHWS_AMX", "1") != "0" and library.mw_amx() == 1
         self._to_q8_0 = library.mw_to_q8_0
         self._to_q8_0.restype, self._to_q8_0.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        self._turn = library.mw_turn
+        self._turn.restype, self._turn.argtypes = None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         self._attend = library.mw_attend
         self._attend.restype = ctypes.c_int
         self._attend.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 \
@@ -137,6 +139,13 @@ class Kernels:
         if failed:
             raise MemoryError("no memory for a decode step's attention scores")
         return out.view(rows, heads, 1, dim).to(q.dtype)
+
+    def turn(self, values: torch.Tensor) -> torch.Tensor:
+        """Heads `[..., dim]` turned by the Walsh-Hadamard matrix of dim's largest power-of-two part, in float32
+        (as q8_0 caches keep keys and values, and `mw_decode` turns them: the same bits)."""
+        out = values.detach().float().contiguous().clone()
+        self._turn(out.data_ptr(), out.numel() // out.shape[-1], out.shape[-1])
+        return out
 
     def to_q8_0(self, values: torch.Tensor) -> torch.Tensor:
         """Values `[..., dim]` (dim a multiple of 32) as ggml's Q8_0 blocks, `[..., dim / 32 * 34]` bytes."""

@@ -18,6 +18,7 @@ from meshws.model.backend import DecodeStep
 from meshws.model.native import kernels
 from meshws.model.kv_blocks import KV_BLOCK, LeanCache
 from meshws.model.shard import ModelShard, ShardSettings
+from meshws.tools.quality import greedy
 
 pytestmark = pytest.mark.real_model
 
@@ -179,4 +180,12 @@ def test_q8_0_keys_and_values_hold_17_64ths_of_float32_and_a_batch_decodes_as_ea
         assert batched[index].token_id == alone, "a row's q8_0 attention is the same alone as in a batch"
     for sid in ("s0", "s1", "s2", "alone"):
         shard.release_session(sid)
+    assert shard.sessions.total_bytes == 0
+    # Heads are turned on every path: torch's attention (a prompt) and `mw_attend` (steps) give the fused
+    # kernel's tokens, and float32 keys and values' (a turn missed or not undone would not).
+    prompt = _chat(shard, "What is the capital of France?")
+    fused = greedy(shard, prompt, 8, "fused")
+    assert fused == greedy(ModelShard(embedded_model, 0, 30, LEAN), prompt, 8, "float32")
+    shard.lean.fused = None
+    assert greedy(shard, prompt, 8, "unfused") == fused
     assert shard.sessions.total_bytes == 0

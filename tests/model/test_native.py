@@ -436,6 +436,34 @@ def test_decode_attention_on_shared_blocks_equals_its_own_copy_bit_for_bit(dtype
 
 
 @needs_kernels
+def test_q8_0_heads_are_turned_by_the_orthonormal_hadamard_matrix_which_spreads_an_outlier():
+    """Keys and values are turned before q8_0 keeps them: the turn is x H (H Sylvester's, orthonormal and its own
+    inverse), so q.k is unchanged, and an outlier channel no longer sets its block's scale alone."""
+    from meshws.model.kv_blocks import from_q8_0
+
+    hadamard = torch.ones(1, 1)
+    while hadamard.shape[0] < 64:
+        hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)])
+    hadamard /= 8.0
+    generator = torch.Generator().manual_seed(3)
+    keys = torch.randn(5, 3, 64, generator=generator)
+    keys[..., 7] *= 40.0  # one channel far larger than the rest, as keys have
+    turned = KERNELS.turn(keys)
+    assert torch.allclose(turned, keys @ hadamard, atol=1e-4)
+    assert torch.allclose(KERNELS.turn(turned), keys, atol=1e-4)
+    query = torch.randn(64, generator=generator)
+    assert torch.allclose(turned @ KERNELS.turn(query), keys @ query, rtol=1e-4, atol=1e-3)
+
+    def error(values):
+        return float((from_q8_0(KERNELS.to_q8_0(values), 64) - values).norm())
+
+    assert error(turned) < error(keys) / 3
+    wide = torch.randn(2, 96, generator=generator)  # 96 = 3 x 32: turned by 32-value parts
+    assert torch.allclose(KERNELS.turn(wide), (wide.view(2, 3, 32) @ (hadamard[:32, :32] * 8 / 32 ** 0.5)).view(2, 96),
+                          atol=1e-4)
+
+
+@needs_kernels
 def test_q8_0_rows_are_ggufs_and_attention_reads_them_as_the_widened_floats_bit_for_bit():
     """q8_0 keys and values: quantized as gguf does it, and attention on them equals attention on a float32 cache
     holding their widened values, in a batch as alone (row-invariant bits, as the other kinds)."""
