@@ -70,7 +70,7 @@ class NodeSettings:
     # -- warm sessions (issue 17) --
     warm_sessions: int = 0  # finished HTTP generations kept open for a request sharing their prefix (0: none)
     warm_ttl: float = 300.0  # seconds a warm session may wait for such a request
-    shared_prefixes: int = 0  # on a head: prompt prefixes kept on every shard of their route (0: none)
+    shared_prefixes: int = 8  # on a head: prompt prefixes kept on every shard of their route (0: none)
     # -- speculative decoding (issue 16) --
     draft: str = "ngram"  # how the head guesses next tokens: ngram (prompt lookup) or none
     draft_tokens: int = 4  # the most guesses one decode lap carries
@@ -153,9 +153,9 @@ _HELP = {
     "served_model_name": "on a head: another name for the model in the API (repeatable, or comma-separated)",
     "sse_ping": "on a head: seconds an SSE stream may stay silent (waiting in the queue, a long prefill) before "
     "a ': ping' comment line keeps proxies from cutting it",
-    "warm_ttl": "on a head: seconds a warm session (--warm-sessions) waits for a request before it is closed",
+    "warm_ttl": "on a head: seconds a warm session or a shared prefix waits for a request before it is closed",
     "shared_prefixes": "on a head: prompt prefixes kept on every shard for any request that begins with the same "
-                       "tokens (cache_salt apart), least recently used out first, e.g. 16 (0: none)",
+                       "tokens (cache_salt apart), least recently used out first (0: none)",
     "draft": "on a head: speculative decoding's guesses of the next tokens: ngram (prompt lookup: what followed "
              "the last few tokens earlier in the prompt or answer; no second model) or none (one token per lap)",
     "draft_tokens": "on a head: the most guesses one decode lap carries (adapted per answer to what the tail keeps)",

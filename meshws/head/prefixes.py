@@ -49,6 +49,8 @@ class SharedPrefix:
     session: Conversation | None = None  # once built; None after a failed build
     last_used: float = field(default_factory=time.monotonic)
     users: int = 0  # requests that forked it
+    waiting: int = 0  # requests waiting for its build
+    build: asyncio.Task | None = None  # while it is built
 
     @property
     def live(self) -> bool:
@@ -80,14 +82,14 @@ class PrefixPool:
         await self.sweep()
         entry, shared = self._best(prompt_ids, key, building=True)
         if entry is not None and not entry.ready.is_set():  # another request builds what this one needs: wait
-            if not await waited(entry.ready, BUILD_WAIT):
+            if not await self._wait(entry):
                 return None
         entry, shared = self._best(prompt_ids, key)
         length, computed = (len(prompt_ids) - 1) // PREFIX_BLOCK * PREFIX_BLOCK, 0
         if length > shared and (not shared or length - shared >= 2 * PREFIX_BLOCK) and len(self._builds) < MAX_BUILDS:
             computed = length - shared
             entry, shared = self._start(list(prompt_ids[:length]), key, entry, shared), length
-            if not await waited(entry.ready, BUILD_WAIT):
+            if not await self._wait(entry):
                 return None
         session = entry.session if entry is not None and shared else None
         if session is None or not session.warm or not _reachable(session):
@@ -128,9 +130,20 @@ class PrefixPool:
                     best, shared = entry, count
         return best, shared
 
+    async def _wait(self, entry: SharedPrefix) -> bool:
+        """Wait for `entry`'s build (BUILD_WAIT at most): has it ended? A build nobody waits for any more (its
+        requesters hung up, or gave up and prefill in full) is cancelled: a head whose clients left goes idle."""
+        entry.waiting += 1
+        try:
+            return await waited(entry.ready, BUILD_WAIT)
+        finally:
+            entry.waiting -= 1
+            if not entry.waiting and not entry.ready.is_set() and entry.build is not None:
+                entry.build.cancel()
+
     def _start(self, tokens: list[int], key: str, base: SharedPrefix | None, shared: int) -> SharedPrefix:
-        """A new prefix of `tokens`, built in the background from `base`'s first `shared` tokens, if given (a build
-        goes on when its requester goes: the prefix serves the next)."""
+        """A new prefix of `tokens`, built in the background from `base`'s first `shared` tokens, if given, for as
+        long as a request waits for it (`_wait`)."""
         entry = SharedPrefix(key, tokens, last_used=self._clock())
         self._entries.append(entry)
 
@@ -142,18 +155,18 @@ class PrefixPool:
                 entry.session = await self._build(tokens, fork)
             except Exception as exc:  # (the requests waiting for it prefill in full)
                 log.info("a shared prefix of %d tokens could not be built (%s)", len(tokens), exc)
-            finally:
+            finally:  # (cancelled too: its session was closed everywhere on the way out)
                 entry.ready.set()
-            if entry.session is None:
-                self._drop(entry)
-            else:
-                self.built += 1
-                entry.last_used = self._clock()  # (the newest: its requests fork it before any sweep ends it)
-                if entry in self._entries:
-                    self._entries.remove(entry)
-                    self._entries.append(entry)
+                entry.build = None
+                if entry.session is None:
+                    self._drop(entry)
+            self.built += entry.session is not None
+            entry.last_used = self._clock()  # (the newest: its requests fork it before any sweep ends it)
+            if entry in self._entries:
+                self._entries.remove(entry)
+                self._entries.append(entry)
 
-        task = asyncio.get_running_loop().create_task(build())
+        task = entry.build = asyncio.get_running_loop().create_task(build())
         self._builds.add(task)
         task.add_done_callback(self._builds.discard)
         return entry

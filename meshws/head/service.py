@@ -84,7 +84,7 @@ class HeadService:
         self.grammars = GrammarCompiler()  # structured output's grammars: off the loop, bounded (`grammars`)
         self.warm = WarmPool(warm_sessions, warm_ttl, generator.end)
         self.prefixes = PrefixPool(shared_prefixes, lambda tokens, fork: hold_prefix(generator, tokens, fork),
-                                   generator.end)
+                                   generator.end, ttl=warm_ttl)  # (kept sessions, as the pool's: one TTL)
 
     @property
     def generations(self) -> int:

@@ -93,3 +93,27 @@ async def test_a_failed_build_leaves_nothing_and_the_request_prefills_in_full():
     pool = PrefixPool(2, builds.build, builds.end)
     assert await pool.fork_for(_prompt(B + 1), "") is None
     assert len(pool) == 0 and pool._entries == []
+
+
+async def test_a_build_ends_with_its_last_waiter_and_goes_on_while_one_waits():
+    builds = Builds()
+    builds.gate.clear()
+    pool = PrefixPool(4, builds.build, builds.end)
+    prompt = _prompt(2 * B + 8)
+    first = asyncio.create_task(pool.fork_for(prompt, ""))
+    second = asyncio.create_task(pool.fork_for(prompt, ""))
+    await asyncio.sleep(0.01)
+    first.cancel()  # one client hangs up: the other still waits, the build goes on
+    await asyncio.sleep(0.01)
+    builds.gate.set()
+    fork, computed = await second
+    assert fork.length == 2 * B and len(builds.made) == 1 and len(pool) == 1
+    builds.gate.clear()
+    alone = asyncio.create_task(pool.fork_for(_prompt(2 * B + 8, seed=3), ""))
+    await asyncio.sleep(0.01)
+    alone.cancel()  # the only one: its build is cancelled, and nothing of it is kept
+    await asyncio.sleep(0.01)
+    assert not pool._builds and len(pool._entries) == 1 and len(builds.made) == 1
+    builds.gate.set()
+    again, computed = await pool.fork_for(_prompt(2 * B + 8, seed=3), "")
+    assert computed == 2 * B and len(builds.made) == 2
