@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from contextlib import aclosing
 
-from ..mesh.aio import waited
+from ..mesh.aio import run_uncancelled, waited
 from .conversation import Conversation, common_prefix
 from .stats import Fork, GenerationRequest, GenerationStats
 
@@ -82,14 +82,14 @@ class PrefixPool:
         await self.sweep()
         entry, shared = self._best(prompt_ids, key, building=True)
         if entry is not None and not entry.ready.is_set():  # another request builds what this one needs: wait
-            if not await self._wait(entry):
+            if not await self._wait(entry, BUILD_WAIT):
                 return None
         entry, shared = self._best(prompt_ids, key)
         length, computed = (len(prompt_ids) - 1) // PREFIX_BLOCK * PREFIX_BLOCK, 0
         if length > shared and (not shared or length - shared >= 2 * PREFIX_BLOCK) and len(self._builds) < MAX_BUILDS:
             computed = length - shared
             entry, shared = self._start(list(prompt_ids[:length]), key, entry, shared), length
-            if not await self._wait(entry):
+            if not await self._wait(entry, None):  # (its own prompt's prefill: as long as that takes)
                 return None
         session = entry.session if entry is not None and shared else None
         if session is None or not session.warm or not _reachable(session):
@@ -108,6 +108,9 @@ class PrefixPool:
                 await self._evict(entry)
 
     async def clear(self) -> None:
+        for task in list(self._builds):  # (builds first: one ending after this would keep its session)
+            task.cancel()
+        await asyncio.gather(*self._builds, return_exceptions=True)
         for entry in list(self._entries):
             await self._evict(entry)
 
@@ -130,12 +133,12 @@ class PrefixPool:
                     best, shared = entry, count
         return best, shared
 
-    async def _wait(self, entry: SharedPrefix) -> bool:
-        """Wait for `entry`'s build (BUILD_WAIT at most): has it ended? A build nobody waits for any more (its
+    async def _wait(self, entry: SharedPrefix, timeout: float | None) -> bool:
+        """Wait for `entry`'s build (`timeout` seconds at most): has it ended? A build nobody waits for any more (its
         requesters hung up, or gave up and prefill in full) is cancelled: a head whose clients left goes idle."""
         entry.waiting += 1
         try:
-            return await waited(entry.ready, BUILD_WAIT)
+            return await waited(entry.ready, timeout)
         finally:
             entry.waiting -= 1
             if not entry.waiting and not entry.ready.is_set() and entry.build is not None:
@@ -209,9 +212,14 @@ async def hold_prefix(generator: Any, tokens: list[int], fork: Fork | None) -> C
     conversation = Conversation()
     stats = GenerationStats(sid=conversation.sid, internal=True)
     request = GenerationRequest(prompt="", max_tokens=1, prompt_ids=list(tokens), ignore_eos=True)
-    async with aclosing(generator.generate(request, stats, conversation=conversation, fork=fork)) as events:
-        async for _ in events:
-            pass
+    try:
+        async with aclosing(generator.generate(request, stats, conversation=conversation, fork=fork)) as events:
+            async for _ in events:
+                pass
+    except BaseException:  # (cancelled as the answer was kept: the session must not outlive its build)
+        if conversation.warm:
+            await run_uncancelled(generator.end(conversation))
+        raise
     if conversation.warm and conversation.held == list(tokens):
         return conversation
     if conversation.warm:

@@ -10,8 +10,8 @@ from typing import Any, Callable, Coroutine
 import aiohttp
 
 
-async def waited(event: asyncio.Event, timeout: float) -> bool:
-    """Wait for `event` at most `timeout` seconds; whether it was set."""
+async def waited(event: asyncio.Event, timeout: float | None) -> bool:
+    """Wait for `event` at most `timeout` seconds (None: for as long as it takes); whether it was set."""
     try:
         await asyncio.wait_for(event.wait(), timeout)
         return True

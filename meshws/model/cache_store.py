@@ -204,11 +204,11 @@ class SessionCacheStore:
         emptied = False
         try:
             with self._lock:
-                had = self._public() > 0
+                had, kept = self._public(), self._kept & self._entries.keys()
                 try:
                     yield
-                finally:
-                    emptied = had and not self._public()
+                finally:  # (users' last session went, or a kept prefix went while no user's is here)
+                    emptied = not self._public() and (had > 0 or bool(kept - self._entries.keys()))
         finally:
             if emptied and self._emptied is not None:
                 self._emptied()

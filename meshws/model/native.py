@@ -143,7 +143,8 @@ class Kernels:
     def turn(self, values: torch.Tensor) -> torch.Tensor:
         """Heads `[..., dim]` turned by the Walsh-Hadamard matrix of dim's largest power-of-two part, in float32
         (as q8_0 caches keep keys and values, and `mw_decode` turns them: the same bits)."""
-        out = values.detach().float().contiguous().clone()
+        out = values.detach().float().contiguous()
+        out = out.clone() if out.data_ptr() == values.data_ptr() else out  # (turned in place: never the caller's)
         self._turn(out.data_ptr(), out.numel() // out.shape[-1], out.shape[-1])
         return out
 

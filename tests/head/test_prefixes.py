@@ -117,3 +117,26 @@ async def test_a_build_ends_with_its_last_waiter_and_goes_on_while_one_waits():
     builds.gate.set()
     again, computed = await pool.fork_for(_prompt(2 * B + 8, seed=3), "")
     assert computed == 2 * B and len(builds.made) == 2
+
+
+async def test_the_request_that_starts_a_build_waits_it_out_and_clear_cancels_builds(monkeypatch):
+    from meshws.head import prefixes
+
+    monkeypatch.setattr(prefixes, "BUILD_WAIT", 0.05)  # (others wait this long for a build, then prefill in full)
+    builds = Builds()
+    builds.gate.clear()
+    pool = PrefixPool(4, builds.build, builds.end)
+    prompt = _prompt(2 * B + 8)
+    starter = asyncio.create_task(pool.fork_for(prompt, ""))
+    await asyncio.sleep(0.01)
+    assert await pool.fork_for(prompt, "") is None, "another request gives up after BUILD_WAIT"
+    await asyncio.sleep(0.1)
+    builds.gate.set()  # a prefill longer than BUILD_WAIT: its own request still forks it
+    fork, computed = await starter
+    assert fork.length == 2 * B and computed == 2 * B and len(pool) == 1
+    builds.gate.clear()
+    pending = asyncio.create_task(pool.fork_for(_prompt(2 * B + 8, seed=4), ""))
+    await asyncio.sleep(0.01)
+    await pool.clear()  # the node stops: the build is cancelled before the kept prefixes are ended
+    assert not pool._builds and pool._entries == [] and len(builds.ended) == 1
+    assert await pending is None

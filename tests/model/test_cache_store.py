@@ -260,10 +260,17 @@ def test_shared_blocks_count_once_in_the_totals_and_the_budget():
 
 
 def test_a_kept_prefix_is_counted_apart_from_the_sessions_but_in_the_bytes():
-    store = SessionCacheStore(max_sessions=1, ttl_seconds=100.0)
+    calls = []
+    store = SessionCacheStore(max_sessions=1, ttl_seconds=100.0, emptied=lambda: calls.append(len(store)))
     store.keep_apart("prefix")
     store.store("prefix", object(), 64, 0, nbytes=100)
     store.store("user", object(), 70, 0, nbytes=10)
     assert len(store) == 1 and store.prefixes == 1 and store.total_bytes == 110  # (the cap counts users only)
     store.drop("prefix")
-    assert store.prefixes == 0 and store.total_bytes == 10
+    assert store.prefixes == 0 and store.total_bytes == 10 and calls == []  # (a user's session is here)
+    store.keep_apart("later")
+    store.store("later", object(), 64, 0, nbytes=100)
+    store.drop("user")
+    assert calls == [0], "the users' last session went: memory goes back, a prefix kept or not"
+    store.drop("later")
+    assert calls == [0, 0] and store.total_bytes == 0, "and again when the last kept prefix goes"
