@@ -130,9 +130,10 @@ async def test_many_short_sessions_leave_memory_where_the_first_wave_left_it(mes
         if baseline is None:
             await _wait(lambda: all(_idle(node) for node in mesh.nodes), timeout=10)
             baseline = {node.name: _rss_kib(node) for node in mesh.nodes}
+            kept = {node.name: node.health()["cache_bytes"] for node in mesh.nodes}  # (earlier tests' prefixes)
     for node in mesh.nodes:
         await _wait(lambda: _idle(node), timeout=10)
-        assert node.health()["cache_bytes"] == 0
+        assert node.health()["cache_bytes"] <= kept[node.name], "short prompts keep nothing (no whole 64-token block)"
     final = {node.name: _rss_kib(node) for node in mesh.nodes}
     print(f"{total} sessions in {time.monotonic() - started:.0f} s; RSS KiB after the first wave {baseline}, "
           f"at the end {final}")
