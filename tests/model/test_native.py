@@ -440,11 +440,9 @@ def test_q8_0_heads_are_turned_by_the_orthonormal_hadamard_matrix_which_spreads_
     """Keys and values are turned before q8_0 keeps them: the turn is x H (H Sylvester's, orthonormal and its own
     inverse), so q.k is unchanged, and an outlier channel no longer sets its block's scale alone."""
     from meshws.model.kv_blocks import from_q8_0
+    from meshws.model.packed import _hadamard  # (the int8 path's Sylvester matrix, built in torch)
 
-    hadamard = torch.ones(1, 1)
-    while hadamard.shape[0] < 64:
-        hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)])
-    hadamard /= 8.0
+    hadamard = _hadamard(64)
     generator = torch.Generator().manual_seed(3)
     keys = torch.randn(5, 3, 64, generator=generator)
     keys[..., 7] *= 40.0  # one channel far larger than the rest, as keys have
@@ -459,7 +457,7 @@ def test_q8_0_heads_are_turned_by_the_orthonormal_hadamard_matrix_which_spreads_
 
     assert error(turned) < error(keys) / 3
     wide = torch.randn(2, 96, generator=generator)  # 96 = 3 x 32: turned by 32-value parts
-    assert torch.allclose(KERNELS.turn(wide), (wide.view(2, 3, 32) @ (hadamard[:32, :32] * 8 / 32 ** 0.5)).view(2, 96),
+    assert torch.allclose(KERNELS.turn(wide), (wide.view(2, 3, 32) @ _hadamard(32)).view(2, 96),
                           atol=1e-4)
 
 
