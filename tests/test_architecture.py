@@ -111,3 +111,31 @@ def test_every_module_says_what_it_owns_and_fits_in_one_sitting():
         assert ast.get_docstring(tree), f"{path.relative_to(PACKAGE)} has no docstring"
         lines = len(path.read_text().splitlines())
         assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE)} has {lines} lines"
+
+
+NO_TORCH = """
+import importlib, pkgutil, sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("torch", "numpy"):
+            raise ImportError(f"{name} imported")
+sys.meta_path.insert(0, Refuse())
+import meshws.mesh
+for info in pkgutil.walk_packages(meshws.mesh.__path__, "meshws.mesh."):
+    importlib.import_module(info.name)
+print("imported", info.name)
+"""
+
+
+def test_the_mesh_reads_and_passes_frames_without_torch():
+    """architecture.md's rule: `mesh/` (links, frames, the shard service) imports no torch or numpy, so the wire
+    can be read, checked and relayed by a process that has neither. Every module is imported with both refused."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "imported meshws.mesh." in done.stdout
+    sampling = NO_TORCH.replace("import meshws.mesh\n", "import meshws.model.sampling\nimport meshws.mesh\n")
+    refused = subprocess.run([sys.executable, "-c", sampling], capture_output=True, text=True, timeout=120)
+    assert "torch imported" in refused.stderr  # the refusal works: the tail's sampling does need torch

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from ..model.sampling import SamplingParams
+from ..model.sampling_params import SamplingParams
 from .link import Link
 from .wire import HopReport, RouteHop
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Generator, Protocol, Sequence, runtime_ch
 if TYPE_CHECKING:
     from .cache_store import SessionCacheStore
     from .costs import ModelCosts
-    from .sampling import SamplingParams
+    from .sampling_params import SamplingParams
 
 # Dtype names hidden states may travel in, and their sizes in bytes.
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}

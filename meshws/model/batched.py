@@ -28,7 +28,7 @@ import torch
 
 from .backend import DecodeStep, PrefillStep, ShardBackend, StepResult, decode_alone
 from .cache_store import CacheEntry, KVCacheMiss
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .session_layers import cannot_run_here, cut_back
 from .native import threads as kernel_threads
 from .tensors import cache_nbytes, crop_cache

@@ -14,9 +14,10 @@ from __future__ import annotations
 import ctypes
 import resource
 import sys
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-import torch
+if TYPE_CHECKING:  # (no torch at run time: the mesh reads a process's memory without it)
+    import torch
 
 STATUS = "/proc/self/status"
 MEMINFO = "/proc/meminfo"

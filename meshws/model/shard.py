@@ -27,7 +27,8 @@ from .gguf_model import GgufModel
 from .kv_blocks import footprint
 from .memory import default_cache_budget, give_back, map_large_allocations, process_memory, tensor_bytes
 from .native import kernels
-from .sampling import DEFAULT as GREEDY, SamplingParams, prompt_token_logprobs, token_logprobs, verify_drafts
+from .sampling import prompt_token_logprobs, token_logprobs, verify_drafts
+from .sampling_params import DEFAULT as GREEDY, SamplingParams
 from .session_layers import SessionLayers, fork as fork_cache
 from .settings import ShardLayout, ShardSettings
 from .shard_parts import ShardParts, gguf_parts, lean_problem, transformers_parts

@@ -14,7 +14,7 @@ import torch
 
 from meshws.model.native import kernels
 from meshws.model.kv_blocks import LeanCache
-from meshws.model.sampling import SamplingParams
+from meshws.model.sampling_params import SamplingParams
 from meshws.model.shard import ModelShard, ShardSettings
 
 pytestmark = [pytest.mark.real_model,

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from meshws.model.sampling import SamplingParams, greedy_choice, sample_token, token_logprobs
+from meshws.model.sampling_params import SamplingParams
+from meshws.model.sampling import greedy_choice, sample_token, token_logprobs
 
 
 def test_greedy_is_argmax():

@@ -3,7 +3,7 @@
 import pytest
 
 from meshws.model.backend import PrefillStep, run_prefill
-from meshws.model.sampling import SamplingParams
+from meshws.model.sampling_params import SamplingParams
 from meshws.model.shard import ModelShard, ShardSettings
 
 pytestmark = pytest.mark.real_model
