@@ -310,11 +310,12 @@ class Node(NodeReports):
 
     def hello(self) -> Hello:
         backend = self.shard
-        return Hello(backend.model_id, self.span, self.role, self.name, backend.total_layers, tuple(self.chain()))
+        return Hello(model=backend.model_id, layers=self.span, role=self.role, node=self.name,
+                     total_layers=backend.total_layers, chain=tuple(self.chain()))
 
     def chain(self) -> list[ChainHop]:
         """This node and the static chain behind it, as far as its links know."""
-        own = [ChainHop(self.name, self.span)]
+        own = [ChainHop(node=self.name, layers=self.span)]
         if not self.settings.peer or self.role in ("tail", "full"):
             return own
         link = self.links.get(self.settings.peer)

@@ -98,7 +98,7 @@ class NodeReports:
             try:
                 return self.planner.plan().view, missing
             except NoRoute as exc:
-                return [ChainHop(self.name, self.span).to_wire()], missing + [str(exc)]
+                return [ChainHop(node=self.name, layers=self.span).to_wire()], missing + [str(exc)]
         chain = self.chain()
         problems = chain_gaps([hop.layers for hop in chain], self.shard.total_layers, start=self.span[0])
         if self.settings.peer and self.role == "middle":

@@ -139,3 +139,30 @@ def test_the_mesh_reads_and_passes_frames_without_torch():
     sampling = NO_TORCH.replace("import meshws.mesh\n", "import meshws.model.sampling\nimport meshws.mesh\n")
     refused = subprocess.run([sys.executable, "-c", sampling], capture_output=True, text=True, timeout=120)
     assert "torch imported" in refused.stderr  # the refusal works: the tail's sampling does need torch
+
+
+def positional_wire_builds(paths) -> list[str]:
+    """Calls that build a wire message (a dataclass of `mesh.wire`) with positional arguments, outside `mesh/wire/`:
+    a field added in the middle of a message would shift them silently."""
+    import dataclasses
+
+    from meshws.mesh import wire
+
+    messages = {name for name in dir(wire) if dataclasses.is_dataclass(getattr(wire, name))}
+    found = []
+    for path in paths:
+        if path.is_relative_to(PACKAGE / "mesh" / "wire"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and node.args:
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name in messages:
+                    found.append(f"{path.name}:{node.lineno} {name}")
+    return found
+
+
+def test_wire_messages_are_built_by_field_name(tmp_path):
+    assert positional_wire_builds(PACKAGE.rglob("*.py")) == []
+    bad = tmp_path / "bad.py"
+    bad.write_text("from meshws.mesh.wire import Close, Error\nClose('s')\nError(message='m')\n")
+    assert positional_wire_builds([bad]) == ["bad.py:2 Close"]

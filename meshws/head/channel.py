@@ -54,7 +54,8 @@ class HopChannel:
                    resume: bool = False, fork: tuple[str, int] | None = None,
                    layers: tuple[int, int] | None = None, kept: bool = False) -> None:
         mac = sign_route(self.secret, self.sid, [hop.to_wire() for hop in route]) if self.secret and route else None
-        message = Open(self.sid, sampling, prompt_tokens, route, mac, resume, fork, layers, kept=kept)
+        message = Open(sid=self.sid, sampling=sampling, prompt_tokens=prompt_tokens, route=route, route_mac=mac,
+                       resume=resume, fork=fork, layers=layers, kept=kept)
         self.hung_url = None if route else self.link.url  # behind a dialed route, any of its hops may hang
         if not self.link.is_up:
             await self.link.wait_up(LINK_WAIT)
@@ -92,7 +93,7 @@ class HopChannel:
     async def close(self) -> None:
         self.link.unsubscribe(self.sid)
         try:
-            await self.link.send_control(Close(self.sid))
+            await self.link.send_control(Close(sid=self.sid))
         except LinkDown:
             pass  # the next hop releases the session when the link drops
 

@@ -70,7 +70,7 @@ class RoutePlanner:
                 view += [chain_hop.to_wire() for chain_hop in (peer.chain if peer else ())]
             else:
                 view.append({"node": hop.node, "layers": list(hop.layers), "url": hop.url})
-        after = () if hops[0].static else tuple(RouteHop(h.url, h.layers) for h in hops[1:])
+        after = () if hops[0].static else tuple(RouteHop(url=h.url, layers=h.layers) for h in hops[1:])
         return Route(self.links.get(hops[0].url), after, view, [hop.url for hop in hops],
                      layers=None if hops[0].static else hops[0].layers)
 

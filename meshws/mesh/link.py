@@ -184,7 +184,7 @@ class Link:
         if travels_in_waves(mode, payload.shape, ids, drafts):
             if not self.is_up:
                 raise self._down()
-            row = DecodeRow(sid, step, payload.past_len, payload.body, payload.group)
+            row = DecodeRow(sid=sid, step=step, past_len=payload.past_len, body=payload.body, group=payload.group)
             return await self._rows.send(row, payload.shape[-1], payload.dtype, compress_min_bytes)
         data = encode_forward(sid, step, mode, payload.past_len, payload.shape, payload.dtype, payload.body, ids=ids,
                               compress_min_bytes=compress_min_bytes, drafts=drafts, group=payload.group)
@@ -353,7 +353,7 @@ class Link:
     def _fail_subscribers(self, reason: str) -> None:
         subscribers, self._subscribers = self._subscribers, {}
         for sid, callback in subscribers.items():
-            callback(Error(reason, sid=sid, lost=True, url=self.url))
+            callback(Error(message=reason, sid=sid, lost=True, url=self.url))
 
     def _changed(self) -> None:
         if self._on_change is not None:

@@ -154,7 +154,7 @@ class ShardService:
         except (FrameError, asyncio.TimeoutError) as exc:
             reason = str(exc) or f"no hello within {HELLO_WAIT:.0f} s"
             self.log_limit.log("refused link", logging.WARNING, "refused link from %s: %s", remote, reason)
-            await self._send_ws(ws, Error(f"link refused: {reason}"))
+            await self._send_ws(ws, Error(message=f"link refused: {reason}"))
             await ws.close(code=1008, message=reason[:120].encode())
             return None
         await self._send_ws(ws, self.hello())
@@ -170,8 +170,8 @@ class ShardService:
             ended = list(self.sessions.values())
             for session in ended:
                 if session.link is not None:
-                    await self._send(session.link, Error(f"{self.node_name}: its layers moved; route around it",
-                                                         session.sid, None, True, self.url))
+                    await self._send(session.link, Error(message=f"{self.node_name}: its layers moved; route around it",
+                                                         sid=session.sid, lost=True, url=self.url))
                 self._end(session, reason="layers moved")
                 self.steps.moved_away[session.sid] = None
             while len(self.steps.moved_away) > MAX_MOVED_AWAY:
@@ -218,14 +218,15 @@ class ShardService:
         if self.draining or self.moving:  # lost: the head routes the session around this node, as if it had gone
             self.metrics.errors.labels("draining" if self.draining else "moved").inc()
             doing = "shutting down" if self.draining else "moving its layers"
-            await self._send(link, Error(f"{self.node_name} is {doing}; route around it", sid, None, True, self.url))
+            await self._send(link, Error(message=f"{self.node_name} is {doing}; route around it", sid=sid, lost=True,
+                                               url=self.url))
             return
         span = (self.backend.start, self.backend.end)
         if message.layers is not None and message.layers != span:  # moved since the route was planned: lost too
             self.metrics.errors.labels("moved").inc()
-            await self._send(link, Error(f"{self.node_name} serves layers {span[0]}-{span[1] - 1} now, not "
-                                         f"{message.layers[0]}-{message.layers[1] - 1}; route around it", sid, None,
-                                         True, self.url))
+            await self._send(link, Error(message=f"{self.node_name} serves layers {span[0]}-{span[1] - 1} now, not "
+                                         f"{message.layers[0]}-{message.layers[1] - 1}; route around it", sid=sid,
+                                         lost=True, url=self.url))
             return
         earlier = self.sessions.get(sid)
         next_hop = self.links.get(next_url) if next_url else None
@@ -292,7 +293,7 @@ class ShardService:
                 if isinstance(message, Token) and len(message.hops) < MAX_CHAIN:  # our part goes in front
                     message = replace(message, hops=self.steps.own_report(session, message.step) + message.hops)
             if isinstance(message, Error) and message.lost:
-                message = Error(f"{self.node_name}: {message.message}", message.sid, message.step, True, message.url)
+                message = replace(message, message=f"{self.node_name}: {message.message}")
             self._spawn(self._send(link, message))
 
         return relay
@@ -320,7 +321,7 @@ class ShardService:
         self.decode_log.forget(sid)
         if session.next_hop is not None:
             try:
-                await session.next_hop.send_control(Close(sid))
+                await session.next_hop.send_control(Close(sid=sid))
             except LinkDown:
                 pass  # the next hop releases the session when our link to it drops
         log.info(
@@ -333,7 +334,7 @@ class ShardService:
 
     async def _error(self, link: InboundLink, sid: str | None, step: int | None, text: str, kind: str) -> None:
         self.metrics.errors.labels(kind).inc()
-        await self._send(link, Error(text, sid, step))
+        await self._send(link, Error(message=text, sid=sid, step=step))
 
     async def _send(self, link: InboundLink, message: ControlMessage) -> None:
         await self._send_ws(link.ws, message)

@@ -201,7 +201,7 @@ class ShardSteps:
         except KVCacheMiss as exc:
             session.cache_misses += 1
             self.metrics.cache_misses.inc()
-            await self._send(link, CacheMiss(sid, header.step, str(exc)))
+            await self._send(link, CacheMiss(sid=sid, step=header.step, reason=str(exc)))
             return
         except (ValueError, CacheBudgetExceeded) as exc:
             await self._refuse(link, sid, header.step, f"{self.node_name}: {exc}", "bad_step")
@@ -247,7 +247,7 @@ class ShardSteps:
     def _count_step(self, session: InboundSession, frame: ForwardFrame, elapsed: float) -> None:
         session.compute_seconds += elapsed
         held = self.backend.sessions.held(session.sid)
-        session.report = (frame.step, HopReport(self.node_name, elapsed * 1000, held, load=len(self.sessions)))
+        session.report = (frame.step, HopReport(node=self.node_name, ms=elapsed * 1000, cache_len=held, load=len(self.sessions)))
         self.metrics.steps.labels(frame.mode).inc()
         self.metrics.step_seconds.labels(frame.mode).observe(elapsed)
         if frame.mode == "prefill":
@@ -265,8 +265,9 @@ class ShardSteps:
             if session.history is not None and result.token_id is not None:
                 session.history.extend(result.token_ids or (result.token_id,))
             text = result.text if result.text or result.token_id is None else None  # a legacy tail: text only
-            await self._send(link, Token(sid, step, result.token_id, text, result.token_ids,
-                                         self.own_report(session, step), result.logprobs, result.prompt_logprobs))
+            await self._send(link, Token(sid=sid, step=step, token_id=result.token_id, text=text, token_ids=result.token_ids,
+                                         hops=self.own_report(session, step), logprobs=result.logprobs,
+                                         prompt_logprobs=result.prompt_logprobs))
             return
         next_hop = session.next_hop
         if next_hop is None:
@@ -334,4 +335,4 @@ class ShardSteps:
     async def _lost(self, link: InboundLink, sid: str, step: int | None, message: str, url: str) -> None:
         """The next hop is gone or hung: the head re-routes around `url` (that hop, not this node)."""
         self.metrics.errors.labels("link").inc()
-        await self._send(link, Error(message, sid, step, lost=True, url=url))
+        await self._send(link, Error(message=message, sid=sid, step=step, lost=True, url=url))

@@ -118,3 +118,32 @@ async def test_dial_ins_for_invented_addresses_never_crowd_out_a_signed_route():
                 await socket.close()
     finally:
         await middle.stop()
+
+
+def test_every_field_of_an_open_reaches_the_tail_through_a_middle():
+    """What a middle does with an `open`: parse it, pass it on with `onward` (the rest of the route, signed again),
+    and the tail parses that. Every field set to a value other than its default arrives as sent, except the three
+    the middle owns; a field added to `Open` must be named here, so it cannot be forgotten by the wire or a middle."""
+    from dataclasses import fields, make_dataclass
+
+    from meshws.mesh.link_pool import LinkPool
+    from meshws.mesh.next_hops import NextHops
+    from meshws.mesh.wire import decode_control
+    from meshws.model.sampling_params import SamplingParams
+
+    tail_hop = RouteHop("ws://127.0.0.1:9/ws/shard", (9, 12))
+    chosen = {"sid": "s-1", "sampling": SamplingParams(temperature=0.5, seed=7, logprobs=2), "prompt_tokens": 40,
+              "route": (tail_hop,), "route_mac": sign_route(SECRET, "s-1", [tail_hop.to_wire()]), "resume": True,
+              "fork": ("s-0", 64), "layers": (6, 9), "kept": True}
+    assert {field.name for field in fields(Open)} == set(chosen)  # a new field: give it a value above
+    assert all(chosen[field.name] != field.default for field in fields(Open))
+    middle = NextHops(_Middle(), links=LinkPool(lambda url: None), static_peer=None, secret=SECRET, open_routes=False)
+    received = decode_control(encode_control(Open(**chosen)))
+    assert received == Open(**chosen)
+    url, rest = middle.choose(received)
+    at_tail = decode_control(encode_control(middle.onward(received, rest)))
+    assert url == tail_hop.url and at_tail.route == () and at_tail.route_mac is None and at_tail.layers == (9, 12)
+    assert {name: getattr(at_tail, name) for name in chosen if name not in ("route", "route_mac", "layers")} == \
+        {name: value for name, value in chosen.items() if name not in ("route", "route_mac", "layers")}
+    wider = make_dataclass("WiderOpen", [("standby", str, "")], bases=(Open,), frozen=True)
+    assert middle.onward(wider(**chosen, standby="ws://b"), rest).standby == "ws://b"  # not rebuilt by position
