@@ -4,6 +4,8 @@
     python examples/ws_client.py                       # interactive, http://127.0.0.1:8700
     python examples/ws_client.py --url ws://host:8700 "Tell me a joke"   # one turn, then exit
 
+--url takes the head as people write it: host:port, http(s)://, ws(s)://, with or without /ws/chat.
+
 Ctrl-C sends a stop message (the mesh releases the session) and quits; Ctrl-D quits.
 Only needs aiohttp.
 """
@@ -14,8 +16,34 @@ import argparse
 import asyncio
 import json
 import sys
+from http import HTTPStatus
+from urllib.parse import urlsplit
 
 import aiohttp
+
+SCHEMES = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}
+
+
+def chat_url(given: str) -> str:
+    """The head's /ws/chat address from what a person typed (the page's own URL, the API's, or host:port)."""
+    text = given.strip()
+    if "://" not in text:
+        text = "ws://" + text
+    parts = urlsplit(text)
+    if parts.scheme not in SCHEMES or not parts.netloc:
+        raise ValueError(f"--url {given!r} is not a head's address (for example ws://127.0.0.1:8700)")
+    path = parts.path.rstrip("/")
+    for suffix in ("/ws/chat", "/v1"):
+        if path.endswith(suffix):
+            path = path[: -len(suffix)]
+    return f"{SCHEMES[parts.scheme]}://{parts.netloc}{path}/ws/chat"
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "(an unknown status)"
 
 
 async def turn(ws: aiohttp.ClientWebSocketResponse, messages: list[dict], args: argparse.Namespace) -> str:
@@ -56,11 +84,21 @@ async def main() -> None:
     parser.add_argument("--system", default=None, help="a system prompt")
     parser.add_argument("--api-key", default=None, help="the head's --api-key, if it has one")
     args = parser.parse_args()
-    url = args.url.rstrip("/").replace("http://", "ws://").replace("https://", "wss://") + "/ws/chat"
+    try:
+        url = chat_url(args.url)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     async with aiohttp.ClientSession() as session:
-        async with session.ws_connect(url, headers=headers) as ws:
+        try:
+            ws = await session.ws_connect(url, headers=headers)
+        except aiohttp.WSServerHandshakeError as exc:
+            hint = "; give the head's --api-key with --api-key" if exc.status == 401 else ""
+            raise SystemExit(f"{url} answered {exc.status} {_phrase(exc.status)}{hint}") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise SystemExit(f"cannot reach the head at {url}: {exc}") from None
+        async with ws:
             if args.prompt:
                 await turn(ws, messages + [{"role": "user", "content": args.prompt}], args)
                 return

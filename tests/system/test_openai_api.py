@@ -521,9 +521,12 @@ async def test_ws_chat_streams_stops_and_chats_twice_on_one_socket(mesh):
             assert (await ws.receive_json())["type"] == "start"
 
 
-def test_example_ws_client_streams_an_answer(mesh):
+@pytest.mark.parametrize("form", ["{ws}", "{ws}/ws/chat", "http://{host}:{port}/"])
+def test_example_ws_client_streams_an_answer(mesh, form):
+    """The terminal client takes the head as people copy it: the page's /ws/chat URL, the API's http:// one."""
+    url = form.format(ws=mesh.head.ws_url, host=mesh.head.host, port=mesh.head.port)
     result = subprocess.run(
-        [sys.executable, "examples/ws_client.py", "--url", mesh.head.ws_url, "--max-tokens", "8", "--temperature", "0",
+        [sys.executable, "examples/ws_client.py", "--url", url, "--max-tokens", "8", "--temperature", "0",
          "What is the capital of France?"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
