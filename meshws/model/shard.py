@@ -276,7 +276,8 @@ class ModelShard(ShardFacts):
                 if self.is_tail:  # the prompt's own log-probabilities, when asked for (echo)
                     prompt_logprobs += prompt_token_logprobs(self.last_logits, out, start + offset, step.sampling,
                                                              history, step.generated_from)
-                outputs.append(out if not self.is_tail else out[:, -1:])
+                if not self.is_tail:  # (a tail needs only the last chunk's last row: held, a slice keeps its chunk)
+                    outputs.append(out)
                 if end == count:
                     hidden = torch.cat(outputs, dim=1) if not self.is_tail else out[:, -1:]
                     past = start if not self.is_tail else start + count - 1

@@ -131,3 +131,23 @@ def test_a_batch_that_raises_is_undone_and_its_rows_run_alone(shards, monkeypatc
     for index in range(2):
         head.release_session(f"alone-{index}")
         head.release_session(f"batch-{index}")
+
+
+def test_between_chunks_a_tail_holds_no_earlier_chunks_rows(shards):
+    """A tail answers from the last row of the last chunk, so while a long prompt pauses between chunks it keeps no
+    chunk's hidden rows (a slice of each had kept its whole chunk alive: 2 MB a chunk of SmolLM2's float32 rows, 10 MB
+    for each 1,500-token prompt in flight on a 1B node); the head keeps its rows, which it sends on whole."""
+    head, tail = shards
+    ids = _long_ids(head)
+    held = {}
+    payload = None
+    for shard, step in ((head, PrefillStep("held", token_ids=ids)), (tail, None)):
+        if step is None:
+            step = PrefillStep("held", body=payload.body, shape=payload.shape, dtype=payload.dtype)
+        run = shard.prefill(step, 128)
+        next(run), next(run)  # two chunks run, paused before the third
+        held[shard.is_tail] = sum(out.numel() for out in run.gi_frame.f_locals["outputs"])
+        payload = run_prefill(shard, step, 10_000) if not shard.is_tail else None
+        run.close()
+        shard.release_session("held")
+    assert held == {False: 2 * 128 * head.hidden_size, True: 0}
