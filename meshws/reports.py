@@ -115,7 +115,8 @@ class NodeReports:
         status = 200 if info["ready"] else 503
         if self.access.detail_allowed(request):
             return json_response(info, status=status)
-        public = {"status": info["status"], "ready": info["ready"], "problems": [public_text(p) for p in info["problems"]],
+        public = {"status": info["status"], "ready": info["ready"],
+                  "problems": [public_text(p) for p in info["problems"]],
                   "role": self.role, "model": self.shard.model_id, "layers": list(self.span)}
         if self.head is not None:  # what a load balancer weighs heads by
             public.update(generations=self.head.generations, queued=self.head.queued)

@@ -285,7 +285,8 @@ def test_the_command_check_reads_lines_as_a_shell_does():
             "```text\nmeshws local mesh ready: not a command\n```\n")
     assert command_lines(text)[0].startswith("MESHWS_API_KEY_FILE=api.key python -m meshws.node")
     assert command_problems(text) == []
-    assert simple_commands("a=1 meshws node --port $PORT # note") == [({"a": "1"}, ["meshws", "node", "--port", "port"])]
+    assert simple_commands("a=1 meshws node --port $PORT # note") == \
+        [({"a": "1"}, ["meshws", "node", "--port", "port"])]
 
 
 def test_the_link_and_date_checks_catch_drift(tmp_path):

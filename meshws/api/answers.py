@@ -36,7 +36,7 @@ def usage(stats: GenerationStats, choices: Sequence[Choice] = ()) -> dict[str, A
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": stats.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},  # not prefilled again: a kept session held them
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},  # not prefilled again: a kept session's
     }
     if stats.speculation is not None and stats.speculation.laps:  # an extension: how the drafts fared
         counts["speculation"] = stats.speculation.describe()

@@ -2,8 +2,8 @@
 
 A client that asks for something meshws does not do (logit biases, stored answers)
 gets a 400 naming the field, never an answer that silently ignored it. A field sent
-with its "do nothing" value (`logit_bias: {}`, `store: false`, null) is accepted: clients such as the official one, LangChain or an
-echoed assistant message send those. An unknown field is refused too, so a typo
+with its "do nothing" value (`logit_bias: {}`, `store: false`, null) is accepted: clients such as the official one,
+LangChain or an echoed assistant message send those. An unknown field is refused too, so a typo
 (`max_token`) is not a silent default.
 """
 

@@ -163,7 +163,8 @@ def check_common(body: dict[str, Any], chat: bool) -> None:
             raise ApiError(400, f"'{name}' must be a string of at most {MAX_USER_CHARS} characters", param=name,
                            code="invalid_value")
     options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)):
+    usage = options.get("include_usage", False) if isinstance(options, dict) else None
+    if options is not None and not isinstance(usage, bool):
         raise ApiError(400, "'stream_options' must be an object with a boolean include_usage",
                        param="stream_options", code="invalid_type")
 
@@ -193,8 +194,9 @@ def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> Reques
     if not isinstance(model, str):
         raise ApiError(400, "'model' must be a string", param="model", code="invalid_type")
     if model not in head.served_names:
-        raise ApiError(404, f"the model {shown(model)} does not exist; this mesh serves "
-                       f"{' or '.join(repr(name) for name in head.served_names)}", param="model", code="model_not_found")
+        served = " or ".join(repr(name) for name in head.served_names)
+        raise ApiError(404, f"the model {shown(model)} does not exist; this mesh serves {served}", param="model",
+                       code="model_not_found")
     logprobs = parse_logprobs(body, chat)
     tools = parse_tools(body) if chat else None
     schema = parse_response_format(body) if chat else None

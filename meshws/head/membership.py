@@ -144,7 +144,8 @@ class RegistryEndpoints:
             after = [node.url for node in nodes if node.layers[0] == record.layers[1]][:16]
             stuck = {url for url in before + after if self.unreachable(url)}  # neither side can dial: relayed
             answer.update(unreachable=True, dial_in=[url for url in before if url not in stuck],
-                          relay_for=[url for url in before if url in stuck], relay=[url for url in after if url in stuck])
+                          relay_for=[url for url in before if url in stuck],
+                          relay=[url for url in after if url in stuck])
             # The keys of the nodes it dials in to (their challenges must name them) and of the other ends of its
             # relayed hops (they seal them: `mesh.seal`).
             answer["keys"] = {node.url: node.key for node in nodes if node.url in before + after and node.key}

@@ -1,8 +1,8 @@
 """`HeadService`: what the public surfaces may ask of a head, and nothing more.
 
 The API and `/ws/chat` learn the model's facts here, tokenize and detokenize
-through it, compile structured output's grammars with it, ask it to admit a request (a route must exist, and a generation slot be
-free or become free while the request waits in the admission queue) and run
+through it, compile structured output's grammars with it, ask it to admit a request (a route must exist, and a
+generation slot be free or become free while the request waits in the admission queue) and run
 generations as streams of text. They never see the node.
 """
 
@@ -231,7 +231,8 @@ def build_head(backend: ShardBackend, worker: ComputeWorker, planner: RoutePlann
     """A head's service as the node's settings (`config.NodeSettings`) ask for it."""
     generator = Generator(backend, worker, planner=planner, step_timeout=settings.step_timeout,
                           compress_min_bytes=settings.compress_min_bytes, on_finish=on_finish,
-                          secret=settings.secret, draft_tokens=settings.draft_tokens if settings.draft == "ngram" else 0,
+                          secret=settings.secret,
+                          draft_tokens=settings.draft_tokens if settings.draft == "ngram" else 0,
                           max_kept=settings.max_generations + settings.warm_sessions + settings.shared_prefixes
                           + KEPT_CONVERSATIONS)
     queue = AdmissionQueue(settings.max_generations, settings.max_queue, settings.queue_timeout)

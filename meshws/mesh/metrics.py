@@ -28,7 +28,8 @@ class NodeMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, sessions: Callable[[], int], cache_bytes: Callable[[], int],
-                 weight_bytes: Callable[[], int] = lambda: 0, weights: Callable[[], dict[str, Any]] | None = None) -> None:
+                 weight_bytes: Callable[[], int] = lambda: 0,
+                 weights: Callable[[], dict[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, cpu seconds, open fds
         PlatformCollector(registry=self.registry)  # python_info
@@ -63,7 +64,8 @@ class NodeMetrics:
         self.generations = Counter(
             "meshws_generations", "Generations finished on the head, by outcome", ["outcome"], registry=self.registry
         )
-        self.generated_tokens = Counter("meshws_generated_tokens", "Tokens generated on the head", registry=self.registry)
+        self.generated_tokens = Counter("meshws_generated_tokens", "Tokens generated on the head",
+                                        registry=self.registry)
         self.laps = Counter("meshws_decode_laps", "Decode laps through the mesh (each yields 1 token + drafts kept)",
                             registry=self.registry)
         self.lap_seconds = Counter("meshws_lap_seconds", "Time of the head's laps by part: its own layers "

@@ -5,11 +5,11 @@ alive, only unreachable), the head's answer to its next heartbeat lists the hops
 way: the head itself, and the joined middles whose layers end where the node's begin (`dial_in`). The node dials
 each one's `/mesh/reverse/<its own URL, hex>` (signed with the mesh secret like any mesh request, the URL inside the
 signed path, and with its node key: a head takes it only from the key the node's join bound to that URL, a middle
-only from a node and key its head named) and serves that socket exactly as it serves an inbound `/ws/shard`; the dialed side hands the socket
-to its link for that URL (`Link.offer`), which from then on waits for the node's dials instead of dialing. Hellos,
-sessions, signed routes, losses and failover are those of a dialed link; only who opened the TCP connection differs.
-Where neither side of a hop can dial the other, the head relays it (`mesh.relay`), and the two ends seal the
-socket between them (`mesh.seal`).
+only from a node and key its head named) and serves that socket exactly as it serves an inbound `/ws/shard`; the dialed
+side hands the socket to its link for that URL (`Link.offer`), which from then on waits for the node's dials instead of
+dialing. Hellos, sessions, signed routes, losses and failover are those of a dialed link; only who opened the TCP
+connection differs. Where neither side of a hop can dial the other, the head relays it (`mesh.relay`), and the two ends
+seal the socket between them (`mesh.seal`).
 """
 
 from __future__ import annotations

@@ -247,7 +247,8 @@ class ShardSteps:
     def _count_step(self, session: InboundSession, frame: ForwardFrame, elapsed: float) -> None:
         session.compute_seconds += elapsed
         held = self.backend.sessions.held(session.sid)
-        session.report = (frame.step, HopReport(node=self.node_name, ms=elapsed * 1000, cache_len=held, load=len(self.sessions)))
+        session.report = (frame.step, HopReport(node=self.node_name, ms=elapsed * 1000, cache_len=held,
+                                                load=len(self.sessions)))
         self.metrics.steps.labels(frame.mode).inc()
         self.metrics.step_seconds.labels(frame.mode).observe(elapsed)
         if frame.mode == "prefill":
@@ -265,8 +266,9 @@ class ShardSteps:
             if session.history is not None and result.token_id is not None:
                 session.history.extend(result.token_ids or (result.token_id,))
             text = result.text if result.text or result.token_id is None else None  # a legacy tail: text only
-            await self._send(link, Token(sid=sid, step=step, token_id=result.token_id, text=text, token_ids=result.token_ids,
-                                         hops=self.own_report(session, step), logprobs=result.logprobs,
+            await self._send(link, Token(sid=sid, step=step, token_id=result.token_id, text=text,
+                                         token_ids=result.token_ids, hops=self.own_report(session, step),
+                                         logprobs=result.logprobs,
                                          prompt_logprobs=result.prompt_logprobs))
             return
         next_hop = session.next_hop

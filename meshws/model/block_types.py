@@ -3,8 +3,8 @@
 The table of block types lives once, in `quants.c` (`TYPES`, keyed by ggml's type id): which types the
 kernels unpack, with their values and bytes per block. Here names and sizes come from the `gguf`
 package (`GGML_QUANT_SIZES`), and `kernel_types` asks the built library which ids it has (checking
-its sizes against gguf's); a test walks every row against `gguf.quants.dequantize`. Float tensors (F32, F16, BF16) need no table:
-the kernels read them as they are.
+its sizes against gguf's); a test walks every row against `gguf.quants.dequantize`. Float tensors (F32, F16, BF16) need
+no table: the kernels read them as they are.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ class GgufModel:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         self.table: GgufTable = read_table(self.path)
-        with open(self.path, "rb") as handle:  # a private mapping: torch may wrap it writable; the file is never written
+        with open(self.path, "rb") as handle:  # a private mapping: torch may wrap it writable; the file is not written
             self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self.handed_out: set[str] = set()  # the tensors a node asked for: what it maps as its own

@@ -8,9 +8,9 @@ prefix): a block is then held by both, counted once in a node's bytes, and copie
 them writes into it (a position past where they agree). meshws's kernel reads the blocks where they
 lie (`native.AttendRows`); the torch path reads a layer's positions gathered (`read`).
 
-A node's bytes count a shared block once (`footprint`). `holders` counts the caches a block belongs to. It is raised by `copy` and lowered by `release`,
-which the session store calls when it lets a cache go; a count left high (a cache never released)
-costs a needless copy, never a wrong one, and a block's memory goes when no cache refers to it.
+A node's bytes count a shared block once (`footprint`). `holders` counts the caches a block belongs to. It is raised by
+`copy` and lowered by `release`, which the session store calls when it lets a cache go; a count left high (a cache never
+released) costs a needless copy, never a wrong one, and a block's memory goes when no cache refers to it.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ A shard's layers come as `LayerWeights` (`lean_weights` builds them from a GGUF'
 packs a Hugging Face model's float weights), and `LeanSpec` says how they compute: Llama-style layers
 (Llama, Qwen2's q/k/v biases, Qwen3's per-head q/k norms; rotary on halves, or on pairs (2i, 2i+1) for
 a GGUF's Llama rows) or Gemma-3's (extra norms, GELU, sliding windows). A session's keys and values
-live in a `kv_blocks.LeanCache`: blocks of positions, shared between sessions where their prompts agree. A Llama-style decode step,
-for one session or a batch of them, is one call of meshws's kernel through every layer
+live in a `kv_blocks.LeanCache`: blocks of positions, shared between sessions where their prompts agree. A Llama-style
+decode step, for one session or a batch of them, is one call of meshws's kernel through every layer
 (`fused.FusedDecode`). Otherwise a decode step's attention is one kernel call per layer over every row's
 own cache (`native.Kernels.attend`; torch's sdpa row by row where the kernel cannot be built); prefill
 attention is torch's `scaled_dot_product_attention`. The rest follows transformers' modules operation

@@ -30,7 +30,7 @@ class ShardSettings:
     max_sessions: int = 64  # KV caches held at once (LRU beyond)
     cache_ttl: float = 600.0  # seconds an idle session's cache is kept
     ctx_size: int | None = None  # the most positions one session may hold; None: the model's context length
-    kv_dtype: str = "auto"  # keys and values: auto (bfloat16 under 8-bit activations, else float32), float32, bfloat16, q8_0
+    kv_dtype: str = "auto"  # keys and values: auto (bf16 under 8-bit activations, else float32), float32, bf16, q8_0
     max_cache_bytes: int | None = None  # byte budget for all KV caches (LRU beyond); None: sized from free memory
     memory: int | None = None  # bytes of weights and KV caches this node may hold: KV gets what the weights leave
     threads: int | None = None  # torch intra-op threads; None = torch's default

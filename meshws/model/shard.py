@@ -312,7 +312,8 @@ class ModelShard(ShardFacts):
         return tensor_from_bytes(body, shape, dtype, self.hidden_size, self.compute_dtype)
 
     def finish(self, hidden: torch.Tensor, past_len: int, sampling: SamplingParams | None, history: Sequence[int],
-               generated_from: int | None, drafts: Sequence[int] = (), logits: torch.Tensor | None = None) -> StepResult:
+               generated_from: int | None, drafts: Sequence[int] = (),
+               logits: torch.Tensor | None = None) -> StepResult:
         """The step's result: on the tail, its token(s) chosen from `logits` (of its last positions; computed here
         unless given); elsewhere, the hidden states to send on."""
         if not self.is_tail:

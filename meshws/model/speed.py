@@ -60,8 +60,8 @@ class SpeedMeter:
 
 def probe(shard: Any, min_seconds: float = 0.15, max_steps: int = 32) -> tuple[float, float]:
     """Seconds per one-token decode step through `shard` (a `ShardBackend`), and of them the LM head's (a tail's),
-    on a private session of its own (no user's: neither counted nor able to evict one) released after: a prefill of one position, then decode steps until `min_seconds` have
-    passed (two at least)."""
+    on a private session of its own (no user's: neither counted nor able to evict one) released after: a prefill of one
+    position, then decode steps until `min_seconds` have passed (two at least)."""
     sid = f"probe-{uuid.uuid4().hex}"
     token = 1 % max(1, shard.vocab_size)
     hidden = torch.randn(1, 1, shard.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.1

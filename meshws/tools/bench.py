@@ -38,7 +38,6 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from .bench_compute import (gguf_of, measure_bandwidth, measure_decode_step, measure_generate_sessions,
@@ -203,7 +202,8 @@ def print_table(report: dict[str, Any]) -> None:
                 busy = entry.get("busy_fraction", {})
                 print(f"  {count:>11} | {entry['per_session_tok_s']:8.2f} "
                       f"({entry['per_session_ratio_to_generate']:.2f}x)          | {entry['aggregate_tok_s']:8.2f} "
-                      f"({entry['aggregate_ratio_to_generate']:.2f}x, {entry.get('aggregate_over_one_session', 0):.2f}x)"
+                      f"({entry['aggregate_ratio_to_generate']:.2f}x, "
+                      f"{entry.get('aggregate_over_one_session', 0):.2f}x)"
                       f"      | {entry['ttft_p50_s'] * 1000:.0f} / {entry['ttft_p95_s'] * 1000:.0f} ms | "
                       f"{entry['itl_p50_s'] * 1000:.0f} / {entry['itl_p95_s'] * 1000:.0f} ms | "
                       f"{busy.get('head', 0):.2f} / {busy.get('tail', 0):.2f}")
@@ -224,8 +224,8 @@ def print_table(report: dict[str, Any]) -> None:
                     f"{turns['later_turns_ttft_ratio']:.2f}x; cached tokens {turns['cached_tokens']}")
         spec = result.get("speculation")
         if spec:
-            print("drafts vs none, time per token: " + ", ".join(
-                f"{key[:-11].replace('_', ' ')} {value:.2f}x" for key, value in spec.items() if key.endswith("time_ratio"))
+            times = {key[:-11].replace("_", " "): ratio for key, ratio in spec.items() if key.endswith("time_ratio")}
+            print("drafts vs none, time per token: " + ", ".join(f"{key} {ratio:.2f}x" for key, ratio in times.items())
                 + f"; tokens per lap (delayed, repeat) {spec['delayed_repeat_ngram']['tokens_per_lap']}")
         wire = result["wire"]
         print(f"frames: decode {wire.get('decode_frame_bytes')} B, prefill {wire.get('prefill_frame_bytes')} B")
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     os.environ.update(MODEL_ENV)
 
     gguf = gguf_of(args.model)
-    suite = args.suite if args.suite != "auto" else ("all" if args.model in ("embedded", "") or gguf is None else "gguf")
+    suite = args.suite if args.suite != "auto" else "all" if args.model in ("embedded", "") or gguf is None else "gguf"
     gguf_section = None
     if suite == "kv":
         return run_kv_suite(args, gguf, out)
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
         add_ratios(result)
         result["targets"] = targets(result)
         report["results"][dtype] = result
-    plot = write_plot(report, out.with_suffix(".png") if out.suffix != ".png" else out.with_name(out.stem + "-plot.png"))
+    plot = write_plot(report, out.with_stem(out.stem + "-plot") if out.suffix == ".png" else out.with_suffix(".png"))
     report["plot"] = str(plot) if plot else None
     print_table(report)
     print(f"plot: {plot}" if plot else "no plot: matplotlib is not installed (pip install meshws[bench])")

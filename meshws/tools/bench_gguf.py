@@ -6,8 +6,8 @@ default all cores):
     loaded, peak resident memory, decode
     tok/s of one stream (`create_completion`, greedy), and a 512-token prompt's time;
   * a meshws `full` node (`python -m meshws.node --role full`, default flags) with an empty model
-    cache: seconds from its process's start to ready, bytes written to the cache, peak resident memory, decode tok/s of one
-    stream through the OpenAI API, the 512-token prompt's time to first token;
+    cache: seconds from its process's start to ready, bytes written to the cache, peak resident memory, decode tok/s of
+    one stream through the OpenAI API, the 512-token prompt's time to first token;
   * a split mesh on loopback (`parts`: head + tail by default, or head + middle(s) + tail), the layers shared
     evenly: each node's peak resident memory, and one stream's decode tok/s.
 Decode is the best of ROUNDS runs per side, each meshws run right after one of llama.cpp's (its
@@ -88,7 +88,8 @@ class LlamaCpp:
             if line.startswith("{"):
                 return json.loads(line)
         self.process.wait(timeout=60)
-        raise RuntimeError(f"llama.cpp's probe failed:\n{self.process.stderr.read()[-3000:] if self.process.stderr else ''}")
+        said = self.process.stderr.read()[-3000:] if self.process.stderr else ""
+        raise RuntimeError(f"llama.cpp's probe failed:\n{said}")
 
     def decode(self) -> float:
         assert self.process.stdin is not None
@@ -265,7 +266,8 @@ def print_gguf(report: dict[str, Any]) -> None:
     print(f"decode, tok/s      | {full['decode_tok_s']:12.1f} | {cell(cpp.get('decode_tok_s'), '10.1f')} | "
           f"{mesh['decode_tok_s']:.1f}{same}")
     print(f"{PROMPT_TOKENS}-token prompt, s | {full['prompt_s']:12.2f} | {cell(cpp.get('prompt_s'), '10.2f')} |")
-    print(f"peak memory, MiB   | {full['peak_bytes'] / MIB:12.0f} | {cell(cpp.get('peak_bytes', 0) / MIB or None, '10.0f')}"
+    cpp_peak = cell(cpp.get("peak_bytes", 0) / MIB or None, "10.0f")
+    print(f"peak memory, MiB   | {full['peak_bytes'] / MIB:12.0f} | {cpp_peak}"
           f" | {' / '.join(f'{peak / MIB:.0f}' for peak in mesh['peak_bytes'])}")
     print(f"start, s           | {full['start_s']:12.2f} | {cell(cpp.get('load_s'), '10.2f')} |  (empty model cache)")
     print(f"written to disk    | {full['written_bytes'] / MIB:10.1f} MiB | {'0':>10} |")

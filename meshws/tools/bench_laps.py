@@ -1,8 +1,8 @@
 """The benchmark's speculative-decoding scenario: tokens per lap and time per token, drafts against none.
 
 One tail and four heads on it: two reach it through a relay that delays every byte by
-25 ms each way (a long link; `--link-delay UP DOWN` sets each direction), two directly (loopback); of each pair one guesses
-(`--draft ngram`) and one does not (`--draft none`). Each head answers a prompt that
+25 ms each way (a long link; `--link-delay UP DOWN` sets each direction), two directly (loopback); of each pair one
+guesses (`--draft ngram`) and one does not (`--draft none`). Each head answers a prompt that
 asks to repeat a text and an ordinary one, greedy, up to a number of tokens or the end
 of the answer (past it, the model's text no longer repeats anything). Laps are
 the decode frames that reach the tail; time per token is the stream's decode time over
@@ -35,7 +35,8 @@ def _decode_frames(url: str) -> float:
 
 
 def measure_laps(model: str, layers: int, dtype: str, model_id: str, tokens: int, tokenizer: Any,
-                 links: tuple[str, ...] = ("delayed", "loopback"), delay: tuple[float, float] = DELAY) -> dict[str, Any]:
+                 links: tuple[str, ...] = ("delayed", "loopback"),
+                 delay: tuple[float, float] = DELAY) -> dict[str, Any]:
     from .launch import NodeProcess
     from .relay import RelayThread
 

@@ -97,7 +97,8 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
         actions = [a for a in group._group_actions if a.help is not argparse.SUPPRESS and a.dest != "help"]
         if not actions:
             continue
-        lines += ["", f"## {group.title}", "", "| flag | default | variable | what it does |", "| --- | --- | --- | --- |"]
+        lines += ["", f"## {group.title}", "", "| flag | default | variable | what it does |",
+                  "| --- | --- | --- | --- |"]
         for action in actions:
             params = dict(vars(action), prog=parser.prog)
             text = _SUFFIX.sub("", (action.help or "") % params)

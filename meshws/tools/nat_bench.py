@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     flags = ("--secret-file", secret)
     prompt = [1000 + 7 * index for index in range(16)]
     rates: dict[str, list[float]] = {"behind NAT": [], "reachable": []}
-    with other_host("10.231.20.1", "10.231.20.2", DROP_INBOUND) as nat, other_host("10.231.21.1", "10.231.21.2") as plain:
+    with other_host("10.231.20.1", "10.231.20.2", DROP_INBOUND) as nat, \
+            other_host("10.231.21.1", "10.231.21.2") as plain:
         head_port, middle_port = free_port(), free_port()
         head = NodeProcess("--role", "head", "--layers", "0-9", "--host", "0.0.0.0", *flags, port=head_port)
         middle = None

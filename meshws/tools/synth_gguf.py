@@ -29,7 +29,7 @@ VOCAB = 49152  # SmolLM2's
 # Per --quant: the type of most matrices, of the "big" ones (embeddings, LM head; q4_k_m: half of ffn_down, attn_v).
 QUANTS = {"q4_k_m": ("Q4_K", "Q6_K"), "q8_0": ("Q8_0", "Q8_0"), "q4_1": ("Q4_1", "Q4_1"), "q4_0": ("Q4_0", "Q6_K"),
           "f16": ("F16", "F16")}
-MIXED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]  # one per matrix, in turn
+MIXED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]  # a matrix each, in turn
 
 
 def half(values: np.ndarray) -> np.ndarray:

@@ -88,7 +88,8 @@ async def test_cors_preflight_and_security_headers():
                 assert (await r.read()).endswith(b"data: [DONE]\n\n")
             async with client.options(f"{url}/tokenize", headers=preflight) as r:  # the tokenizer is the API's too
                 assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == "https://app.example"
-            async with client.post(f"{url}/tokenize", json={"prompt": "hi"}, headers={"Origin": "https://evil.example"}) as r:
+            async with client.post(f"{url}/tokenize", json={"prompt": "hi"},
+                                   headers={"Origin": "https://evil.example"}) as r:
                 assert r.status == 403
             async with client.get(f"{url}/") as r:
                 assert r.status == 200

@@ -1,7 +1,6 @@
 """Clients that stop reading (on fake shards): an SSE stream and a /ws/chat socket are dropped once a
 write waits longer than --write-timeout, and the generation's session is released everywhere."""
 
-import asyncio
 import base64
 import os
 import socket

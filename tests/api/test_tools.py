@@ -69,9 +69,11 @@ def test_templates_without_tools_get_them_as_a_system_block_and_calls_as_text():
     spec = parse_tools({"tools": [WEATHER]})
     messages = [{"role": "user", "content": "Weather in Oslo?"},
                 {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
                 {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
     plain = plain_messages(messages, spec)
-    assert plain[0]["role"] == "system" and "get_weather" in plain[0]["content"] and "<tool_call>" in plain[0]["content"]
+    assert plain[0]["role"] == "system"
+    assert "get_weather" in plain[0]["content"] and "<tool_call>" in plain[0]["content"]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' == plain[2]["content"]
     assert plain[3] == {"role": "tool", "content": "<tool_response>\nsunny\n</tool_response>"}

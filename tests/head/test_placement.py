@@ -187,5 +187,6 @@ def test_a_plan_describes_itself_as_health_shows_it():
     result = plan(node("head", 1.0, 40), [node("ws://10.0.0.2:8701", 1.0, 200)], model, version=3)
     view = result.describe()
     assert view["version"] == 3 and view["spans"][0]["node"] == "head"
-    assert view["spans"][1] == {"node": "ws://10.0.0.2:8701", "role": "tail", "layers": [view["spans"][0]["layers"][1], 8],
+    assert view["spans"][1] == {"node": "ws://10.0.0.2:8701", "role": "tail",
+                                "layers": [view["spans"][0]["layers"][1], 8],
                                 "ms": view["spans"][1]["ms"]}

@@ -159,7 +159,8 @@ async def test_large_prefill_activation_survives_zstd_compressed_hop():
             self.prefills.append(session_id)
             if session_id:
                 self._seq[session_id] = 2000
-            return TensorPayload(body=b"\x00" * (1 * 2000 * 32 * 2), shape=[1, 2000, 32])  # 125 KiB (and one decode step still fits the context)
+            # 125 KiB (and one decode step still fits the context)
+            return TensorPayload(body=b"\x00" * (1 * 2000 * 32 * 2), shape=[1, 2000, 32])
 
         def encode_next_token(self, token_id, session_id, *, sampling=None, history=(), generated_from=None,
                               past_len=None):

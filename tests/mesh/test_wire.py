@@ -16,7 +16,8 @@ def _frame(header: dict, body: bytes) -> bytes:
     return struct.pack(">I", len(head)) + head + body
 
 
-GOOD = {"type": "fwd", "sid": "s1", "step": 0, "mode": "decode", "past_len": 7, "shape": [1, 1, 4], "dtype": "bfloat16", "enc": None}
+GOOD = {"type": "fwd", "sid": "s1", "step": 0, "mode": "decode", "past_len": 7, "shape": [1, 1, 4], "dtype": "bfloat16",
+        "enc": None}
 
 
 def test_decode_frame_round_trip_and_size():
@@ -221,7 +222,8 @@ def test_a_wrong_row_is_refused_alone_and_a_wrong_wave_frame_whole():
         with pytest.raises(FrameError, match=needle):
             wire.decode_rows(bad)
     with pytest.raises(FrameError, match="limit"):
-        wire.read_forward_headers(_frame({"type": "fwd", "mode": "decode", "rows": [{**good, "sid": f"s{i}"} for i in range(40)],
+        wire.read_forward_headers(_frame({"type": "fwd", "mode": "decode",
+                                          "rows": [{**good, "sid": f"s{i}"} for i in range(40)],
                                           "shape": [40, 1, 4096], "dtype": "float32", "enc": None}, b""),
                                   max_frame_bytes=500_000)
 

@@ -49,7 +49,8 @@ control_frames = st.fixed_dictionaries(
     {"type": st.sampled_from(["hello", "open", "token", "cache_miss", "error", "close", "fwd", "nope"])},
     optional={"sid": st.one_of(st.just("s1"), json_values), "lost": json_values, "url": json_values,
               "total_layers": json_values, "chain": json_values, "role": json_values, "node": json_values,
-              "reason": json_values, "text": json_values, "step": json_values, "token_id": json_values, "version": json_values,
+              "reason": json_values, "text": json_values, "step": json_values, "token_id": json_values,
+              "version": json_values,
               "model": json_values, "layers": json_values, "route": json_values, "sampling": json_values,
               "message": json_values, "prompt_tokens": json_values},
 )

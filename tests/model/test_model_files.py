@@ -3,7 +3,6 @@
 The tests of this module share one empty cache (`empty_model`), in order: a tail starts first.
 """
 
-import json
 import logging
 import os
 import shutil

@@ -107,7 +107,7 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
             == {"value": None, "met": None}
         for link in ("delayed",):
             for prompt in ("repeat", "ordinary"):
-                assert 0.9 < spec[f"{link}_{prompt}_none"]["tokens_per_lap"] <= 1.0  # (an end-of-answer lap is no token)
+                assert 0.9 < spec[f"{link}_{prompt}_none"]["tokens_per_lap"] <= 1.0  # (an answer's end lap: no token)
                 assert spec[f"{link}_{prompt}_ngram"]["token_s"] > 0 and spec[f"{link}_{prompt}_time_ratio"] > 0
         assert spec["delayed_repeat_ngram"]["laps"] < spec["delayed_repeat_none"]["laps"]
         for name in ("ws_chat", "openai_api"):  # two turns in --short: the second reuses the session

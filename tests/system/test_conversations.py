@@ -90,7 +90,7 @@ class ChatClient:
 
 
 async def _converse(turn, reference, questions, check_between=None):
-    """Ask `questions` in order through `turn(messages) -> (text, cached_tokens)`; check each against a fresh prefill."""
+    """Ask `questions` in order through `turn(messages) -> (text, cached_tokens)`; each checked against a prefill."""
     messages, held, reused = [{"role": "system", "content": SYSTEM}], [], []
     for question in questions:
         messages.append({"role": "user", "content": question})

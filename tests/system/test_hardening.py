@@ -37,7 +37,8 @@ def _mutations(seed: int):
             header = dict(good, **{rng.choice(list(good)): rng.choice([None, -1, "x", [], {}, 10**12, 2.5])})
             frames.append(_frame(header, bytes(2304)))
         elif kind == 3:
-            frames.append(orjson.dumps({rng.choice(["type", "sid", "x"]): rng.choice(["open", "close", 5, None])}).decode())
+            field = rng.choice(["type", "sid", "x"])
+            frames.append(orjson.dumps({field: rng.choice(["open", "close", 5, None])}).decode())
         elif kind == 4:
             frames.append("".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(rng.randrange(0, 40))))
         else:

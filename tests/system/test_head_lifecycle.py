@@ -44,7 +44,8 @@ def test_two_heads_share_a_tail_joined_to_both_and_drop_it_when_it_dies(embedded
         for head in heads:
             head.wait_ready(60)
             client = openai.OpenAI(base_url=f"{head.url}/v1", api_key="unused", max_retries=0, timeout=120)
-            answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+            answer = client.chat.completions.create(model=MODEL,
+                                                    messages=[{"role": "user", "content": "Name a colour."}],
                                                     max_tokens=8, temperature=0)
             answers.append(answer.choices[0].message.content)
         assert answers[0] and answers[0] == answers[1]  # one pool of shards, the same greedy answer from either head

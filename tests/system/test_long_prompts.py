@@ -136,7 +136,8 @@ async def test_a_long_prefill_lets_other_sessions_decode_and_a_close_through_wit
     during = [t for t in times if sent < t <= answered_at]
     gaps = [b - a for a, b in zip([sent, *during], during)]
     print(f"prefill of {LONG}: {prefill_seconds:.2f} s, mean chunk {chunk_seconds:.3f} s, other session: "
-          f"{len(during)} tokens, gaps {[round(g, 2) for g in gaps]} s (max {max(gaps):.2f}); close released {answered_at - released_at:.2f} s "
+          f"{len(during)} tokens, gaps {[round(g, 2) for g in gaps]} s (max {max(gaps):.2f}); "
+          f"close released {answered_at - released_at:.2f} s "
           f"before the prefill ended")
     assert len(during) >= 5, f"only {len(during)} tokens of the other session during a {prefill_seconds:.1f} s prefill"
     assert max(gaps) < 4 * chunk_seconds, (max(gaps), chunk_seconds, prefill_seconds)

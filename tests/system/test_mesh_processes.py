@@ -64,7 +64,8 @@ async def test_health_and_metrics_describe_the_node(mesh):
     for name in ("meshws_sessions ", "meshws_cache_bytes ", "meshws_steps_total{mode=\"decode\"}",
                  "meshws_step_seconds_bucket", 'meshws_frame_bytes_total{direction="in",type="fwd_decode"}',
                  "meshws_weight_bytes ", "meshws_peak_resident_bytes ", "process_resident_memory_bytes ",
-                 "meshws_weight_mapped_bytes ", "meshws_weight_resident_bytes ", 'meshws_weight_type_bytes{type="Q4_1"}'):
+                 "meshws_weight_mapped_bytes ", "meshws_weight_resident_bytes ",
+                 'meshws_weight_type_bytes{type="Q4_1"}'):
         assert name in text, name
 
 

@@ -173,7 +173,8 @@ def test_a_middle_and_a_tail_both_behind_nat_are_relayed_by_the_head_within_its_
         assert to_tail["formed"].endswith("; sealed)")  # its frames carry MACs of its two ends' keys (`mesh.seal`)
         with urllib.request.urlopen(head.url + "/metrics", timeout=10) as response:
             metrics = response.read().decode()
-        relayed = [line for line in metrics.splitlines() if line.startswith('meshws_frame_bytes_total{direction="relayed"')]
+        relayed = [line for line in metrics.splitlines()
+                   if line.startswith('meshws_frame_bytes_total{direction="relayed"')]
         assert relayed and float(relayed[0].split()[-1]) > 1000
 
         # A joined node's view: no relay to an address that is not a joined node, none for a pair the head can

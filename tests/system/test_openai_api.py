@@ -176,7 +176,8 @@ async def test_json_schema_answers_always_parse_and_validate(mesh):
         assert answer.choices[0].finish_reason == "stop"
     assert len({json.dumps(person, sort_keys=True) for person in people}) > 1  # sampled, not one fixed answer
     free = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Give a JSON object with the keys name and age of a person."}],
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give a JSON object with the keys name and age of a person."}],
         max_tokens=100, temperature=0, response_format={"type": "json_object"})
     assert free.choices[0].finish_reason == "stop" and isinstance(json.loads(free.choices[0].message.content), dict)
 
@@ -315,7 +316,8 @@ async def test_tokenize_and_detokenize_as_vllm_and_llama_server_shape_them(mesh,
         assert chat["tokens"] == tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
                                                                return_dict=False)
         for path, body, param in (("/tokenize", {"prompt": text, "add_special_tokens": False}, "add_special_tokens"),
-                                  ("/tokenize", {"prompt": 5}, "prompt"), ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                                  ("/tokenize", {"prompt": 5}, "prompt"),
+                                  ("/detokenize", {"tokens": [10**9]}, "tokens"),
                                   ("/tokenize", {"model": "nope", "prompt": "x"}, "model")):
             status, error = await post(path, body)
             assert status in (400, 404) and error["error"]["param"] == param, error
@@ -467,7 +469,8 @@ async def test_bad_chat_requests_get_openai_shaped_errors(mesh, body, status, pa
 async def test_bad_completion_requests_and_unknown_routes(mesh, client):
     async with aiohttp.ClientSession() as session:
         for body, param in (({"model": MODEL}, "prompt"), ({"model": MODEL, "prompt": [1, "x"]}, "prompt"),
-                            ({"model": MODEL, "prompt": [10**7]}, "prompt"), ({"model": MODEL, "prompt": ""}, "prompt")):
+                            ({"model": MODEL, "prompt": [10**7]}, "prompt"),
+                            ({"model": MODEL, "prompt": ""}, "prompt")):
             async with session.post(f"{mesh.head.url}/v1/completions", json=body) as response:
                 assert response.status == 400
                 assert (await response.json())["error"]["param"] == param

@@ -255,5 +255,6 @@ async def test_the_links_share_of_a_lap_is_the_relays_delay(nodes):
     assert hops["network_ms"] >= 0.05 * 1000 * hops["laps"] * 0.95  # the relay's 50 ms a lap (timer slack)
     assert hops["head_ms"] > 0 and hops["hops"][0]["ms"] > 0
     for part in ("head", "hop1", "network"):
-        line = next(line for line in metrics.splitlines() if line.startswith(f'meshws_lap_seconds_total{{part="{part}"}}'))
+        name = f'meshws_lap_seconds_total{{part="{part}"}}'
+        line = next(line for line in metrics.splitlines() if line.startswith(name))
         assert float(line.split()[-1]) > 0, line

@@ -56,9 +56,9 @@ from .tensors import (
 )
 
 __all__ = [
-    "PROTOCOL_VERSION", "CacheMiss", "ChainHop", "Close", "ControlMessage", "Error", "Hello", "HopReport", "Open", "RouteHop",
-    "SessionReply", "Token", "decode_control", "encode_control", "MAX_SID_LENGTH", "FrameError",
+    "PROTOCOL_VERSION", "CacheMiss", "ChainHop", "Close", "ControlMessage", "Error", "Hello", "HopReport", "Open",
+    "RouteHop", "SessionReply", "Token", "decode_control", "encode_control", "MAX_SID_LENGTH", "FrameError",
     "DEFAULT_COMPRESS_MIN_BYTES", "DEFAULT_MAX_FRAME_BYTES", "MAX_HEADER_BYTES", "DecodeRow", "ForwardFrame",
-    "ForwardHeader", "decode_forward", "decode_rows", "encode_forward", "encode_rows", "inflate_forward", "inflate_rows",
-    "read_forward_header", "read_forward_headers",
+    "ForwardHeader", "decode_forward", "decode_rows", "encode_forward", "encode_rows", "inflate_forward",
+    "inflate_rows", "read_forward_header", "read_forward_headers",
 ]
