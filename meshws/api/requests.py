@@ -240,11 +240,6 @@ def check_request(body: dict[str, Any], chat: bool, head: HeadService) -> Reques
     return draft
 
 
-async def build_spec(body: dict[str, Any], chat: bool, head: HeadService) -> CompletionSpec:
-    """Validate a request body (OpenAI fields) into a spec; ApiError names what is wrong."""
-    return await complete_spec(check_request(body, chat, head), head)
-
-
 async def complete_spec(draft: RequestDraft, head: HeadService) -> CompletionSpec:
     """The prompt of an admitted request templated and tokenized, and the checks that need its length."""
     body, chat, stop = draft.body, draft.chat, list(draft.stop)

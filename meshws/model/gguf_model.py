@@ -13,7 +13,6 @@ transformers path, on weights dequantized in memory.
 from __future__ import annotations
 
 import mmap
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,6 @@ from .block_types import BlockTensor, block_size
 from .gguf_file import GgufTable, geometry, read_table
 
 LEAN_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
-LAYER = re.compile(r"^blk\.(\d+)\.")
 GEMMA_GLOBAL_EVERY = 6  # Gemma-3: every sixth layer attends globally, the others to a sliding window (llama.cpp's)
 GEMMA_LOCAL_THETA = 10000.0  # Gemma-3's rope base on sliding-window layers (transformers' and llama.cpp's default)
 
@@ -112,10 +110,6 @@ class GgufModel:
             raise ValueError(f"{self.path.name}: {name} is {block.type_name}, not a float tensor")
         return block.as_float().reshape(-1).float().clone()
 
-    def layer_of(self, name: str) -> int | None:
-        match = LAYER.match(name)
-        return int(match.group(1)) if match else None
-
     def mapped_bytes(self) -> int:
         """Bytes of the tensors handed out: the file's share this node maps as its weights."""
         return sum(self.table.tensors[name].nbytes for name in self.handed_out)
@@ -193,10 +187,3 @@ def lean_architecture(model: GgufModel) -> Architecture | None:
         tied=not model.has("output.weight"), layer_types=layer_types,
         window=int(value("attention.sliding_window")) if gemma else None,
         local_theta=GEMMA_LOCAL_THETA if gemma else None, scaling=head_dim ** -0.5)
-
-
-def same_file(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
