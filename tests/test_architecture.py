@@ -166,3 +166,14 @@ def test_wire_messages_are_built_by_field_name(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from meshws.mesh.wire import Close, Error\nClose('s')\nError(message='m')\n")
     assert positional_wire_builds([bad]) == ["bad.py:2 Close"]
+
+
+MARKS = ('b"data: ', 'event: {', 'b": ping', "data: [DONE]")  # how an SSE line is written
+
+
+def test_one_module_frames_server_sent_events():
+    """Every stream's `data:` and `event:` lines, pings and [DONE] are written by `api/sse.py` alone."""
+    framing = [str(path.relative_to(PACKAGE)) for path in (PACKAGE / "api").glob("*.py")
+               if path.name != "sse.py" and any(mark in path.read_text() for mark in MARKS)]
+    assert framing == []
+    assert all(mark in (PACKAGE / "api" / "sse.py").read_text() for mark in MARKS)

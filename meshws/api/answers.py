@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Sequence
 
-import orjson
 from aiohttp import web
 
 from ..head.conversation import Conversation
@@ -60,8 +59,8 @@ def finish_reason(stats: GenerationStats) -> str:
 async def stream_error(stream: EventStream, error: dict[str, Any]) -> web.StreamResponse:
     """An error after the stream started (the status line is sent): an error event, then [DONE]."""
     try:
-        await stream.send(b"data: " + orjson.dumps(error) + b"\n\n")
-        await stream.send(b"data: [DONE]\n\n")
+        await stream.event(error)
+        await stream.done()
         return await stream.finish()
     except (SlowClient, ConnectionError):
         return stream.response

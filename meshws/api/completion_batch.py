@@ -13,18 +13,17 @@ stream carries each choice's text as it comes, its chunks naming their index.
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
 
-import orjson
 from aiohttp import web
 
 from ..head.generation import GenerationStats, PipelineError
 from ..head.service import Admission, HeadService, Unavailable
 from .answers import finish_reason, pipeline_failure, stream_error, unavailable, usage
 from .choices import Choice, run_choices
+from .chunks import Chunks
 from .errors import ApiError, json_response
 from .requests import BATCH_CONTEXTS, CompletionSpec, RequestDraft, batch_tokens, complete_spec
 from .sse import EventStream, SlowClient
@@ -104,11 +103,7 @@ def summed_usage(runs: list[PromptRun]) -> dict[str, Any]:
 async def serve_batch(head: HeadService, draft: RequestDraft, admission: Admission, stream: EventStream | None,
                       shape: ShapeChoice) -> web.StreamResponse:
     """A batch's answer, whole or streamed; its errors as the endpoint shapes them."""
-    answer_id, created, model = "cmpl-" + uuid.uuid4().hex[:24], int(time.time()), draft.body["model"]
-
-    def frame(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": answer_id, "object": "text_completion", "created": created, "model": model,
-                "choices": choices, **extra}
+    chunks = Chunks("cmpl-" + uuid.uuid4().hex[:24], chat=False, model=draft.body["model"])
 
     try:
         runs = await prepared(draft, head)
@@ -119,8 +114,8 @@ async def serve_batch(head: HeadService, draft: RequestDraft, admission: Admissi
                        for index, run in enumerate(runs) for j, choice in enumerate(run.choices)]
             extra = {"prompt_token_ids": [run.spec.prompt_ids for run in runs]} if runs[0].spec.return_token_ids \
                 else {}
-            return json_response(frame(choices, usage=summed_usage(runs), system_fingerprint=None, **extra))
-        return await _streamed(head, runs, admission, stream, frame)
+            return json_response(chunks.frame(choices, usage=summed_usage(runs), system_fingerprint=None, **extra))
+        return await _streamed(head, runs, admission, stream, chunks)
     except (ApiError, Unavailable, PipelineError) as exc:
         error = exc if isinstance(exc, ApiError) else \
             unavailable(exc) if isinstance(exc, Unavailable) else pipeline_failure(exc)
@@ -130,23 +125,17 @@ async def serve_batch(head: HeadService, draft: RequestDraft, admission: Admissi
 
 
 async def _streamed(head: HeadService, runs: list[PromptRun], admission: Admission, stream: EventStream,
-                    frame: Callable[..., dict[str, Any]]) -> web.StreamResponse:
-    def event(data: dict[str, Any]) -> bytes:
-        return b"data: " + orjson.dumps(data) + b"\n\n"
-
-    def text(index: int, delta: str | None, finish: str | None = None) -> bytes:
-        return event(frame([{"index": index, "text": delta or "", "finish_reason": finish, "logprobs": None}]))
-
+                    chunks: Chunks) -> web.StreamResponse:
     try:
         await stream.start()
-        await run_batch(head, runs, admission, lambda index, delta: stream.send(text(index, delta)))
+        await run_batch(head, runs, admission, lambda index, delta: stream.event(chunks.one(index, delta)))
         n = runs[0].spec.n
         for index, run in enumerate(runs):
             for j, choice in enumerate(run.choices):
-                await stream.send(text(index * n + j, None, finish_reason(choice.stats)))
+                await stream.event(chunks.one(index * n + j, None, finish_reason(choice.stats)))
         if runs[0].spec.include_usage:
-            await stream.send(event(frame([], usage=summed_usage(runs))))
-        await stream.send(b"data: [DONE]\n\n")
+            await stream.event(chunks.frame([], usage=summed_usage(runs)))
+        await stream.done()
         return await stream.finish()
     except SlowClient:
         return stream.response  # aborted already

@@ -16,9 +16,9 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from ..head.generation import GenerationStats, PipelineError
@@ -31,10 +31,21 @@ from .requests import CompletionSpec, check_request, complete_spec
 from .response_routes import ResponsesApi
 from .sse import EventStream, SlowClient
 from .choices import Choice, run_choices
+from .chunks import Chunks
 from .tools import CallSplitter, calls_in
 from .tokens import TokenRoutes
 
 log = logging.getLogger("meshws.api")
+
+
+@dataclass
+class _Told:
+    """What a streamed answer has told so far: its tokens' log-probabilities, and its text's length before them (a
+    completion's offsets count from the answer's start, its echoed prompt included)."""
+
+    logprobs: int = 0
+    offset: int = 0
+
 
 class OpenAIApi:
     def __init__(self, head: HeadService, write_timeout: float = 30.0, sse_ping: float = 15.0) -> None:
@@ -116,7 +127,7 @@ class OpenAIApi:
             spec = await complete_spec(draft, self.head)
             spec.owner = f"{request.remote}\n{draft.body.get('user')}"  # a warm session serves its owner only
             if stream is not None:
-                return await self._stream(stream, spec, admission, chat, kind, answer_id, stats)
+                return await self._stream(stream, spec, admission, chat, answer_id, stats)
             return await self._complete(spec, admission, chat, kind, answer_id, stats)
         except ApiError as exc:
             if stream is not None and stream.open:
@@ -192,122 +203,96 @@ class OpenAIApi:
             choice["token_ids"] = done.token_ids
         return choice
 
-    async def _send_echo(self, write: Any, chunk: Any, spec: CompletionSpec, stats: GenerationStats,
-                         told: list[int]) -> bool:
-        """A streamed completion's echoed prompt, as its first chunk; False (no echo left to send)."""
-        text, logprobs = self._echoed(spec, stats)
-        told[1] = len(text)  # the answer's offsets start after it
-        await write(chunk({"index": 0, "text": text, "finish_reason": None, "logprobs": logprobs}))
-        return False
+    def _logprobs_since(self, stats: GenerationStats, chat: bool, told: _Told, text: str | None,
+                        finish: str | None) -> dict[str, Any] | None:
+        """A streamed answer's log-probabilities of the tokens since its last chunk (at its end: all told, or
+        none), then `text` counted in its offsets."""
+        logprobs = None
+        if stats.logprobs is not None and (len(stats.logprobs) > told.logprobs or finish):
+            logprobs = self._logprobs(stats, chat, told.logprobs, len(stats.logprobs), told.offset)
+            told.logprobs = len(stats.logprobs)
+        told.offset += len(text or "")
+        return logprobs
 
-    async def _stream_choices(self, stream: EventStream, spec: CompletionSpec, admission: Admission, chat: bool,
-                              kind: str, answer_id: str, stats: GenerationStats) -> web.StreamResponse:
+    async def _stream_choices(self, stream: EventStream, spec: CompletionSpec, admission: Admission,
+                              chunks: Chunks, stats: GenerationStats) -> web.StreamResponse:
         """`n` > 1, streamed: each choice's text as it comes (chunks say their `index`), then each one's end."""
-        created, chunk_kind = int(time.time()), kind + ".chunk" if chat else kind
-
-        def chunk(index: int, text: str | None, finish: str | None = None, role: bool = False) -> bytes:
-            choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": None}
-            if chat:
-                choice["delta"] = {**({"role": "assistant"} if role else {}),
-                                   **({"content": text} if text is not None else {})}
-            else:
-                choice["text"] = text or ""
-            data = {"id": answer_id, "object": chunk_kind, "created": created, "model": spec.model, "choices": [choice]}
-            return b"data: " + orjson.dumps(data) + b"\n\n"
-
         try:
             await stream.start()
-            for index in range(spec.n if chat else 0):
-                await stream.send(chunk(index, "", role=True))
+            for index in range(spec.n if chunks.chat else 0):
+                await stream.event(chunks.one(index, "", role=True))
             choices = await run_choices(self.head, spec, admission, stats,
-                                        lambda index, delta: stream.send(chunk(index, delta)))
+                                        lambda index, delta: stream.event(chunks.one(index, delta)))
             for index, choice in enumerate(choices):
-                await stream.send(chunk(index, None, finish_reason(choice.stats)))
+                await stream.event(chunks.one(index, None, finish_reason(choice.stats)))
             if spec.include_usage:
-                end = {"id": answer_id, "object": chunk_kind, "created": created, "model": spec.model, "choices": [],
-                       "usage": usage(stats, choices)}
-                await stream.send(b"data: " + orjson.dumps(end) + b"\n\n")
+                await stream.event(chunks.frame([], usage=usage(stats, choices)))
         except PipelineError as exc:
-            await stream.send(b"data: " + orjson.dumps(pipeline_failure(exc).body()) + b"\n\n")
+            await stream.event(pipeline_failure(exc).body())
         except SlowClient:
             return stream.response  # aborted already
-        await stream.send(b"data: [DONE]\n\n")
+        await stream.done()
         return await stream.finish()
 
     async def _stream(self, stream: EventStream, spec: CompletionSpec, admission: Admission, chat: bool,
-                      kind: str, answer_id: str, stats: GenerationStats) -> web.StreamResponse:
+                      answer_id: str, stats: GenerationStats) -> web.StreamResponse:
+        chunks = Chunks(answer_id, chat, spec.model)
         if spec.n > 1:
-            return await self._stream_choices(stream, spec, admission, chat, kind, answer_id, stats)
-        created = int(time.time())
-        chunk_kind = kind + ".chunk" if chat else kind
+            return await self._stream_choices(stream, spec, admission, chunks, stats)
+        told = _Told()
 
-        def chunk(choice: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> bytes:
-            data: dict[str, Any] = {
-                "id": answer_id, "object": chunk_kind, "created": created, "model": spec.model,
-                "choices": [choice] if choice is not None else [],
-            }
-            if extra:
-                data.update(extra)
-            return b"data: " + orjson.dumps(data) + b"\n\n"
+        def piece(text: str | None, finish: str | None = None, role: bool = False) -> dict[str, Any]:
+            return chunks.one(0, text, finish, role, self._logprobs_since(stats, chat, told, text, finish))
 
-        told = [0, 0]  # log-probabilities sent so far, and the text's length before them (completions' offsets)
-
-        def delta_choice(text: str | None, finish: str | None = None, role: bool = False) -> dict[str, Any]:
-            logprobs = None
-            if stats.logprobs is not None and (len(stats.logprobs) > told[0] or finish):  # the tokens since
-                logprobs = self._logprobs(stats, chat, told[0], len(stats.logprobs), told[1])
-                told[0] = len(stats.logprobs)
-            told[1] += len(text or "")
-            if chat:
-                delta: dict[str, Any] = {}
-                if role:
-                    delta["role"] = "assistant"
-                if text is not None:
-                    delta["content"] = text
-                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
-
-        async def write(data: bytes) -> None:
+        async def write(payload: dict[str, Any] | None) -> None:
+            """One chunk, or (None) the stream's [DONE]."""
             try:
-                await stream.send(data)
+                await (stream.done() if payload is None else stream.event(payload))
             except SlowClient:  # said now: the release that follows may end in the handler's cancellation
                 log.warning("generation %s: the client read nothing for %g s; dropped it and released its session",
                             stats.sid[:12], self.write_timeout)
                 raise
 
+        async def echo_prompt() -> bool:
+            """A completion's echoed prompt, as its first chunk; False: no echo left to send."""
+            text, logprobs = self._echoed(spec, stats)
+            told.offset = len(text)  # the answer's offsets start after it
+            await write(chunks.one(0, text, logprobs=logprobs))
+            return False
+
         try:
             await stream.start()  # headers now: a long prefill is pinged through
             if chat:
-                await write(chunk(delta_choice("", role=True)))
+                await write(piece("", role=True))
             echo = spec.echo  # the prompt goes first, once its prefill has run (and told its log-probabilities)
             tools = spec.tools if spec.tools is not None and spec.tools.choice != "none" else None
             splitter, parts = CallSplitter(in_call=tools is not None and tools.forced), []
             async with aclosing(run_spec(self.head, spec, stats, admission)) as deltas:
                 async for delta in deltas:
                     if echo:
-                        echo = await self._send_echo(write, chunk, spec, stats, told)
+                        echo = await echo_prompt()
                     parts.append(delta)
                     content = splitter.feed(delta) if tools is not None else delta
                     if content:
-                        await write(chunk(delta_choice(content)))
+                        await write(piece(content))
             if echo:
-                await self._send_echo(write, chunk, spec, stats, told)
+                await echo_prompt()
             finish = finish_reason(stats)
             if tools is not None:  # the calls, whole, once the answer is complete
                 calls = calls_in("".join(parts), tools)[1]
                 held = splitter.rest(bool(calls))  # held back for a call that did not come: content after all
                 if held:
-                    await write(chunk(delta_choice(held)))
+                    await write(piece(held))
                 if calls:
                     finish = "tool_calls"
-                    await write(chunk({"index": 0, "delta": {"tool_calls": [{"index": i, **call}
-                                                                            for i, call in enumerate(calls)]},
-                                       "finish_reason": None, "logprobs": None}))
-            await write(chunk(delta_choice(None, finish)))
+                    listed = [{"index": i, **call} for i, call in enumerate(calls)]
+                    await write(chunks.frame([{"index": 0, "delta": {"tool_calls": listed}, "finish_reason": None,
+                                               "logprobs": None}]))
+            await write(piece(None, finish))
             if spec.include_usage:
-                await write(chunk(None, {"usage": usage(stats)}))
+                await write(chunks.frame([], usage=usage(stats)))
         except PipelineError as exc:
-            await write(b"data: " + orjson.dumps(pipeline_failure(exc).body()) + b"\n\n")
+            await write(pipeline_failure(exc).body())
         except SlowClient:
             return stream.response  # aborted already; said in the log
         except (ConnectionResetError, asyncio.CancelledError):
@@ -315,8 +300,7 @@ class OpenAIApi:
             raise
         except Exception:  # a bug: the stream says so and ends; the node logs it
             log.exception("generation %s failed", stats.sid[:12])
-            error = {"error": {"message": "internal error; the node logged it", "type": "server_error",
-                               "param": None, "code": "internal_error"}}
-            await write(b"data: " + orjson.dumps(error) + b"\n\n")
-        await write(b"data: [DONE]\n\n")
+            await write({"error": {"message": "internal error; the node logged it", "type": "server_error",
+                                   "param": None, "code": "internal_error"}})
+        await write(None)
         return await stream.finish()

@@ -17,7 +17,6 @@ import uuid
 from contextlib import aclosing
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from ..head.generation import GenerationStats, PipelineError
@@ -45,7 +44,7 @@ class ResponseEvents:
     async def send(self, kind: str, **fields: Any) -> None:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        await self.stream.send(f"event: {kind}\n".encode() + b"data: " + orjson.dumps(data) + b"\n\n")
+        await self.stream.event(data, kind)
 
     async def text_delta(self, delta: str) -> None:
         """Text of the answer; the message item opens at its first piece."""

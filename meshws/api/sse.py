@@ -13,15 +13,22 @@ import asyncio
 import logging
 import socket
 import time
-from typing import Awaitable, TypeVar
+from typing import Any, Awaitable, TypeVar
 
+import orjson
 from aiohttp import web
 
 log = logging.getLogger("meshws.api")
 
 STREAM_BUFFER_BYTES = 8 * 1024  # what a streamed answer may queue for a client before a write waits (~40 tokens)
 PING = b": ping\n\n"
+DONE = b"data: [DONE]\n\n"  # OpenAI's last line of a stream
 T = TypeVar("T")
+
+
+def event_bytes(payload: Any, kind: str | None = None) -> bytes:
+    """One server-sent event: an `event:` line when it is named (the Responses API's), then its JSON as `data:`."""
+    return (f"event: {kind}\n".encode() if kind else b"") + b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 class SlowClient(ConnectionError):
@@ -115,6 +122,14 @@ class EventStream:
                     self.request.transport.abort()  # nothing more will reach this client
                 raise SlowClient(f"the client read nothing for {self.write_timeout:g} s") from None
             self._last_write = time.monotonic()
+
+    async def event(self, payload: Any, kind: str | None = None) -> None:
+        """One event of `payload` (`event_bytes`); SlowClient as `send`."""
+        await self.send(event_bytes(payload, kind))
+
+    async def done(self) -> None:
+        """OpenAI's `data: [DONE]`: no more events follow."""
+        await self.send(DONE)
 
     async def finish(self) -> web.StreamResponse:
         """The end of the stream: no more pings, EOF."""
