@@ -12,12 +12,12 @@
    * Tiles, for batches (`v_lay`, `v_rows`): a unit of work takes 16 outputs and lays their blocks out lane by lane
      once (`v_tile`: per block, 8 vectors of 16 lanes x 4 codes, and the 16 scales and minima), then runs every row
      of the batch against them: a vpdpbusd per 4 codes of 16 outputs, the row's 4 codes broadcast, and per block a
-     few float operations for 16 outputs at once. A 16-row decode wave of SmolLM2 (Q4_1 layers, Q8_0 LM head): 47
-     -> 30 ms, where one row per weight row with horizontal sums (what this replaced) read each row's codes once
-     per 8 rows and summed 16 lanes per output.
+     few float operations for 16 outputs at once. A 16-row decode wave of SmolLM2 (Q4_1 layers, Q8_0 LM head)
+     got much faster than with what this replaced: one row per weight row with horizontal sums, which read each
+     row's codes once per 8 rows and summed 16 lanes per output.
    * Straight from the blocks, for a lone row or a few (`v_direct`, `v_direct_q8`): laying out a tile costs one
      row more than its products. The rows' blocks are read as they lie and each output's block sums brought into
-     lanes afterwards, so a lone SmolLM2 step is no slower than before (9.5-11.6 -> 8.4-9.8 ms).
+     lanes afterwards, so a lone SmolLM2 step is no slower than before the tiles.
    `v_direct_below` says where one gives way to the other. AVX2 builds run the same sums with eight outputs to the
    lanes, from the blocks as they lie (`blocks32_avx2.c`); plain C builds lane by lane in scalar code: the same bits
    on every instruction set, for a row alone or in any batch, on any thread count. */
@@ -82,8 +82,8 @@ static int v_shuffled(int type) { return type == 2 || type == 3 || type == 8; }
 static int v_head(const block_type *t) { return t->type == 3 ? 4 : 2; } /* Q4_1's d and m, or a d: codes follow */
 
 /* The permutes `v_lay` takes, made once (`v_tables_once`, by the first product on tiles: `v_product`): built on
-   each call, their scalar stores stalled the vector loads that read them, a tenth of laying out a tile (and the
-   unrolled transpose another tenth). Not made as the library loads: that code is built for this CPU's vectors. */
+   each call, their scalar stores stalled the vector loads that read them, a measurable share of laying out a tile
+   (and the unrolled transpose another). Not made as the library loads: that code is built for this CPU's vectors. */
 static struct {
     int32_t swaps[8][16];                      /* `v_transpose`'s, two a step */
     uint8_t take[3][64], heads[3][64];         /* per type (Q4_0, Q4_1, Q8_0): where a pass's codes and heads lie */
@@ -516,11 +516,11 @@ static void v_units(const void *task, int64_t begin, int64_t end) {
         }
 #endif
         /* a tile's layout fetches the unit after next into L2 (16 rows read a pass at a time outrun the hardware's
-           prefetch; one unit ahead into L1 left a 16-row SmolLM2 wave 7 % slower) */
+           prefetch; one unit ahead into L1 left a 16-row SmolLM2 wave slower) */
         const int64_t later = j->out - o0 - 2 * V_OUT < V_OUT ? j->out - o0 - 2 * V_OUT : V_OUT;
         v_lay(j->type, j->w + o0 * j->row_bytes, j->row_bytes, n, blocks, &tile, next + V_OUT * j->row_bytes,
               later > 0 ? later * j->row_bytes : 0); /* (past this thread's share of units too: the threads take a
-              few at a time, and stopping at the share's end left a 16-row wave 9 % slower) */
+              few at a time, and stopping at the share's end left a 16-row wave slower) */
         const int32_t *panel = j->panels;
         for (int64_t r0 = 0; r0 < j->rows;) {
             const int nr = v_group(j->rows - r0);
@@ -534,9 +534,9 @@ static void v_units(const void *task, int64_t begin, int64_t end) {
 
 /* Below how many rows a product runs straight from the blocks rather than on tiles (the same bits either way), by
    type id (Q4_0, Q4_1, Q8_0). A node measures its own at start (`mw_set_direct_rows`, from `paths.choose_paths`);
-   these defaults were measured so with two threads on a Zen 4 (SmolLM2's shapes): Q4_1 1536 x 576, one row 31 us
-   direct and 33 on tiles, two 54 and 38; Q8_0 49152 x 576, one row 0.69 ms direct and 1.06 on tiles, two 1.30 and
-   1.13. (Before the tiles' layout got cheaper, direct won up to two rows of Q4_1 and three of Q8_0.) */
+   these defaults were measured so with two threads on a Zen 4 (SmolLM2's shapes: Q4_1 1536 x 576, Q8_0 49152 x 576):
+   one row is faster straight from the blocks, two rows on tiles (the times: docs/performance.md). (Before the
+   tiles' layout got cheaper, direct won up to two rows of Q4_1 and three of Q8_0.) */
 static int v_below[9] = {[2] = 2, [3] = 2, [8] = 2};
 
 static int v_direct_below(int type) {

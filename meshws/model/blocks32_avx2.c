@@ -11,11 +11,10 @@
 
 /* Rows that share one read of eight outputs' blocks, at most: their codes stay in registers while each row's products
    run (its accumulator spills to L1 past a few rows, which costs less than decoding the codes again). Groups of up to
-   4 rows before: SmolLM2's Q4_1 1536x576, 16 rows, 2 threads 350 -> 272 us; 48 rows 962 -> 732 us. */
+   4 rows before: 16 and 48 rows of SmolLM2's Q4_1 1536x576 got measurably faster with groups of 16. */
 #define V2_ROWS 16
-/* From how many rows a product takes tiles (`v2_tile_rows`): SmolLM2's Q4_1 1536x576 on a Zen 3, one thread, 3 rows
-   level, 4 rows 142 -> 122 us, 16 rows (two threads) 300 -> 218 us, 48 rows 742 -> 508 us. Q8_0 (its LM head,
-   49152x576, old and new in turn): 4 rows 1.13-1.16x, 8 rows 1.17-1.22x, 16 rows 1.20-1.28x (7.3 ms, two threads). */
+/* From how many rows a product takes tiles (`v2_tile_rows`): on a Zen 3, SmolLM2's Q4_1 1536x576 is level at 3 rows
+   and faster on tiles from 4 up, more so with more rows; Q8_0 (its LM head, 49152x576) gains from 4 rows too. */
 #define V2_TILE_ROWS 4
 
 /* A quantized row's int32 and float fields read at any byte address (four codes at once, a block's code sum, its
@@ -51,7 +50,7 @@ static inline __m256i v2_dot(int type, __m256i codes, __m256i q) {
 }
 
 /* Lane o: the sum of p[o]'s eight lanes (exact in int32, whatever the order): pairs of registers interleaved and
-   added, twice, then the 128-bit halves (vphaddd's three micro-ops each made a lone row a tenth slower). */
+   added, twice, then the 128-bit halves (vphaddd's three micro-ops each made a lone row measurably slower). */
 static inline __m256i v2_sum8(const __m256i *p) {
     __m256i a[4], b[2];
     for (int i = 0; i < 4; i++)
@@ -130,8 +129,8 @@ static inline __attribute__((always_inline)) void v2_block_codes(int type, int b
 
 /* Eight outputs (rows `from`) times nr quantized rows (ROW32, `x`): acc[r], lane o. With `ahead` (the next unit's
    eight rows, which lie together), each block step asks for that unit's next eight blocks' bytes in order: read as
-   eight short streams of a few KB, the rows outran the hardware's prefetcher (Q8_0 2048x2048 from memory, one row, 2
-   threads: 23 -> 29 GB/s; 8192x2048 23 -> 31). (Four rows and more: `v2_tile_rows`.) */
+   eight short streams of a few KB, the rows outran the hardware's prefetcher (a lone Q8_0 row from memory reads
+   markedly faster with the hint). (Four rows and more: `v2_tile_rows`.) */
 static inline __attribute__((always_inline)) void v2_rows(const block_type *t, const uint8_t *const *from,
                                                           int64_t blocks, const q_row *x, int nr, __m256 *acc,
                                                           const uint8_t *ahead) {
@@ -161,8 +160,8 @@ static inline __attribute__((always_inline)) void v2_rows(const block_type *t, c
 /* `v2_rows`' tiles for one type, a constant where this is inlined (`v2_tiles`): the offset term only where the type
    has one, and each row's codes, scale, code sum and d times it read at fixed distances from its start (the rows lie
    `x_bytes` apart) rather than through four pointers a row; a block's eight sums added as a tree. A row and block of
-   Q4_1 took 46 instructions, now 38: SmolLM2's Q4_1 1536x576 on a Zen 3, 16 rows, one thread 290-304 -> 266 us,
-   two 165-196 -> 145-169 (old and new in turn, one process); 6 rows 1.07-1.29x. Q8_0 here too (`v2_q8_tile_dot`).
+   Q4_1 took 46 instructions, now 38, and SmolLM2's Q4_1 1536x576 got measurably faster on a Zen 3, on one thread and
+   two, at 6 rows and at 16. Q8_0 here too (`v2_q8_tile_dot`).
    The same integers and float steps in the same order, so the same bits. */
 static inline __attribute__((always_inline)) void v2_tile_rows(const int type, const uint8_t *const *from,
                                                                int64_t blocks, const uint8_t *x, int64_t x_bytes,

@@ -43,7 +43,7 @@ typedef __m512 vec;
 #define vtimes(a, b) _mm512_mul_ps(a, b)
 #define widen_u8(v) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)) /* 16 bytes */
 /* No panel tiles (`panel_tile`): 4 x 4 dot-product tiles already read 0.5 vectors a multiply-add here, and a panel
-   of 24 outputs does not fit L1 once per lane pass (16 rows: 38-43 GFLOP/s with tiles, 19-25 on panels). */
+   of 24 outputs does not fit L1 once per lane pass (16 rows ran much slower on panels than on tiles). */
 #define widen_i8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define widen_bf16(p) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
@@ -126,7 +126,7 @@ static uint16_t float_to_half(float value) {
 }
 
 /* `bytes` on a cache line's boundary (free() frees it): a vector load that straddles two lines costs two, and a
-   16-row product of widened weights or of the fused step's own rows ran a quarter slower on malloc's 16 bytes. */
+   16-row product of widened weights or of the fused step's own rows ran measurably slower on malloc's 16 bytes. */
 static void *lined(size_t bytes) {
     return aligned_alloc(64, (bytes + 63) / 64 * 64);
 }
@@ -145,7 +145,7 @@ static inline float cache_at(const void *w, int kind, int64_t index) {
     return value;
 }
 
-/* The lanes summed pairwise as a tree, written out: a loop here cost a fifth of a product's time. */
+/* The lanes summed pairwise as a tree, written out: a loop here cost a product a sizeable share of its time. */
 static inline float reduce(const float *lanes) {
 #if LANES == 16
     return (((lanes[0] + lanes[8]) + (lanes[4] + lanes[12])) + ((lanes[2] + lanes[10]) + (lanes[6] + lanes[14])))
@@ -172,7 +172,7 @@ static inline float hsum(vec v) {
 #if LANES == 16
 /* sums[n] = hsum(v[n]) for 16 vectors at once, bit for bit: each step adds the lanes `hsum` adds (l and l + 8, then
    + 4, + 2, + 1), for 2, 4, 8 and then 16 vectors per instruction: 15 adds where 16 `hsum`s take 64 (a 16-row
-   product of 576 inputs spent a fifth of its time in them). */
+   product of 576 inputs spent a sizeable share of its time in them). */
 static inline __attribute__((always_inline)) void hsum16(const vec *v, float *sums) {
     vec a[8], b[4], c[2];
     for (int n = 0; n < 8; n++) /* v[2n]'s l + 8 sums in lanes 0-7, v[2n + 1]'s in 8-15 */
@@ -250,11 +250,11 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r
             int64_t at = (o0 + c) * in + k;
             wv[c] = wf ? vload(wf + c * in + k) : widen(j->w, kind, at);
             /* A batch's float32 weights, read in place: the next tile's, a tile ahead, by its first rows (an 8-row
-               step 20 % faster: the reads overlap the products). */
+               step measurably faster: the reads overlap the products). */
             if (wf && j->kind == KIND_F32 && r0 % ROW_BLOCK == 0)
                 __builtin_prefetch(wf + (c + OUT_TILE) * in + k, 0, 3);
             if (!wf && kind != KIND_F32) /* the next tile's weights, a tile ahead (a hint: past the end, nothing):
-                                            bf16 steps 15 % faster; float32, a line per vector, slower */
+                                            bf16 steps faster; float32, a line per vector, slower */
                 __builtin_prefetch((const char *)j->w + weight_offset(kind, at + OUT_TILE * in), 0, 3);
         }
         for (int i = 0; i < nr; i++) {
@@ -334,7 +334,7 @@ static void run(const job_t *j) {
         return;
     }
     /* A tile's weights widened once per block of rows; float32 weights are read where they are (their rows
-       [o, o + no) are that tile already: a copy cost a float32 batch as much time as its products). */
+       [o, o + no) are that tile already: a copy made a float32 batch much slower). */
     float *scratch = j->kind == KIND_F32 ? NULL : lined(sizeof(float) * OUT_TILE * in), *wf = scratch;
     if (!scratch && is_block_kind(j->kind)) { /* (`tile` widens only element kinds in registers) */
         atomic_store(j->failed, 1);
@@ -987,7 +987,7 @@ static inline vec vexp(vec x) {
 }
 #endif
 
-static inline void ahead(const char *p, size_t bytes) { /* a cache row's lines, soon read: 2-3 % of a bf16 step */
+static inline void ahead(const char *p, size_t bytes) { /* a cache row's lines, soon read: a bf16 step gains a little */
     for (size_t b = 0; b < bytes; b += 64)
         __builtin_prefetch(p + b, 0, 3);
 }
@@ -1162,7 +1162,7 @@ static void weigh_values(float *value, const float *s, const char *v, int64_t co
 }
 
 /* s[t] = exp(s[t] - top) for t < count: `vexp` on vectors (a call of libm's expf a score, with the running total
-   kept in memory across it, had been a quarter of a long prompt's attention), libm's expf in plain C. */
+   kept in memory across it, had been a sizeable share of a long prompt's attention), libm's expf in plain C. */
 static void exp_scores(float *s, int64_t count, float top) {
 #ifndef GENERIC
     const int64_t whole = count - count % LANES;
@@ -1395,8 +1395,8 @@ typedef struct {
 
 /* SiLU's gate times the up projection, a row at a time: with g = R(gate) and u = R(up), the products' outputs
    rounded as they are read, act = R(R(g / (1 + exp(-g))) * u). The exp is
-   Cephes' expf polynomial on vectors (within an ulp of libm's; SiLU was half of a prompt's elementwise
-   time through scalar expf calls). A row's element i always takes the same lane of the same code, so a
+   Cephes' expf polynomial on vectors (within an ulp of libm's; through scalar expf calls SiLU was a large share of a
+   prompt's elementwise time). A row's element i always takes the same lane of the same code, so a
    row's values are the same alone or in any batch; the last `n % LANES` take it through a padded vector. */
 #ifndef GENERIC
 static inline vec silu_times(vec g, vec u, int round_bf16) { /* g and u as summed: rounded here first */
@@ -1488,7 +1488,7 @@ static void bf16_bits(uint16_t *to, const float *from, int64_t count) { /* to_bf
 
 /* y = R(x) W^T as summed: with `round_bf16`, whoever reads y rounds it to bf16 as it loads it (`add_into`,
    `silu_times`; q, k and v a row at a time, while the row is in L1 for the rotary loop and the cache), where a
-   pass of its own over all of y cost a prompt a twentieth of its time. x is
+   pass of its own over all of y cost a prompt measurable time. x is
    rounded here unless it holds bf16 values already (`rounded`); AMX rounds it as it converts it to bf16.
    Returns 0, or -1 when the AMX product found no memory: the step fails (the caller undoes it) rather than
    summing another way, which would make a row's bits depend on the batch whose size ran out of memory. */

@@ -104,8 +104,8 @@ static inline __attribute__((always_inline)) void q4_K_unit2(int64_t k, int pari
     for (int line = 0; line < 144; line += 64)
         __builtin_prefetch(w + PREFETCH + line, 0, 2);
     /* The scales as s0 s2 s4 s6 | s1 s3 s5 s7 and the mins as m0 m1 m4 m5 | m2 m3 m6 m7, so that each lane's scale
-       is picked within its 128-bit half (the six lane-crossing vpermps this replaced took a sixth of a lone row's
-       time on a Zen 3) */
+       is picked within its 128-bit half (the six lane-crossing vpermps this replaced took a sizeable share of a lone
+       row's time on a Zen 3) */
     __m256 scales, mins;
     k_scales2(w, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 12, 13, 10, 11, 14, 15), &scales, &mins);
     const v16 a01 = {_mm256_permute_ps(scales, 0x00), _mm256_permute_ps(scales, 0x55)};

@@ -525,8 +525,8 @@ static void unpack_row(const block_type *t, const uint8_t *w, int64_t in, unpack
 
 #define Q_ROWS 8 /* activation rows that share one pass over a weight row */
 #define PREFETCH 8192 /* bytes ahead of the block read that a fused loop asks for into L2 (a hint: past the end,
-                         nothing). One 1B decode token's products on a Zen 4, two threads: Q8_0 29.6 -> 39 GB/s,
-                         Q4_K_M 31 -> 32-33, against 2 KiB ahead into L1 only; t0 (L1) 8 KiB ahead is no faster */
+                         nothing). Against 2 KiB ahead into L1 only, a 1B decode token's products on a Zen 4 read
+                         faster (Q8_0 markedly, Q4_K_M a little); t0 (L1) 8 KiB ahead is no faster */
 #define Q_TILE 64 /* outputs a unit of work takes: their weights stay in cache while each group of rows passes */
 #define Q_TILE_ONE_GROUP 16 /* or, with one group of rows (nothing to keep in cache), this many: the threads' last
                                units are small, so they finish together */
@@ -611,9 +611,9 @@ static inline float half_fast(const uint8_t *p) { /* (F16C; a NaN's payload may 
    is a / 16 (exact: d / 16 is a float32 for every float16 d), which gives the shifted code's products bit for bit. */
 static inline __attribute__((always_inline)) void q4_K_unit(int64_t k, int parity, const uint8_t *row, const q_row *x,
                                                             int nr, vec *acc) {
-    /* The 8 scales and 8 mins as 16 bytes in vector registers (scalar shifts and inserts took a fifth of a unit's
-       time): each one's low 6 bits, or low 4 and the 2 high bits from bytes 0-7; then times d (d / 16 for the odd
-       sub-blocks, high nibbles) or -dmin. */
+    /* The 8 scales and 8 mins as 16 bytes in vector registers (scalar shifts and inserts took a sizeable share of a
+       unit's time): each one's low 6 bits, or low 4 and the 2 high bits from bytes 0-7; then times d (d / 16 for
+       the odd sub-blocks, high nibbles) or -dmin. */
     const __m128i take_low = _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m128i take_high = _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11);
     const __m128i low_shift = _mm_setr_epi32(0, 0, 0, 4), top_two = _mm_set1_epi8((char)0xc0);
@@ -627,7 +627,7 @@ static inline __attribute__((always_inline)) void q4_K_unit(int64_t k, int parit
                                              0x0f0f0f0f0f0f0f0fLL, ~0x0f0f0f0f0f0f0f0fLL, ~0x0f0f0f0f0f0f0f0fLL,
                                              0x0f0f0f0f0f0f0f0fLL, 0x0f0f0f0f0f0f0f0fLL); /* low, high, low, high */
     const uint8_t *w = row + k / QK * 144;
-    for (int line = 0; line < 144; line += 64) /* (the hardware's prefetch alone left a fifth of the time idle) */
+    for (int line = 0; line < 144; line += 64) /* (the hardware's prefetch alone left the core idle part of the time) */
         __builtin_prefetch(w + PREFETCH + line, 0, 2);
     const __m128i head = _mm_loadu_si128((const __m128i *)w); /* d, dmin, then the 12 bytes of scales */
     const __m128i low_bits = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi8(head, take_low), low_shift), low_mask);
