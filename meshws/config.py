@@ -75,6 +75,7 @@ class NodeSettings:
     draft: str = "ngram"  # how the head guesses next tokens: ngram (prompt lookup) or none
     draft_tokens: int = 4  # the most guesses one decode lap carries
     served_model_name: tuple[str, ...] = ()  # names the API also answers to (and lists) besides the model's id
+    standby: str = "auto"  # on a head: a tail's sessions keep their KV on another tail of its layers (off: none)
 
 
 _HELP = {
@@ -159,6 +160,8 @@ _HELP = {
     "draft": "on a head: speculative decoding's guesses of the next tokens: ngram (prompt lookup: what followed "
              "the last few tokens earlier in the prompt or answer; no second model) or none (one token per lap)",
     "draft_tokens": "on a head: the most guesses one decode lap carries (adapted per answer to what the tail keeps)",
+    "standby": "on a head: auto keeps each session's KV on a second tail of its layers too, resumed there if the "
+               "first goes (no prefill again); off: none",
 }
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
@@ -204,13 +207,10 @@ def _heads(text: str) -> str:
 
 def _peer(text: str) -> str:
     value = text.strip().rstrip("/")
-    if value.startswith("http://"):
-        value = "ws://" + value[len("http://") :]
-    elif value.startswith("https://"):
-        value = "wss://" + value[len("https://") :]
-    elif not value.startswith(("ws://", "wss://")):
-        value = "ws://" + value
-    return value
+    for plain, secure in (("http://", "ws://"), ("https://", "wss://")):
+        if value.startswith(plain):
+            return secure + value[len(plain) :]
+    return value if value.startswith(("ws://", "wss://")) else "ws://" + value
 
 
 def _flag(text: str) -> bool:
@@ -225,24 +225,24 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 _TYPES = {
-    "role": str, "model": str, "layers": parse_layers_or_auto, "host": str, "port": int, "peer": _peer,
-    "join": _heads, "advertise": _peer, "registry_ttl": float, "max_sessions": int, "cache_ttl": float, "ctx_size": int,
+    "role": str, "model": str, "layers": parse_layers_or_auto, "host": str, "port": int, "peer": _peer, "join": _heads,
+    "advertise": _peer, "registry_ttl": float, "max_sessions": int, "cache_ttl": float, "ctx_size": int,
     "kv_dtype": str, "max_cache_bytes": parse_size, "memory": parse_size, "replan_seconds": float, "dtype": str,
     "compute": str, "quant": str, "compile": _flag, "matmul": str, "wire_dtype": str, "threads": int,
-    "max_frame_bytes": parse_size,
-    "compress_min_bytes": parse_size, "step_timeout": float, "api_key": str, "api_key_file": str, "secret": str,
-    "secret_file": str, "insecure": _flag, "trusted_nodes": str, "tls_cert": str, "tls_key": str, "tls_ca": str,
-    "cors_origins": _names, "allowed_hosts": _names, "max_generations": int, "cache_dir": str, "log_level": str,
-    "max_queue": int, "queue_timeout": float, "write_timeout": float, "sse_ping": float, "drain_timeout": float,
-    "max_link_sessions": int, "max_link_frames": int, "prefill_chunk": int, "warm_sessions": int, "warm_ttl": float,
-    "shared_prefixes": int, "draft": str, "draft_tokens": int, "served_model_name": _names,
+    "max_frame_bytes": parse_size, "compress_min_bytes": parse_size, "step_timeout": float, "api_key": str,
+    "api_key_file": str, "secret": str, "secret_file": str, "insecure": _flag, "trusted_nodes": str, "tls_cert": str,
+    "tls_key": str, "tls_ca": str, "cors_origins": _names, "allowed_hosts": _names, "max_generations": int,
+    "cache_dir": str, "log_level": str, "max_queue": int, "queue_timeout": float, "write_timeout": float,
+    "sse_ping": float, "drain_timeout": float, "max_link_sessions": int, "max_link_frames": int, "prefill_chunk": int,
+    "warm_sessions": int, "warm_ttl": float, "shared_prefixes": int, "draft": str, "draft_tokens": int,
+    "served_model_name": _names, "standby": str,
 }
 
 _CHOICES = {
     "role": ROLES, "dtype": ("auto", "float32", "bfloat16"), "compute": ("auto", "lean", "transformers"),
     "quant": ("none", "int8"), "matmul": ("auto", "torch", "openblas"), "draft": ("ngram", "none"),
     "wire_dtype": ("auto", "float32", "bfloat16", "float16"), "kv_dtype": ("auto", "float32", "bfloat16", "q8_0"),
-    "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+    "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"), "standby": ("auto", "off"),
 }
 
 
@@ -356,9 +356,8 @@ def check_settings(settings: NodeSettings) -> str | None:
             return f"--{name.replace('_', '-')} must be at least {least}"
     if not 0 <= settings.draft_tokens <= 16:
         return "--draft-tokens must be between 0 and 16"
-    if settings.warm_sessions < 0 or settings.warm_ttl <= 0:
-        return "--warm-sessions must be 0 or more and --warm-ttl above 0"
-    return None
+    return "--warm-sessions must be 0 or more and --warm-ttl above 0" \
+        if settings.warm_sessions < 0 or settings.warm_ttl <= 0 else None
 
 
 def settings_fields() -> list[str]:

@@ -72,6 +72,7 @@ class Node(NodeReports):
         self.role = "middle" if self.auto and settings.role != "head" else settings.role  # (until placed)
         self.started = time.time()
         self.recent_laps = RecentLaps()  # what the last answers found on the route (links' times, shards' loads)
+        self.failover_totals = {"failovers": 0, "standby_resumes": 0, "recomputed_tokens": 0}  # (`reports`)
         self.port: int | None = None
         self.advertise = ""
         self.access = NodeAccess(settings)
@@ -258,7 +259,8 @@ class Node(NodeReports):
         backend = self.shard
         self.registry = Registry(backend.model_id, backend.total_layers, ttl=self.settings.registry_ttl)
         self.planner = RoutePlanner(self.name, lambda: self.span, backend.total_layers, backend.model_id, self.links,
-                                    self.registry, self.settings.peer, full=self.role == "full")
+                                    self.registry, self.settings.peer, full=self.role == "full",
+                                    standbys=self.settings.standby == "auto")
         self.head = build_head(backend, self.worker, self.planner, self.settings, self._generation_finished)
         if self.role == "head" and backend.costs is not None:
             placement = self.planner.placement = self.placement = head_placement(self, self.capacity)

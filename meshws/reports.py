@@ -43,6 +43,7 @@ class NodeReports:
             "sessions": len(backend.sessions),
             "cache_bytes": backend.sessions.total_bytes,
             "prefixes": backend.sessions.prefixes,  # shared prompt prefixes held, apart from "sessions"
+            "standbys": backend.sessions.apart("standby"),  # copies of sessions other nodes serve (`mesh.standby`)
             "weight_bytes": backend.weight_bytes,  # what this node's layers cost, and the process in all
             "weights": backend.weight_facts(),  # mapped from the GGUF, resident now, per block type
             **process_memory(),  # resident_bytes, peak_resident_bytes
@@ -75,6 +76,7 @@ class NodeReports:
                                        - len(self.head.prefixes), "warm": len(self.head.warm),
                                        "warm_limit": self.head.warm.size, "prefixes": self.head.prefixes.describe()})
             info["recent_laps"] = self.recent_laps.view()  # each link's share of a lap, each shard's load
+            info["failovers"] = self.failover_totals  # answers' lost hops, resumed on standbys, positions run again
         if self.registry is not None:
             info["nodes"] = [record.describe() for record in self.registry.nodes()]
         if self.placement is not None:
@@ -135,6 +137,14 @@ class NodeReports:
         metrics.generations.labels(outcome).inc()
         metrics.generated_tokens.inc(stats.completion_tokens)
         metrics.prompt_tokens.inc(stats.prompt_tokens)
+        if stats.failovers:
+            totals = self.failover_totals
+            totals["failovers"] += stats.failovers
+            totals["standby_resumes"] += stats.standby_resumes
+            totals["recomputed_tokens"] += stats.recomputed_tokens
+            metrics.failovers.labels("standby").inc(stats.standby_resumes)
+            metrics.failovers.labels("prefill").inc(stats.failovers - stats.standby_resumes)
+            metrics.failover_tokens.inc(stats.recomputed_tokens)
         if stats.time_to_first_token is not None:
             metrics.first_token_seconds.observe(stats.time_to_first_token)
         for gap in stats.token_gaps:

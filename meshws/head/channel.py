@@ -13,6 +13,7 @@ import logging
 import time
 
 from ..mesh.auth import sign_route
+from ..mesh.next_hops import signed_parts
 from ..mesh.link import Link, LinkDown
 from ..mesh.wire import CacheMiss, Close, Error, Open, RouteHop, SessionReply, Token
 from ..model.backend import TailTokenResult, TensorPayload
@@ -52,10 +53,11 @@ class HopChannel:
 
     async def open(self, sampling: SamplingParams, prompt_tokens: int, route: tuple[RouteHop, ...],
                    resume: bool = False, fork: tuple[str, int] | None = None,
-                   layers: tuple[int, int] | None = None, kept: bool = False) -> None:
-        mac = sign_route(self.secret, self.sid, [hop.to_wire() for hop in route]) if self.secret and route else None
+                   layers: tuple[int, int] | None = None, kept: bool = False, standby: str | None = None) -> None:
+        parts = signed_parts(route, standby)
+        mac = sign_route(self.secret, self.sid, parts) if self.secret and parts else None
         message = Open(sid=self.sid, sampling=sampling, prompt_tokens=prompt_tokens, route=route, route_mac=mac,
-                       resume=resume, fork=fork, layers=layers, kept=kept)
+                       resume=resume, fork=fork, layers=layers, kept=kept, standby=standby)
         self.hung_url = None if route else self.link.url  # behind a dialed route, any of its hops may hang
         if not self.link.is_up:
             await self.link.wait_up(LINK_WAIT)
@@ -79,7 +81,7 @@ class HopChannel:
             except TimeoutError:
                 raise PipelineError(f"no answer from the route behind {self.link.url} within "
                                     f"{self.step_timeout:.0f} s", lost=True, url=self.hung_url) from None
-            if reply.step not in (None, step):
+            if getattr(reply, "step", None) not in (None, step):
                 continue  # a late answer to an earlier step
             if isinstance(reply, Token):
                 return TailTokenResult(text=reply.text or "", token_id=reply.token_id, token_ids=reply.token_ids,
@@ -114,13 +116,15 @@ class RoutedPath:
         self.channel: HopChannel | None = None
         self.avoid: set[str] = set()
         self.kept = False  # a shared prompt prefix's session (`prefixes`): every shard counts it apart
+        self.standby_held = 0  # positions the route's standby said it holds, as the tail last reported
 
     @property
     def view(self) -> list[dict]:
         """The current route as /health and the chat page show it."""
         return self.route.view if self.route is not None else []
 
-    async def open(self, sampling: SamplingParams, prompt_tokens: int, fork: tuple[str, int] | None = None) -> None:
+    async def open(self, sampling: SamplingParams, prompt_tokens: int, fork: tuple[str, int] | None = None,
+                   resume: bool = False) -> None:
         planner = self.planner
         route, self.planned = self.planned, None  # admitted and held already
         try:
@@ -130,8 +134,10 @@ class RoutedPath:
         if self.route.link is not None:
             self.channel = HopChannel(self.route.link, self.sid, self.step_timeout, self.compress_min_bytes,
                                       self.secret)
+            standby = None if self.kept or self.route.hops else self.route.standby  # (else in the route's hops)
             await self.channel.open(sampling, prompt_tokens, self.route.hops, fork=fork, layers=self.route.layers,
-                                    kept=self.kept)
+                                    kept=self.kept, standby=standby, resume=resume)
+        self.standby_held = 0
 
     async def resume(self, sampling: SamplingParams, prompt_tokens: int) -> None:
         """A conversation's next answer on the same route: every hop keeps its cache and takes the new sampling."""
@@ -142,7 +148,11 @@ class RoutedPath:
                    drafts: tuple[int, ...] = ()) -> TailTokenResult:
         if self.channel is None:
             raise PipelineError("the head has no next hop for its hidden states")
-        return await self.channel.step(step, mode, payload, ids, drafts)
+        result = await self.channel.step(step, mode, payload, ids, drafts)
+        tail = result.hops[-1] if result.hops else None  # (the tail's part comes last)
+        if tail is not None and tail.standby is not None:
+            self.standby_held = tail.standby
+        return result
 
     async def reroute(self, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int) -> None:
         """Close the session on the failed route and open it again on one without the failed hop.
@@ -165,16 +175,37 @@ class RoutedPath:
             except PipelineError as again:
                 raise PipelineError(f"{failure}; and no other route: {again}", again.lost, again.url) from again
 
+    async def resume_on_standby(self, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int) -> int:
+        """When `failure` is the loss of the route's tail and its standby holds the session: the session goes on
+        there (its copy adopted, `open` with resume). The positions the standby holds, or 0 (nothing done)."""
+        route, held = self.route, self.standby_held
+        if route is None or not held or failure.url is None or route.urls != [failure.url]:
+            return 0
+        standby = self.planner.standby_route(route)
+        if standby is None:
+            return 0
+        self.avoid |= {failure.url}
+        await self.close()
+        self.planned = standby
+        await self.open(sampling, prompt_tokens, resume=True)
+        return held
+
     async def failover(self, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int,
-                       stats: GenerationStats) -> None:
-        """Route around `failure`; again while the new route's first hop is lost too and failovers remain."""
+                       stats: GenerationStats, held: int, positions: int) -> int:
+        """Route around `failure`; again while the new route's first hop is lost too and failovers remain. Of the
+        `positions` so far (`held` in the caches), those the new route's caches keep (a standby's copy), or 0: all
+        are prefilled again."""
         while True:
             stats.failovers += 1
             log.warning("session %s: %s; re-routing (failover %d)", stats.sid[:12], failure, stats.failovers)
             try:
-                await self.reroute(failure, sampling, prompt_tokens)
+                kept = min(held, await self.resume_on_standby(failure, sampling, prompt_tokens))
+                if not kept:
+                    await self.reroute(failure, sampling, prompt_tokens)
                 stats.route = self.view
-                return
+                stats.standby_resumes += 1 if kept else 0
+                stats.recomputed_tokens += positions - kept
+                return kept
             except PipelineError as again:
                 if not again.lost or stats.failovers >= MAX_FAILOVERS:
                     raise

@@ -145,7 +145,7 @@ class Generator:
                 prefilled.set()
             self.paths.pop(sid, None)
             stats.finished_at = time.perf_counter()
-            stats.cached_tokens = sequence.reuse  # 0 once a cache miss or a re-route meant a full prefill
+            stats.cached_tokens = 0 if stats.failovers else sequence.reuse  # (0 after a miss or a re-route too)
             self.active.pop(sid, None)
             try:
                 if conversation is not None and clean and sequence.held and self.backend.supports_kv_cache \
@@ -246,8 +246,8 @@ class Generator:
                         raise
                     log.warning("session %s: lost a lap with %d drafts", sid[:12],
                                 0 if need_prefill else len(sequence.drafts))
-                    await path.failover(exc, sampling, len(sequence.prompt_ids), stats)
-                    need_prefill, sequence.reuse = True, 0
+                    need_prefill, sequence.reuse = True, await path.failover(  # (0, or what a standby's copy holds)
+                        exc, sampling, len(sequence.prompt_ids), stats, sequence.held, len(sequence.ids()))
                     continue
                 except (ValueError, CacheBudgetExceeded) as exc:  # a step refused by the head's own shard (bad
                     raise PipelineError(str(exc)) from exc  # length, dtype; a session its KV budget cannot hold)

@@ -32,7 +32,8 @@ RELAYED_HOP_COST = 8.0  # a relayed hop, in generations in flight
 
 class RoutePlanner:
     def __init__(self, name: str, span: Callable[[], tuple[int, int]], total_layers: int, model_id: str,
-                 links: LinkPool, registry: Registry | None, static_peer: str | None, full: bool) -> None:
+                 links: LinkPool, registry: Registry | None, static_peer: str | None, full: bool,
+                 standbys: bool = False) -> None:
         self.name = name
         self._span = span  # the head's own layers (they move when the head places itself)
         self.placement: Placement | None = None  # set on a head whose registry places layers
@@ -42,6 +43,7 @@ class RoutePlanner:
         self.registry = registry
         self.static_peer = static_peer
         self.full = full  # a full node runs every layer itself: zero hops
+        self.standbys = standbys  # name a standby for each route's tail where another node serves its layers
         self._inflight: dict[str, int] = {}  # generations routed through each hop, by URL
 
     @property
@@ -70,9 +72,31 @@ class RoutePlanner:
                 view += [chain_hop.to_wire() for chain_hop in (peer.chain if peer else ())]
             else:
                 view.append({"node": hop.node, "layers": list(hop.layers), "url": hop.url})
-        after = () if hops[0].static else tuple(RouteHop(url=h.url, layers=h.layers) for h in hops[1:])
+        standby = self._standby_for(hops[-1], {hop.url for hop in hops} | (exclude or set()))
+        after = () if hops[0].static else tuple(RouteHop(url=h.url, layers=h.layers,
+                                                         standby=standby if h is hops[-1] else None) for h in hops[1:])
         return Route(self.links.get(hops[0].url), after, view, [hop.url for hop in hops],
-                     layers=None if hops[0].static else hops[0].layers)
+                     layers=None if hops[0].static else hops[0].layers, standby=standby)
+
+    def standby_route(self, route: Route) -> Route | None:
+        """The route a session resumes on when `route`'s only hop, its tail, goes: the tail's standby, held, or None
+        when it has none or the head cannot reach it now."""
+        if route.standby is None or len(route.urls) != 1 or not self.links.get(route.standby).is_up:
+            return None
+        record = next((r for r in self._candidates() if r.url == route.standby and r.layers == route.layers), None)
+        if record is None:
+            return None
+        view = [route.view[0], {"node": record.node, "layers": list(record.layers), "url": record.url}]
+        return self.hold(Route(self.links.get(record.url), (), view, [record.url], layers=record.layers))
+
+    def _standby_for(self, tail: NodeRecord, avoid: set[str]) -> str | None:
+        """The least loaded other node of the tail's span that the tail can reach; None where there is none."""
+        if not self.standbys or tail.static:
+            return None
+        others = [r for r in self._candidates() if not r.static and r.layers == tail.layers and r.url not in avoid
+                  and not cannot_dial(self.links, r.url)]
+        best = min(others, key=lambda r: self._inflight.get(r.url, 0) + r.load, default=None)
+        return best.url if best is not None else None
 
     async def plan_settled(self, sid: str, exclude: set[str] | None = None) -> Route:
         """`plan`; where the head places layers, once a move under way has ended, and waiting (up to the

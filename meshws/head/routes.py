@@ -64,6 +64,7 @@ class Route:
     view: list[dict[str, Any]] = field(default_factory=list)  # every node and its layers, for people
     urls: list[str] = field(default_factory=list)  # the hops' endpoints, first hop first
     layers: tuple[int, int] | None = None  # the first hop's span as planned (its `open` says so; None: --peer)
+    standby: str | None = None  # another node of the last hop's span that keeps the session's KV too (`mesh.standby`)
     on_done: Callable[[], None] | None = None  # set while a generation holds the route
 
     def release(self) -> None:

@@ -60,6 +60,8 @@ class GenerationStats:
     cache_misses: int = 0
     internal: bool = False  # the head's own (a shared prefix built): no request's, not in the metrics
     failovers: int = 0
+    standby_resumes: int = 0  # failovers that resumed on a standby's copy of the session's KV
+    recomputed_tokens: int = 0  # positions failovers ran again (all of them, without a standby)
     moves: int = 0  # times it parked while the head moved layers (`rebalance`), then went on, prefilled again
     cached_tokens: int = 0  # prompt tokens a conversation's caches already held
     speculation: Speculation | None = None  # the answer's drafts, when the head guesses

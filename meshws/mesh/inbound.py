@@ -1,21 +1,26 @@
-"""What a shard keeps of each inbound link and each session on it, its limits, and its log throttle."""
+"""What a shard keeps of each inbound link and each session on it, its limits, its log throttle, and the hellos
+that open a link."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
 
-from aiohttp import web
+from aiohttp import WSMsgType, web
 
 from ..model.sampling_params import SamplingParams
 from .link import Link
-from .wire import HopReport, RouteHop
+from .log_limit import LogLimiter
+from .wire import ControlMessage, Error, FrameError, Hello, HopReport, RouteHop, decode_control
 
 DECODE_LOG_INTERVAL = 5.0  # seconds between one session's decode summary lines
 LINK_SESSIONS = 256  # sessions one inbound link may carry at once
 LINK_FRAMES = 256  # tensor frames of one inbound link being inflated, computed or sent on at once
 STEP_TIMEOUT = 120.0  # seconds the head waits for a step; a middle waits less, by the hops behind it
+HELLO_WAIT = 15.0  # seconds a dialer has to send its hello
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,8 @@ class InboundLink:
         self.ws = ws
         self.peer = peer
         self.owned: set[str] = set()  # sessions opened over this link
+        self.copies: set[str] = set()  # sessions whose standby copies this link feeds (`mesh.standby`)
+        self.limits = limits
         self.frame_slots = asyncio.Semaphore(limits.link_frames)
 
 
@@ -89,3 +96,27 @@ class DecodeLogThrottle:
     def forget(self, sid: str) -> None:
         self._steps.pop(sid, None)
         self._last.pop(sid, None)
+
+
+async def handshake(ws: Any, remote: str, hello: Callable[[], Hello], log_limit: LogLimiter,
+                    send: Callable[[Any, ControlMessage], Awaitable[None]]) -> str | None:
+    """The dialer's hello first; ours (`hello()`) in answer. The dialer's node name, or None (and the link closed)
+    when it does not fit."""
+    try:
+        message = await ws.receive(timeout=HELLO_WAIT)
+        if message.type != WSMsgType.TEXT:
+            raise FrameError("the first frame must be a hello text frame")
+        theirs = decode_control(message.data)
+        if not isinstance(theirs, Hello):
+            raise FrameError(f"the first frame must be hello, not {theirs.type}")
+        mine = hello()
+        if theirs.model != mine.model:
+            raise FrameError(f"this node serves model {mine.model!r}, not {theirs.model!r}")
+    except (FrameError, asyncio.TimeoutError) as exc:
+        reason = str(exc) or f"no hello within {HELLO_WAIT:.0f} s"
+        log_limit.log("refused link", logging.WARNING, "refused link from %s: %s", remote, reason)
+        await send(ws, Error(message=f"link refused: {reason}"))
+        await ws.close(code=1008, message=reason[:120].encode())
+        return None
+    await send(ws, hello())
+    return theirs.node

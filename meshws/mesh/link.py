@@ -31,8 +31,8 @@ from .log_limit import LogLimiter
 from ..model.backend import TensorPayload
 from .rows import RowOutbox, travels_in_waves
 from .seal import seal_dialer
-from .wire import (CacheMiss, ControlMessage, DecodeRow, Error, FrameError, Hello, SessionReply, Token, decode_control,
-                   encode_control, encode_forward)
+from .wire import (CacheMiss, ControlMessage, DecodeRow, Error, FrameError, Hello, KVAck, SessionReply, Token,
+                   decode_control, encode_control, encode_forward)
 
 log = logging.getLogger("meshws.link")
 
@@ -176,6 +176,9 @@ class Link:
     async def send_control(self, message: ControlMessage) -> None:
         await self._rows.flush()  # (rows handed over before it leave before it)
         await self._send(encode_control(message))
+
+    async def send_frame(self, data: bytes) -> None:  # a binary frame built elsewhere (a standby's `kv` rows)
+        await self._send(data)
 
     async def send_step(self, sid: str, step: int, mode: str, payload: TensorPayload, ids: list[int] | None,
                         drafts: tuple[int, ...], compress_min_bytes: int) -> int:
@@ -345,7 +348,7 @@ class Link:
             return
         sid = getattr(message, "sid", None)
         callback = self._subscribers.get(sid) if sid else None
-        if callback is not None and isinstance(message, (Token, CacheMiss, Error)):
+        if callback is not None and isinstance(message, (Token, CacheMiss, Error, KVAck)):
             callback(message)
         elif isinstance(message, Error):
             log.warning("link to %s: peer error: %s", self.url, message.message)

@@ -97,6 +97,11 @@ class NodeMetrics:
                                          "answer's end", buckets=LATENCY_BUCKETS, registry=self.registry)
         self.prompt_tokens = Counter("meshws_prompt_tokens", "Prompt tokens of finished requests",
                                      registry=self.registry)
+        self.failovers = Counter("meshws_failovers", "Routes a head's answers lost a hop on, by how each went on: "
+                                 "standby (its copy of the KV) or prefill (everything again)", ["resumed"],
+                                 registry=self.registry)
+        self.failover_tokens = Counter("meshws_failover_recomputed_tokens", "Positions failovers ran again",
+                                       registry=self.registry)
 
     def watch_reuse(self, reuse: Callable[[], dict[str, int]], evictions: Callable[[], dict[str, int]]) -> None:
         """A head's kept sessions: answers that resumed one (hit: cached positions reused), tokens reused, evictions."""

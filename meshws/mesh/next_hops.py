@@ -50,11 +50,24 @@ class NextHops:
         return int(self.backend.end)
 
     def onward(self, message: Open, route: tuple[RouteHop, ...]) -> Open:
-        """The `open` to send to the next hop: the rest of the route, signed again, and the next hop's own span as the
-        route names it (empty route: the --peer, whose span the route does not say)."""
-        mac = sign_route(self.secret, message.sid, [hop.to_wire() for hop in route]) if self.secret and route else None
+        """The `open` to send to the next hop: the rest of the route, signed again, and the next hop's own span and
+        standby as the route names them (empty route: the --peer, whose span the route does not say)."""
         layers = message.route[0].layers if message.route else None
-        return replace(message, route=route, route_mac=mac, layers=layers)
+        standby = message.route[0].standby if message.route else None
+        parts = signed_parts(route, standby)
+        mac = sign_route(self.secret, message.sid, parts) if self.secret and parts else None
+        return replace(message, route=route, route_mac=mac, layers=layers, standby=standby)
+
+    def standby(self, message: Open) -> str | None:
+        """Where to send the session's keys and values, if the head named a standby: only one it signed (without a
+        secret: a loopback node, unless --insecure). None when there is none to follow."""
+        url = message.standby
+        if url is None:
+            return None
+        if self.secret:
+            parts = signed_parts(message.route, url)
+            return url if route_is_signed(self.secret, message.sid, parts, message.route_mac) else None
+        return url if self.open_routes or is_loopback_url(url) else None
 
     def choose(self, message: Open) -> tuple[str | None, tuple[RouteHop, ...]]:
         """The URL of the next hop and the hops after it; an empty route means: use --peer."""
@@ -75,7 +88,7 @@ class NextHops:
 
     def _check(self, message: Open) -> None:
         """Dial only hops a head chose: a route signed with the mesh secret, within the cap of route links."""
-        hops = [hop.to_wire() for hop in message.route]
+        hops = signed_parts(message.route, message.standby)
         if self.secret:
             if not route_is_signed(self.secret, message.sid, hops, message.route_mac):
                 raise ValueError("the route is not signed with the mesh secret; only a head's routes are followed")
@@ -99,3 +112,8 @@ class NextHops:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
+
+def signed_parts(route: tuple[RouteHop, ...], standby: str | None) -> list[dict[str, Any]]:
+    """What a route's MAC covers: the hops after the receiver (their standbys included) and the receiver's own
+    standby."""
+    return [hop.to_wire() for hop in route] + ([{"standby": standby}] if standby else [])

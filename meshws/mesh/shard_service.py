@@ -27,7 +27,7 @@ from aiohttp import WSMsgType, web
 from ..model.backend import ShardBackend
 from .aio import run_uncancelled
 from .compute import ComputeWorker
-from .inbound import InboundLink, InboundSession, ShardLimits
+from .inbound import InboundLink, InboundSession, ShardLimits, handshake
 from .lanes import SessionLanes
 from .link import Link, LinkDown
 from .link_pool import LinkPool
@@ -35,15 +35,15 @@ from .log_limit import LogLimiter
 from .metrics import NodeMetrics
 from .next_hops import NextHops
 from .shard_steps import ShardSteps
+from .standby import Copies, Feeds
 from .wire import (Close, ControlMessage, Error, FrameError, Hello, Open, SessionReply, Token, decode_control,
-                   encode_control)
+                   encode_control, is_kv_frame)
 from .wire.fields import MAX_CHAIN
 
 log = logging.getLogger("meshws.shard_service")
 
 MAX_MOVED_AWAY = 4096  # sessions ended by moves whose late steps are still answered "lost"
 OPEN_LINK_WAIT = 5.0  # seconds an `open` waits for a next-hop link that is still dialing
-HELLO_WAIT = 15.0  # seconds a dialer has to send its hello
 
 
 class ShardService:
@@ -83,6 +83,9 @@ class ShardService:
                                 max_frame_bytes=max_frame_bytes, compress_min_bytes=compress_min_bytes,
                                 send=self._send, refuse=self._error, spawn=self._spawn)
         self.decode_log = self.steps.decode_log
+        self.feeds = self.steps.feeds = Feeds(backend, worker, links, metrics, compress_min_bytes)
+        self.copies = Copies(backend, worker, metrics, max_frame_bytes, self._send, self.lanes.run,
+                             live=lambda sid: sid in self.sessions)
 
     url = property(lambda self: self.steps.url, lambda self, value: setattr(self.steps, "url", value),
                    doc="This node's address as heads know it (its advertised one).")
@@ -106,7 +109,7 @@ class ShardService:
     async def serve_link(self, ws: Any, remote: str) -> None:
         """An inbound link on `ws` until it closes: one the hop before dialed (`handle`), or one this node dialed
         to a hop that cannot dial it (`mesh.reverse`); the same either way."""
-        peer = await self._handshake(ws, remote)
+        peer = await handshake(ws, remote, self.hello, self.log_limit, self._send_ws)
         if peer is None:
             return
         self.inbound.add(ws)
@@ -117,8 +120,8 @@ class ShardService:
                     if message.type == WSMsgType.TEXT:
                         self.metrics.frame("in", "control", len(message.data))
                         await self._on_control(link, message.data)
-                    elif message.type == WSMsgType.BINARY:
-                        await self.steps.accept(link, message.data)
+                    elif message.type == WSMsgType.BINARY:  # hidden states, or a standby's rows
+                        await (self.copies if is_kv_frame(message.data) else self.steps).accept(link, message.data)
                     elif message.type == WSMsgType.ERROR:
                         log.warning("inbound link from %s failed: %s", peer, ws.exception())
                 except Exception as exc:  # a frame no check foresaw: say so; the link and its sessions go on
@@ -132,33 +135,13 @@ class ShardService:
             await run_uncancelled(self._close_all(link))
 
     async def _close_all(self, link: InboundLink) -> None:
+        self.copies.link_lost(link)
         sids = set(link.owned)
         for sid in sids:
             session = self.sessions.get(sid)
             if session is not None and session.link is link:
                 self._end(session, reason="inbound link dropped")
         await self.lanes.drain(sids)
-
-    async def _handshake(self, ws: Any, remote: str) -> str | None:
-        """The dialer's hello first; ours in answer. None (and the link closed) when it does not fit."""
-        try:
-            message = await ws.receive(timeout=HELLO_WAIT)
-            if message.type != WSMsgType.TEXT:
-                raise FrameError("the first frame must be a hello text frame")
-            hello = decode_control(message.data)
-            if not isinstance(hello, Hello):
-                raise FrameError(f"the first frame must be hello, not {hello.type}")
-            mine = self.hello()
-            if hello.model != mine.model:
-                raise FrameError(f"this node serves model {mine.model!r}, not {hello.model!r}")
-        except (FrameError, asyncio.TimeoutError) as exc:
-            reason = str(exc) or f"no hello within {HELLO_WAIT:.0f} s"
-            self.log_limit.log("refused link", logging.WARNING, "refused link from %s: %s", remote, reason)
-            await self._send_ws(ws, Error(message=f"link refused: {reason}"))
-            await ws.close(code=1008, message=reason[:120].encode())
-            return None
-        await self._send_ws(ws, self.hello())
-        return hello.node
 
     async def move(self, adopt: Callable[[], Coroutine[Any, Any, Any]]) -> int:
         """Replace this node's layers (`adopt`) with no session crossing the change: new sessions are refused as
@@ -202,6 +185,8 @@ class ShardService:
             session = self.sessions.get(message.sid)
             if session is not None and session.link is link:
                 self._end(session, reason="closed")
+            else:
+                self.copies.closed(link, message.sid)
         elif isinstance(message, Hello):
             await self._error(link, None, None, "hello was already exchanged on this link", "bad_frame")
         else:
@@ -247,8 +232,12 @@ class ShardService:
             session.after = self.lanes.run(sid, lambda: self._fork(fork, sid))
         elif message.fork is not None:
             message = replace(message, fork=None)  # nor does a hop behind us copy one
+        self.copies.adopt(sid)  # (a copy this node kept for another: the head resumes it here)
         self.sessions[sid] = session
         link.owned.add(sid)
+        standby = self.next_hops.standby(message)
+        if standby is not None and not message.kept:
+            self.feeds.start(session, standby)
         if message.kept:
             self.backend.sessions.keep_apart(sid)
         if next_hop is not None:
@@ -319,6 +308,7 @@ class ShardService:
         except RuntimeError:  # the worker is shut down: the node clears every cache as it stops
             pass
         self.decode_log.forget(sid)
+        await self.feeds.stop(session, tell=not self.draining)  # (a node that stops leaves its standbys their copies)
         if session.next_hop is not None:
             try:
                 await session.next_hop.send_control(Close(sid=sid))
@@ -356,6 +346,7 @@ class ShardService:
         return task
 
     async def shutdown(self) -> None:
+        self.feeds.stop_all()
         for ws in list(self.inbound):
             await ws.close(code=1001, message=b"node shutting down")
         for task in list(self.pending_tasks):

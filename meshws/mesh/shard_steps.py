@@ -74,6 +74,7 @@ class ShardSteps:
         self.moved_away: dict[str, None] = {}  # sessions a move of this node's layers ended (`ShardService.move`)
         self.url: str | None = None  # this node's advertised address
         self.inflated_bytes = 0  # what the compressed frames of steps in flight hold once inflated (all links)
+        self.feeds: Any = None  # the sessions' standby feeds (`mesh.standby.Feeds`), told of every step
         self.log_limit = LogLimiter(log)
 
     # -- on the read loop -----------------------------------------------------
@@ -247,8 +248,11 @@ class ShardSteps:
     def _count_step(self, session: InboundSession, frame: ForwardFrame, elapsed: float) -> None:
         session.compute_seconds += elapsed
         held = self.backend.sessions.held(session.sid)
+        standby = self.feeds.acked(session.sid) if self.feeds is not None else None
         session.report = (frame.step, HopReport(node=self.node_name, ms=elapsed * 1000, cache_len=held,
-                                                load=len(self.sessions)))
+                                                load=len(self.sessions), standby=standby))
+        if self.feeds is not None:
+            self.feeds.stepped(session.sid)
         self.metrics.steps.labels(frame.mode).inc()
         self.metrics.step_seconds.labels(frame.mode).observe(elapsed)
         if frame.mode == "prefill":

@@ -57,6 +57,20 @@ StepResult = TensorPayload | TailTokenResult
 
 
 @dataclass(frozen=True)
+class KVRows:
+    """A session's cached keys and values for positions `start ..`, as the cache stores them (`kv_copies`)."""
+
+    start: int  # the first position they hold
+    dtype: str  # the cache's kind: float32, bfloat16 or q8_0 (its blocks' bytes)
+    shape: tuple[int, int, int, int, int]  # [layers, 2, kv_heads, positions, width]
+    body: bytes
+
+    @property
+    def count(self) -> int:
+        return self.shape[3]
+
+
+@dataclass(frozen=True)
 class DecodeStep:
     """One session's one-token decode step, as handed to `decode_batch`."""
 

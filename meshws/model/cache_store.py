@@ -61,7 +61,8 @@ class SessionCacheStore:
         self._clock = clock
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()
         self._private: set[str] = set()  # ids of entries that are no user's session (see the module's note)
-        self._kept: set[str] = set()  # ids of sessions that hold a shared prompt prefix: counted apart
+        self._kept: dict[str, str] = {}  # counted apart: ids of shared prompt prefixes ("prefix") and of copies
+        # kept for another node's session ("standby", `kv_copies`)
         self._lock = threading.Lock()
         self.evictions = 0  # entries removed by TTL, LRU or the byte budget
 
@@ -83,16 +84,25 @@ class SessionCacheStore:
         with self._lock:
             return [sid for sid in self._entries if sid not in self._private]
 
-    def keep_apart(self, session_id: str) -> None:
-        """`session_id` holds a prompt prefix kept for others to fork: not counted among the sessions (`prefixes`),
-        its bytes are, and the budget may evict it like any other."""
+    def keep_apart(self, session_id: str, kind: str = "prefix") -> None:
+        """`session_id` holds a prompt prefix kept for others to fork, or (`standby`) a copy of a session another
+        node serves: not counted among the sessions (`prefixes`, `standbys`), its bytes are, and the budget may evict
+        it like any other."""
         with self._lock:
-            self._kept.add(session_id)
+            self._kept[session_id] = kind
+
+    def adopt(self, session_id: str) -> bool:
+        """A standby copy becomes a session of this node (a head resumed it here); whether there was one."""
+        with self._lock:
+            return self._kept.pop(session_id, None) == "standby" and session_id in self._entries
+
+    def apart(self, kind: str) -> int:
+        with self._lock:
+            return sum(1 for sid, its in self._kept.items() if its == kind and sid in self._entries)
 
     @property
     def prefixes(self) -> int:
-        with self._lock:
-            return sum(1 for sid in self._kept if sid in self._entries)
+        return self.apart("prefix")
 
     @contextmanager
     def private(self, session_id: str) -> Iterator[None]:
@@ -180,7 +190,7 @@ class SessionCacheStore:
 
     def drop(self, session_id: str) -> bool:
         with self._changing():
-            self._kept.discard(session_id)
+            self._kept.pop(session_id, None)
             return self._remove(session_id)
 
     def clear(self) -> int:
@@ -204,7 +214,7 @@ class SessionCacheStore:
         emptied = False
         try:
             with self._lock:
-                had, kept = self._public(), self._kept & self._entries.keys()
+                had, kept = self._public(), self._kept.keys() & self._entries.keys()
                 try:
                     yield
                 finally:  # (users' last session went, or a kept prefix went while no user's is here)
@@ -219,7 +229,7 @@ class SessionCacheStore:
         entry = self._entries.pop(session_id, None)
         if entry is not None:
             _release(entry.cache)
-            self._kept.discard(session_id)
+            self._kept.pop(session_id, None)
         return entry is not None
 
     def _bytes(self) -> int:
@@ -230,7 +240,7 @@ class SessionCacheStore:
         return self._footprint([entry.cache for entry in caches])
 
     def _public(self) -> int:
-        apart = self._private | self._kept
+        apart = self._private | self._kept.keys()
         return len(self._entries) - sum(1 for sid in apart if sid in self._entries)
 
     def _check_fits(self, session_id: str, nbytes: int, drop: bool = False) -> None:
@@ -258,10 +268,14 @@ class SessionCacheStore:
         # (a private entry counts toward neither limit and is never the victim; a kept prefix counts toward the
         # bytes only, so only the bytes may take it)
         while (count := self._public() > self.max_sessions) or over_bytes():
-            apart = self._private | (self._kept if count else set())
-            victim = next((sid for sid in self._entries if sid != keep and sid not in apart), None)
+            apart = self._private | (self._kept.keys() if count else set())
+            copies = () if count else (sid for sid, kind in self._kept.items() if kind == "standby" and sid != keep)
+            victim = next(iter(copies), None) or next((s for s in self._entries if s != keep and s not in apart), None)
             if victim is None:
                 break
+            if self._kept.get(keep) == "standby" and self._kept.get(victim) != "standby":  # (never a user's for it)
+                self._remove(keep)
+                raise CacheBudgetExceeded(f"no room for a standby copy of {keep} but a session's")
             self._remove(victim)
             self.evictions += 1
 

@@ -60,6 +60,7 @@ class LeanCache:
         self.blocks: list[KVBlock] = []
         self.length = 0
         self.released = False
+        self.changed_from = 0  # positions below it are as a standby was last sent them (`kv_copies`)
 
     @property
     def capacity(self) -> int:
@@ -103,6 +104,7 @@ class LeanCache:
 
     def crop_to(self, length: int) -> None:
         self.length = min(self.length, length)
+        self.changed_from = min(self.changed_from, self.length)  # (what follows is written anew)
 
     def copy(self, length: int) -> "LeanCache":
         """Another session's cache holding this one's first `length` positions, on the same blocks."""
@@ -154,6 +156,31 @@ class LeanCache:
         if self.dtype == KV_Q8_0:
             both = from_q8_0(both, self.shape[1])
         return both[0].unsqueeze(0), both[1].unsqueeze(0)
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """Positions `start .. end` of every layer as stored, `[layers, 2, kv_heads, end - start, width]` (a copy)."""
+        parts, at = [], start
+        while at < end:
+            offset = at % KV_BLOCK
+            n = min(KV_BLOCK - offset, end - at)
+            parts.append(self.blocks[at // KV_BLOCK].data[:, :, :, offset : offset + n])
+            at += n
+        if not parts:
+            return torch.empty(self.layers, 2, self.shape[0], 0, self.width, dtype=self.storage)
+        return torch.cat(parts, dim=3)
+
+    def put_rows(self, start: int, rows: torch.Tensor) -> None:
+        """`rows` (as `rows` gives them) at positions `start ..`: what followed `start` is cut off first."""
+        count = rows.shape[3]
+        self.crop_to(start)
+        self.reserve(start + count, start)
+        done = 0
+        while done < count:
+            at = start + done
+            offset, n = at % KV_BLOCK, min(KV_BLOCK - at % KV_BLOCK, count - done)
+            self.blocks[at // KV_BLOCK].data[:, :, :, offset : offset + n] = rows[:, :, :, done : done + n]
+            done += n
+        self.length = start + count
 
     def pointers(self) -> list[int]:
         return [block.data.data_ptr() for block in self.blocks]

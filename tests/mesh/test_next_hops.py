@@ -127,23 +127,32 @@ def test_every_field_of_an_open_reaches_the_tail_through_a_middle():
     from dataclasses import fields, make_dataclass
 
     from meshws.mesh.link_pool import LinkPool
-    from meshws.mesh.next_hops import NextHops
+    from dataclasses import replace
+
+    from meshws.mesh.next_hops import NextHops, signed_parts
     from meshws.mesh.wire import decode_control
     from meshws.model.sampling_params import SamplingParams
 
-    tail_hop = RouteHop("ws://127.0.0.1:9/ws/shard", (9, 12))
+    tail_hop = RouteHop("ws://127.0.0.1:9/ws/shard", (9, 12), standby="ws://127.0.0.1:11")
+    mine = "ws://127.0.0.1:10"  # the middle's own standby
     chosen = {"sid": "s-1", "sampling": SamplingParams(temperature=0.5, seed=7, logprobs=2), "prompt_tokens": 40,
-              "route": (tail_hop,), "route_mac": sign_route(SECRET, "s-1", [tail_hop.to_wire()]), "resume": True,
-              "fork": ("s-0", 64), "layers": (6, 9), "kept": True}
+              "route": (tail_hop,), "route_mac": sign_route(SECRET, "s-1", signed_parts((tail_hop,), mine)),
+              "resume": True, "fork": ("s-0", 64), "layers": (6, 9), "kept": True, "standby": mine}
     assert {field.name for field in fields(Open)} == set(chosen)  # a new field: give it a value above
     assert all(chosen[field.name] != field.default for field in fields(Open))
     middle = NextHops(_Middle(), links=LinkPool(lambda url: None), static_peer=None, secret=SECRET, open_routes=False)
     received = decode_control(encode_control(Open(**chosen)))
     assert received == Open(**chosen)
     url, rest = middle.choose(received)
+    assert middle.standby(received) == mine  # signed by the head
     at_tail = decode_control(encode_control(middle.onward(received, rest)))
-    assert url == tail_hop.url and at_tail.route == () and at_tail.route_mac is None and at_tail.layers == (9, 12)
-    assert {name: getattr(at_tail, name) for name in chosen if name not in ("route", "route_mac", "layers")} == \
-        {name: value for name, value in chosen.items() if name not in ("route", "route_mac", "layers")}
-    wider = make_dataclass("WiderOpen", [("standby", str, "")], bases=(Open,), frozen=True)
-    assert middle.onward(wider(**chosen, standby="ws://b"), rest).standby == "ws://b"  # not rebuilt by position
+    assert url == tail_hop.url and at_tail.route == () and at_tail.layers == (9, 12)
+    assert at_tail.standby == tail_hop.standby and NextHops(_Middle(), LinkPool(lambda url: None), None, SECRET,
+                                                            False).standby(at_tail) == tail_hop.standby  # signed anew
+    owned = ("route", "route_mac", "layers", "standby")  # what the middle sets for the next hop
+    assert {name: getattr(at_tail, name) for name in chosen if name not in owned} == \
+        {name: value for name, value in chosen.items() if name not in owned}
+    forged = replace(received, standby="ws://10.9.9.9:1")
+    assert middle.standby(forged) is None  # a standby the head did not sign is not fed
+    wider = make_dataclass("WiderOpen", [("added", str, "")], bases=(Open,), frozen=True)
+    assert middle.onward(wider(**chosen, added="x"), rest).added == "x"  # not rebuilt by position

@@ -232,3 +232,27 @@ def test_a_wave_frame_naming_a_session_twice_is_refused_whole():
     rows = [wire.DecodeRow("a", 1, 2, bytes(8)), wire.DecodeRow("a", 2, 3, bytes(8))]
     with pytest.raises(FrameError, match="twice"):
         wire.decode_rows(wire.encode_rows(rows, 4, "bfloat16"))
+
+
+def test_standby_frames_round_trip_and_refuse_what_does_not_fit():
+    rows = bytes(range(256)) * 24  # [2 layers, 2, 3 heads, 4 positions, 64 values] of bfloat16: 6 KiB
+    shape = (2, 2, 3, 4, 64)
+    for compress in (1 << 20, 16):  # raw, and zstd (which pays on this repeating body)
+        frame = wire.decode_kv(wire.encode_kv("s1", 40, "bfloat16", shape, rows, compress), 1 << 20)
+        assert (frame.sid, frame.start, frame.dtype, frame.shape, frame.body) == ("s1", 40, "bfloat16", shape, rows)
+    assert wire.is_kv_frame(wire.encode_kv("s1", 0, "q8_0", (1, 2, 1, 1, 68), bytes(136), 1 << 20))
+    assert not wire.is_kv_frame(wire.encode_forward("s1", 0, "prefill", 0, [1, 1, 4], "float32", bytes(16)))
+    bad = [
+        (("s1", 0, "int4", shape, rows), "dtype must be one of"),
+        (("s1", 0, "bfloat16", (2, 3, 3, 4, 64), rows), "shape must be"),
+        (("s1", 0, "bfloat16", (2, 2, 3, 4096, 64), rows), "shape must be"),  # too many positions for one frame
+        (("s1", 0, "bfloat16", shape, rows[:-2]), "needs"),
+        (("s1", -1, "bfloat16", shape, rows), "start"),
+    ]
+    for args, problem in bad:
+        with pytest.raises(wire.FrameError, match=problem) as caught:
+            wire.decode_kv(wire.encode_kv(*args, 1 << 20), 1 << 20)
+        assert caught.value.sid == "s1"  # refused to the session that sent it
+    with pytest.raises(wire.FrameError, match="above the limit"):
+        wire.decode_kv(wire.encode_kv("s1", 0, "float32", (64, 2, 8, 1024, 128), b"", 1 << 20), 1 << 20)
+    assert wire.decode_control(wire.encode_control(wire.KVAck(sid="s1", length=300))) == wire.KVAck("s1", 300)

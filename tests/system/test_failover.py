@@ -27,22 +27,22 @@ def tokenizer(embedded_model):
 class Cluster:
     """A head and the nodes that --join it; everything stopped at the end."""
 
-    def __init__(self, head_layers: str) -> None:
+    def __init__(self, head_layers: str, *head_flags: str) -> None:
         self.port = free_port()
         self.head = NodeProcess("--role", "head", "--layers", head_layers, *EXACT, *ONE_THREAD, "--registry-ttl", "4",
-                                name="head", port=self.port).wait_started()
+                                *head_flags, name="head", port=self.port).wait_started()
         self.nodes: list[NodeProcess] = []
 
-    def join(self, role: str, layers: str, port: int = 0) -> NodeProcess:
-        node = NodeProcess("--role", role, "--layers", layers, *EXACT, *ONE_THREAD,
+    def join(self, role: str, layers: str, port: int = 0, flags: tuple[str, ...] = ()) -> NodeProcess:
+        node = NodeProcess("--role", role, "--layers", layers, *EXACT, *ONE_THREAD, *flags,
                            "--join", f"http://127.0.0.1:{self.port}",
                            name=f"{role} {layers} #{len(self.nodes)}", port=port)
         self.nodes.append(node)
         return node
 
-    def replica_tails(self, count: int = 2) -> list[NodeProcess]:
+    def replica_tails(self, count: int = 2, flags: tuple[str, ...] = ()) -> list[NodeProcess]:
         """`count` tails for layers 15-29, started and joined (the head's link to each up)."""
-        tails = [self.join("tail", "15-29") for _ in range(count)]
+        tails = [self.join("tail", "15-29", flags=flags) for _ in range(count)]
         for tail in tails:
             tail.wait_started()
         self.wait_nodes(len(self.nodes))
@@ -313,5 +313,67 @@ async def test_a_tail_killed_during_a_lap_carrying_drafts_leaves_the_answer_unch
         assert len(lost) == 1 and int(lost[0].split("lost a lap with ")[1].split()[0]) > 0, lost
         survivor = next(tail for tail in tails if tail not in killed)
         assert survivor.wait_sessions(0)["sessions"] == 0
+    finally:
+        cluster.stop()
+
+
+def no_copies(node, timeout=8.0):
+    """The node's health once it holds no standby copies (they go a moment after their session closes)."""
+    deadline = time.monotonic() + timeout
+    while (health := node.wait_sessions(0))["standbys"]:
+        assert time.monotonic() < deadline, f"{node.name} still holds {health['standbys']} standby copies"
+        time.sleep(0.1)
+    return health
+
+
+LONG_STORY = STORY + " " + " ".join(
+    f"In chapter {n} the keeper climbs the {n * 7} steps, trims the wick and writes the weather in the log." for n
+    in range(1, 31))
+
+
+@pytest.mark.parametrize("fault", ["kill", "drain", "standby off"])
+async def test_a_standby_resumes_the_answer_without_prefilling_it_again(tokenizer, fault):
+    """Two replica tails: the one serving a long prompt's answer is SIGKILLed (or drained with --drain-timeout 1)
+    mid-answer. Its standby, the other tail, holds a copy of the session's KV it was fed after every step: the
+    head resumes there, running again only what the copy lacked; the text is the fault-free one. With --standby
+    off the head prefills everything again, and the text is the same too."""
+    cluster = Cluster("0-14", *(("--standby", "off") if fault == "standby off" else ()))
+    try:
+        tails = cluster.replica_tails(flags=("--drain-timeout", "1") if fault == "drain" else ())
+        messages = [{"role": "user", "content": LONG_STORY}]
+        prompt_tokens = len(chat_ids(tokenizer, LONG_STORY))
+        assert prompt_tokens > 500
+        fault_free = await stream_text(cluster.head.url, messages, 60)
+        for tail in tails:
+            assert no_copies(tail)["sessions"] == 0  # the fault-free answer's copy went with it
+
+        hit = []
+
+        def strike(chunks):
+            if chunks >= 25 and not hit:
+                serving = next(tail for tail in tails if tail.health()["sessions"] == 1)
+                serving.proc.send_signal(signal.SIGTERM) if fault == "drain" else serving.kill()
+                hit.append(serving)
+
+        with_fault = await stream_text(cluster.head.url, messages, 60, on_chunk=strike)
+        assert hit and with_fault == fault_free
+        deadline = time.monotonic() + 8  # (counted once the answer's session is released, just after its end)
+        while (failovers := cluster.head.health()["failovers"])["failovers"] == 0:
+            assert time.monotonic() < deadline, [line for line in cluster.head.lines if "fail" in line]
+            await asyncio.sleep(0.1)
+        assert failovers["failovers"] == 1
+        if fault == "standby off":
+            assert failovers["standby_resumes"] == 0 and failovers["recomputed_tokens"] > prompt_tokens
+        else:
+            assert failovers["standby_resumes"] == 1
+            assert failovers["recomputed_tokens"] < 16, failovers  # the last step or two, not the prompt
+        survivor = next(tail for tail in tails if tail is not hit[0])
+        after = no_copies(survivor)
+        assert after["sessions"] == 0 and after["cache_bytes"] == 0  # nothing left of the answer anywhere
+        async with aiohttp.ClientSession() as client:
+            async with client.get(f"{cluster.head.url}/metrics") as response:
+                metrics = await response.text()
+        resumed = "standby" if fault != "standby off" else "prefill"
+        assert f'meshws_failovers_total{{resumed="{resumed}"}} 1.0' in metrics
     finally:
         cluster.stop()

@@ -12,12 +12,14 @@ Control frames (`control`) are websocket text frames holding one JSON object:
   CacheMiss {type: "cache_miss", sid, step, reason}                 any shard -> head
   Error     {type: "error", sid?, step?, message, lost?, url?}      any node -> previous
   Close     {type: "close", sid}                                    head -> tail
+  KVAck     {type: "kv_ack", sid, length}                           standby -> serving node
 
 Tensor frames (`tensors`) are binary: a 4-byte big-endian header length, a JSON header
 `{type: "fwd", sid, step, mode: "prefill"|"decode", past_len, shape, dtype,
 enc: "zstd"|null, ids?}`, then the raw little-endian tensor bytes; a wave's decode steps for one
 hop share one such frame (`encode_rows`: `rows: [{sid, step, past_len, group?}]`, shape
-[rows, 1, hidden]). Nothing is pickled.
+[rows, 1, hidden]). A session's keys and values travel to its standby as `kv` frames (`kv`). Nothing is
+pickled.
 Every check raises `FrameError` with a message fit to send back in an error frame.
 """
 
@@ -30,6 +32,7 @@ from .control import (
     Error,
     Hello,
     HopReport,
+    KVAck,
     Open,
     RouteHop,
     SessionReply,
@@ -38,6 +41,7 @@ from .control import (
     encode_control,
 )
 from .fields import MAX_SID_LENGTH, FrameError
+from .kv import KVFrame, decode_kv, encode_kv, is_kv_frame
 from .tensors import (
     DEFAULT_COMPRESS_MIN_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
@@ -60,5 +64,6 @@ __all__ = [
     "RouteHop", "SessionReply", "Token", "decode_control", "encode_control", "MAX_SID_LENGTH", "FrameError",
     "DEFAULT_COMPRESS_MIN_BYTES", "DEFAULT_MAX_FRAME_BYTES", "MAX_HEADER_BYTES", "DecodeRow", "ForwardFrame",
     "ForwardHeader", "decode_forward", "decode_rows", "encode_forward", "encode_rows", "inflate_forward",
-    "inflate_rows", "read_forward_header", "read_forward_headers",
+    "inflate_rows", "read_forward_header", "read_forward_headers", "KVAck", "KVFrame", "decode_kv", "encode_kv",
+    "is_kv_frame",
 ]

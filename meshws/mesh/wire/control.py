@@ -20,8 +20,10 @@ from .fields import (
     name_field,
     sid_field,
     text_field,
+    ws_url_field,
 )
 from .hops import HopReport
+from .kv import KVAck
 
 PROTOCOL_VERSION = 5  # 5: `open` names the receiver's layers; 4: a wave's decode steps may share a frame (`rows`)
 MAX_CONTROL_BYTES = 1024 * 1024  # (a prefill's answer may carry 4096 prompt tokens' log-probabilities)
@@ -51,18 +53,22 @@ class RouteHop:
 
     url: str
     layers: tuple[int, int] | None = None
+    standby: str | None = None  # where that hop sends the session's keys and values (`mesh.standby`)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"url": self.url} if self.layers is None else {"url": self.url, "layers": list(self.layers)}
+        wire: dict[str, Any] = {"url": self.url}
+        if self.layers is not None:
+            wire["layers"] = list(self.layers)
+        if self.standby is not None:
+            wire["standby"] = self.standby
+        return wire
 
     @classmethod
     def parse(cls, data: Any) -> "RouteHop":
         if not isinstance(data, dict):
             raise FrameError("each hop of a route must be an object with a url")
-        url = name_field(data, "url")
-        if not url.startswith(("ws://", "wss://")):
-            raise FrameError(f"a hop's url must be ws:// or wss://, got {url!r}")
-        return cls(url, layers_field(data, "layers") if data.get("layers") is not None else None)
+        return cls(ws_url_field(data, "url"), layers_field(data, "layers") if data.get("layers") is not None else None,
+                   ws_url_field(data, "standby") if data.get("standby") is not None else None)
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,7 @@ class Open:
     fork: tuple[str, int] | None = None  # (sid, length): start the cache as a copy of that session's first positions
     layers: tuple[int, int] | None = None  # the receiver's span as the route expects it (None: not checked)
     kept: bool = False  # a shared prompt prefix, not a user's session
+    standby: str | None = None  # a node of the receiver's layers to send the session's keys and values to
 
     def to_wire(self) -> dict[str, Any]:
         message: dict[str, Any] = {"type": self.type, "sid": self.sid, "sampling": self.sampling.to_wire()}
@@ -140,6 +147,8 @@ class Open:
             message["resume"] = True
         if self.layers is not None:
             message["layers"] = list(self.layers)
+        if self.standby is not None:
+            message["standby"] = self.standby
         return message
 
     @classmethod
@@ -159,9 +168,11 @@ class Open:
                     raise FrameError("fork must be {sid, length}")
                 fork = (sid_field(fork), int_field(fork, "length", 1))
             layers = layers_field(data, "layers") if data.get("layers") is not None else None
+            standby = ws_url_field(data, "standby") if data.get("standby") is not None else None
         except ValueError as exc:  # FrameError included
             raise FrameError(f"bad open: {exc}", sid) from None
-        return cls(sid, sampling, prompt_tokens, route, route_mac, resume, fork, layers, kept)
+        return cls(sid=sid, sampling=sampling, prompt_tokens=prompt_tokens, route=route, route_mac=route_mac,
+                   resume=resume, fork=fork, layers=layers, kept=kept, standby=standby)
 
 
 @dataclass(frozen=True)
@@ -318,9 +329,9 @@ class Close:
         return cls(sid_field(data))
 
 
-ControlMessage = Union[Hello, Open, Token, CacheMiss, Error, Close]
-SessionReply = Union[Token, CacheMiss, Error]  # what a session's subscriber receives
-_TYPES: dict[str, Any] = {kind.type: kind for kind in (Hello, Open, Token, CacheMiss, Error, Close)}
+ControlMessage = Union[Hello, Open, Token, CacheMiss, Error, Close, KVAck]
+SessionReply = Union[Token, CacheMiss, Error, KVAck]  # what a session's subscriber receives
+_TYPES: dict[str, Any] = {kind.type: kind for kind in (Hello, Open, Token, CacheMiss, Error, Close, KVAck)}
 
 
 def encode_control(message: ControlMessage) -> str:

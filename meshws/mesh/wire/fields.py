@@ -69,3 +69,11 @@ def list_field(data: dict[str, Any], name: str) -> list[Any]:
     if not isinstance(value, list) or len(value) > MAX_CHAIN:
         raise FrameError(f"{name} must be a list of at most {MAX_CHAIN} hops")
     return value
+
+
+def ws_url_field(data: dict[str, Any], key: str) -> str:
+    """A node's address a peer names (a route's hop, a standby): ws:// or wss:// only."""
+    url = name_field(data, key)
+    if not url.startswith(("ws://", "wss://")):
+        raise FrameError(f"{key} must be a ws:// or wss:// url, got {url!r}")
+    return url

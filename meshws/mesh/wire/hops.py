@@ -24,6 +24,7 @@ class HopReport:
     cache_len: int
     wait_ms: float | None = None
     load: int | None = None  # sessions the shard carries now (the page's route diagram shows it)
+    standby: int | None = None  # positions of the session its standby has confirmed holding (`mesh.standby`)
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"node": self.node, "ms": round(self.ms, 3), "cache_len": self.cache_len}
@@ -31,6 +32,8 @@ class HopReport:
             wire["wait_ms"] = round(self.wait_ms, 3)
         if self.load is not None:
             wire["load"] = self.load
+        if self.standby is not None:
+            wire["standby"] = self.standby
         return wire
 
     @classmethod
@@ -40,7 +43,8 @@ class HopReport:
         wait = data.get("wait_ms")
         return cls(name_field(data, "node"), _milliseconds(data.get("ms"), "ms"), int_field(data, "cache_len", 0),
                    None if wait is None else _milliseconds(wait, "wait_ms"),
-                   min(int_field(data, "load", 0), MAX_LOAD) if data.get("load") is not None else None)
+                   min(int_field(data, "load", 0), MAX_LOAD) if data.get("load") is not None else None,
+                   int_field(data, "standby", 0) if data.get("standby") is not None else None)
 
 
 def _milliseconds(value: Any, name: str) -> float:

@@ -176,6 +176,18 @@ def read_forward_header(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BY
 
 def read_forward_headers(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> list[ForwardHeader]:
     """The frame's steps (one, or a wave's rows), their headers checked; the body is not looked at yet."""
+    header, offset = read_header(data, max_frame_bytes, "fwd")
+    if "rows" in header:
+        return _rows_checked(header, offset, len(data), max_frame_bytes)
+    sid = sid_field(header)
+    try:
+        return [_checked(header, offset, sid, len(data), max_frame_bytes)]
+    except FrameError as exc:
+        raise FrameError(str(exc), sid) from None
+
+
+def read_header(data: bytes, max_frame_bytes: int, kind: str) -> tuple[dict[str, Any], int]:
+    """A binary frame's JSON header, which must be an object of type `kind`, and where its body starts."""
     if len(data) > max_frame_bytes:
         raise FrameError(f"frame of {len(data)} bytes exceeds the limit of {max_frame_bytes}")
     if len(data) < _HEADER_LENGTH.size:
@@ -189,15 +201,9 @@ def read_forward_headers(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_B
         raise FrameError(f"frame header is not JSON: {exc}") from None
     if not isinstance(header, dict):
         raise FrameError("frame header must be a JSON object")
-    if header.get("type") != "fwd":
+    if header.get("type") != kind:
         raise FrameError(f"binary frame of unknown type {header.get('type')!r}")
-    if "rows" in header:
-        return _rows_checked(header, _HEADER_LENGTH.size + header_len, len(data), max_frame_bytes)
-    sid = sid_field(header)
-    try:
-        return [_checked(header, _HEADER_LENGTH.size + header_len, sid, len(data), max_frame_bytes)]
-    except FrameError as exc:
-        raise FrameError(str(exc), sid) from None
+    return header, _HEADER_LENGTH.size + header_len
 
 
 def _rows_checked(header: dict[str, Any], offset: int, size: int, max_frame_bytes: int) -> list[ForwardHeader]:
@@ -253,16 +259,22 @@ def _checked(header: dict[str, Any], offset: int, sid: str, size: int, max_frame
     group = header.get("group", 1)
     if not is_int(group) or not 1 <= group <= MAX_GROUP:
         raise FrameError(f"group must be an integer from 1 to {MAX_GROUP}, got {group!r}")
-    expected = DTYPE_SIZES[dtype]
-    for dim in shape:
-        expected *= dim
-    if expected > max_frame_bytes:
-        raise FrameError(f"shape {shape} x {dtype} is {expected} bytes, above the limit of {max_frame_bytes}")
+    expected = body_bytes(shape, dtype, DTYPE_SIZES[dtype], max_frame_bytes)
     enc = header.get("enc")
     if enc not in (None, "zstd"):
         raise FrameError(f"unknown encoding {enc!r}")
     return ForwardHeader(sid, step, mode, past_len, tuple(shape), dtype, enc, tuple(ids) if ids is not None else None,
                          offset, expected, size, tuple(drafts), group)
+
+
+def body_bytes(shape: list[int], dtype: str, size: int, max_frame_bytes: int) -> int:
+    """The bytes a body of `shape` x `dtype` (`size` bytes a value) holds, within the frame limit."""
+    expected = size
+    for dim in shape:
+        expected *= dim
+    if expected > max_frame_bytes:
+        raise FrameError(f"shape {shape} x {dtype} is {expected} bytes, above the limit of {max_frame_bytes}")
+    return expected
 
 
 def _decompress(body: bytes, expected: int) -> bytes:
