@@ -142,7 +142,8 @@ class RoutedPath:
     async def resume(self, sampling: SamplingParams, prompt_tokens: int) -> None:
         """A conversation's next answer on the same route: every hop keeps its cache and takes the new sampling."""
         if self.channel is not None and self.route is not None:
-            await self.channel.open(sampling, prompt_tokens, self.route.hops, resume=True, layers=self.route.layers)
+            await self.channel.open(sampling, prompt_tokens, self.route.hops, resume=True, layers=self.route.layers,
+                                    standby=None if self.kept or self.route.hops else self.route.standby)
 
     async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None,
                    drafts: tuple[int, ...] = ()) -> TailTokenResult:
@@ -179,15 +180,40 @@ class RoutedPath:
         """When `failure` is the loss of the route's tail and its standby holds the session: the session goes on
         there (its copy adopted, `open` with resume). The positions the standby holds, or 0 (nothing done)."""
         route, held = self.route, self.standby_held
-        if route is None or not held or failure.url is None or route.urls != [failure.url]:
+        if route is None or not held or failure.url is None or route.urls[-1:] != [failure.url]:
             return 0
         standby = self.planner.standby_route(route)
         if standby is None:
             return 0
         self.avoid |= {failure.url}
-        await self.close()
+        if len(route.urls) == 1:
+            await self.close()  # (the head's own link to the tail that went)
+        else:  # the hops before the tail keep the session and their caches: the open (resume) re-links them
+            route.release()
+            self.route = None
         self.planned = standby
         await self.open(sampling, prompt_tokens, resume=True)
+        return held
+
+    async def after_loss(self, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int,
+                         stats: GenerationStats) -> int:
+        """The route's first hop went while a conversation was idle: its standby's copy if the tail had one (the
+        positions it holds), else a new route (0: everything is prefilled again)."""
+        held = await self.resume_on_standby(failure, sampling, prompt_tokens)
+        if not held:
+            await self.close()
+            await self.open(sampling, prompt_tokens)
+        stats.failovers, stats.standby_resumes = stats.failovers + 1, stats.standby_resumes + bool(held)
+        return held
+
+    async def after_miss(self, sampling: SamplingParams, prompt_tokens: int, stats: GenerationStats) -> int:
+        """A shard lacked the session's cache (its tail restarted, or let the session go): where the tail had a
+        standby, the session goes on from its copy; the positions it holds, or 0 (prefilled again as it is)."""
+        if self.route is None or not self.standby_held:
+            return 0
+        lost = PipelineError("the tail lost the session's cache", lost=True, url=self.route.urls[-1])
+        held = await self.resume_on_standby(lost, sampling, prompt_tokens)
+        stats.failovers, stats.standby_resumes = stats.failovers + bool(held), stats.standby_resumes + bool(held)
         return held
 
     async def failover(self, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int,

@@ -4,9 +4,9 @@ prefill -> token -> (decode -> token)* -> close. A `cache_miss` from any shard,
 or from the head's own store, re-prefills prompt + tokens so far under the same
 session id. A hop that answers without a `token_id` (a stateless, legacy tail)
 gets a full re-prefill every step, and an empty text from it ends the
-generation. A hop lost mid-generation (link dropped, no answer in time) is
-routed around: a new route without it, the same session id, a re-prefill.
-While the head moves layers (`rebalance`), a generation parks at its next step
+generation. A hop lost mid-generation (link dropped, no answer in time) is routed around: a new route without it,
+the same session id, a re-prefill; a tail that had a standby (`mesh.standby`) is replaced by it, which runs only
+the positions its copy lacks. While the head moves layers (`rebalance`), a generation parks at its next step
 and goes on the same way on the new plan. EOS stops by token id, never by text. Whatever ends the loop (EOS,
 `max_tokens`, the consumer closing the iterator, an error), the channel is
 closed, which releases the session's caches on every shard.
@@ -121,7 +121,7 @@ class Generator:
             stats.prompt_tokens = len(prompt_ids)
             self.paths[sid] = path
             if warm:
-                sequence.reuse = await self._resume(path, conversation, request.sampling, prompt_ids)
+                sequence.reuse = await self._resume(path, conversation, request.sampling, prompt_ids, stats)
             elif parent is not None:
                 await path.open(request.sampling, len(prompt_ids), (fork.sid, fork.length))
                 forked = await self.worker.call(self.backend.fork_session, fork.sid, sid, fork.length)
@@ -165,16 +165,14 @@ class Generator:
                     self.on_finish(stats, outcome)
 
     async def _resume(self, path: RoutedPath, conversation: Conversation, sampling: SamplingParams,
-                      prompt_ids: list[int]) -> int:
+                      prompt_ids: list[int], stats: GenerationStats) -> int:
         """Open a warm conversation's next answer; the positions its caches may keep (0 if the route is gone)."""
         reuse = conversation.reusable(prompt_ids)
         try:
             await path.resume(sampling, len(prompt_ids))
         except PipelineError as exc:  # the route's first hop went away while the conversation was idle
-            log.info("session %s: could not resume (%s); opening a new route", conversation.sid[:12], exc)
-            await path.close()
-            await path.open(sampling, len(prompt_ids))
-            reuse = 0
+            log.info("session %s: could not resume (%s); its standby, or a new route", conversation.sid[:12], exc)
+            reuse = min(reuse, await path.after_loss(exc, sampling, len(prompt_ids), stats))
         if reuse > 0:
             self.reuse_hits += 1
             self.reused_tokens += reuse
@@ -239,7 +237,8 @@ class Generator:
                         raise PipelineError(f"{misses} cache misses in a row: {exc}") from exc
                     log.info("session %s: cache miss on a lap with %d drafts (%s); re-prefilling", sid[:12],
                              0 if need_prefill else len(sequence.drafts), exc)
-                    need_prefill, sequence.reuse = True, 0
+                    kept = await path.after_miss(sampling, len(sequence.prompt_ids), stats)  # (a standby's copy)
+                    need_prefill, sequence.reuse = True, min(kept, sequence.held)
                     continue
                 except PipelineError as exc:
                     if not exc.lost or stats.failovers >= MAX_FAILOVERS or path.channel is None:

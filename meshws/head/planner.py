@@ -79,15 +79,19 @@ class RoutePlanner:
                      layers=None if hops[0].static else hops[0].layers, standby=standby)
 
     def standby_route(self, route: Route) -> Route | None:
-        """The route a session resumes on when `route`'s only hop, its tail, goes: the tail's standby, held, or None
-        when it has none or the head cannot reach it now."""
-        if route.standby is None or len(route.urls) != 1 or not self.links.get(route.standby).is_up:
+        """The route a session resumes on when `route`'s tail goes: the same hops before it, then the tail's
+        standby; held. None when it has none or the head cannot reach it now."""
+        last = route.hops[-1].layers if route.hops else route.layers
+        if route.standby is None or not self.links.get(route.standby).is_up:
             return None
-        record = next((r for r in self._candidates() if r.url == route.standby and r.layers == route.layers), None)
+        record = next((r for r in self._candidates() if r.url == route.standby and r.layers == last), None)
         if record is None:
             return None
-        view = [route.view[0], {"node": record.node, "layers": list(record.layers), "url": record.url}]
-        return self.hold(Route(self.links.get(record.url), (), view, [record.url], layers=record.layers))
+        view = route.view[:-1] + [{"node": record.node, "layers": list(record.layers), "url": record.url}]
+        if not route.hops:
+            return self.hold(Route(self.links.get(record.url), (), view, [record.url], layers=record.layers))
+        hops = (*route.hops[:-1], RouteHop(url=record.url, layers=record.layers))
+        return self.hold(Route(route.link, hops, view, route.urls[:-1] + [record.url], layers=route.layers))
 
     def _standby_for(self, tail: NodeRecord, avoid: set[str]) -> str | None:
         """The least loaded other node of the tail's span that the tail can reach; None where there is none."""

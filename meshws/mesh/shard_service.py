@@ -215,9 +215,8 @@ class ShardService:
             return
         earlier = self.sessions.get(sid)
         next_hop = self.links.get(next_url) if next_url else None
-        if message.resume and earlier is not None and earlier.link is link and earlier.next_hop is next_hop \
-                and not earlier.busy:
-            self._resume(earlier, message, route)
+        if message.resume and earlier is not None and earlier.link is link and not earlier.busy:
+            self._resume(earlier, message, route, next_hop)
             return
         if len(link.owned) - (earlier is not None and earlier.link is link) >= self.limits.link_sessions:
             await self._error(link, sid, None, f"{self.node_name}: this link already carries "
@@ -253,11 +252,18 @@ class ShardService:
         except Exception as exc:  # the copy is an optimisation: without it the first step misses and re-prefills
             log.info("session %s: no fork of %s (%s)", sid[:12], fork[0][:12], exc)
 
-    def _resume(self, session: InboundSession, message: Open, route: tuple) -> None:
-        """A conversation's next turn on the same link and next hop: the cache stays, the sampling is new."""
+    def _resume(self, session: InboundSession, message: Open, route: tuple, next_hop: Link | None) -> None:
+        """A conversation's next turn on the same link: the cache stays, the sampling is new. A new next hop (the
+        one before went, and the head resumes on its standby) takes the session's replies from now on."""
         session.sampling, session.prompt_tokens, session.route = message.sampling, message.prompt_tokens, route
         session.history = None  # the turn's first step carries the token ids when sampling needs them
-        next_hop = session.next_hop
+        if next_hop is not session.next_hop and session.link is not None:
+            if session.next_hop is not None:  # (gone, or lost its cache: what it held, the standby holds)
+                session.next_hop.unsubscribe(session.sid)
+                self._spawn(self._tell_closed(session.next_hop, session.sid))
+            session.next_hop = next_hop
+            if next_hop is not None:
+                next_hop.subscribe(session.sid, self._relay_to(session.link))
         if next_hop is not None:
             onward = self.next_hops.onward(message, route)
             session.forwarding = self.lanes.run(session.sid, lambda: self._forward_open(next_hop, onward))
@@ -310,10 +316,7 @@ class ShardService:
         self.decode_log.forget(sid)
         await self.feeds.stop(session, tell=not self.draining)  # (a node that stops leaves its standbys their copies)
         if session.next_hop is not None:
-            try:
-                await session.next_hop.send_control(Close(sid=sid))
-            except LinkDown:
-                pass  # the next hop releases the session when our link to it drops
+            await self._tell_closed(session.next_hop, sid)
         log.info(
             "session %s %s: %d prefill(s), %d decode steps, %d cache misses, %.1f ms compute, %.1f s open",
             sid[:12], reason, session.prefills, session.decodes, session.cache_misses,
@@ -321,6 +324,13 @@ class ShardService:
         )
 
     # -- sending ------------------------------------------------------------
+
+    @staticmethod
+    async def _tell_closed(next_hop: Link, sid: str) -> None:
+        try:
+            await next_hop.send_control(Close(sid=sid))
+        except LinkDown:
+            pass  # the next hop releases the session when our link to it drops
 
     async def _error(self, link: InboundLink, sid: str | None, step: int | None, text: str, kind: str) -> None:
         self.metrics.errors.labels(kind).inc()

@@ -326,6 +326,15 @@ def no_copies(node, timeout=8.0):
     return health
 
 
+def counted_failovers(head, timeout=8.0):
+    """The head's failover counts once one is counted (at the answer's end, just after its last token)."""
+    deadline = time.monotonic() + timeout
+    while (failovers := head.health()["failovers"])["failovers"] == 0:
+        assert time.monotonic() < deadline, [line for line in head.lines if "fail" in line]
+        time.sleep(0.1)
+    return failovers
+
+
 LONG_STORY = STORY + " " + " ".join(
     f"In chapter {n} the keeper climbs the {n * 7} steps, trims the wick and writes the weather in the log." for n
     in range(1, 31))
@@ -357,10 +366,7 @@ async def test_a_standby_resumes_the_answer_without_prefilling_it_again(tokenize
 
         with_fault = await stream_text(cluster.head.url, messages, 60, on_chunk=strike)
         assert hit and with_fault == fault_free
-        deadline = time.monotonic() + 8  # (counted once the answer's session is released, just after its end)
-        while (failovers := cluster.head.health()["failovers"])["failovers"] == 0:
-            assert time.monotonic() < deadline, [line for line in cluster.head.lines if "fail" in line]
-            await asyncio.sleep(0.1)
+        failovers = counted_failovers(cluster.head)
         assert failovers["failovers"] == 1
         if fault == "standby off":
             assert failovers["standby_resumes"] == 0 and failovers["recomputed_tokens"] > prompt_tokens
@@ -368,12 +374,80 @@ async def test_a_standby_resumes_the_answer_without_prefilling_it_again(tokenize
             assert failovers["standby_resumes"] == 1
             assert failovers["recomputed_tokens"] < 16, failovers  # the last step or two, not the prompt
         survivor = next(tail for tail in tails if tail is not hit[0])
-        after = no_copies(survivor)
-        assert after["sessions"] == 0 and after["cache_bytes"] == 0  # nothing left of the answer anywhere
+        assert no_copies(survivor)["sessions"] == 0  # nothing left of the answer (kept prompt prefixes aside)
         async with aiohttp.ClientSession() as client:
             async with client.get(f"{cluster.head.url}/metrics") as response:
                 metrics = await response.text()
         resumed = "standby" if fault != "standby off" else "prefill"
         assert f'meshws_failovers_total{{resumed="{resumed}"}} 1.0' in metrics
+    finally:
+        cluster.stop()
+
+
+async def chat_turns(url, questions, between=None):
+    """One /ws/chat conversation: each question's answer (greedy), `between(turn)` awaited after each."""
+    messages, texts = [], []
+    async with aiohttp.ClientSession() as client:
+        async with client.ws_connect(f"{url}/ws/chat") as ws:
+            for turn, question in enumerate(questions):
+                messages.append({"role": "user", "content": question})
+                await ws.send_json({"type": "chat", "messages": messages, "max_tokens": 40, "temperature": 0})
+                while (message := await ws.receive_json(timeout=120))["type"] != "done":
+                    assert message["type"] != "error", message
+                texts.append(message["text"])
+                messages.append({"role": "assistant", "content": message["text"]})
+                if between is not None:
+                    await between(turn)
+    return texts
+
+
+@pytest.mark.parametrize("tail_after", ["restarted", "gone"])
+async def test_a_conversation_outlives_its_tail_between_turns_on_the_standby(tokenizer, tail_after):
+    """A /ws/chat conversation's tail is SIGKILLed between turns (and restarted on its port, empty, or not). The
+    next turn goes on from the standby's copy of the conversation's KV (a cache miss on the restarted tail, or
+    its link gone): the same answer as without the fault."""
+    cluster = Cluster("0-14")
+    try:
+        tails = cluster.replica_tails()
+        questions = [LONG_STORY, "Now tell me what the keeper wrote on the last page of the log."]
+        fault_free = await chat_turns(cluster.head.url, questions)
+        no_copies(tails[0]), no_copies(tails[1])
+
+        async def kill_serving_tail(turn):
+            if turn == 0:
+                serving = next(tail for tail in tails if tail.health()["sessions"] == 1)
+                serving.kill()
+                if tail_after == "restarted":
+                    await asyncio.to_thread(lambda: cluster.join("tail", "15-29", port=serving.port).wait_started())
+                    await asyncio.to_thread(cluster.wait_nodes, 2)
+
+        assert await chat_turns(cluster.head.url, questions, kill_serving_tail) == fault_free
+        assert counted_failovers(cluster.head)["standby_resumes"] == 1
+        for node in cluster.nodes:
+            if node.proc.poll() is None:
+                assert no_copies(node)["sessions"] == 0
+    finally:
+        cluster.stop()
+
+
+async def test_behind_a_middle_the_tails_standby_resumes_and_the_middle_keeps_its_cache(tokenizer):
+    """Head, middle, two replica tails: the serving tail is SIGKILLed mid-answer. The middle keeps the session
+    and its cache and sends on to the tail's standby (the head's resume names the new last hop), which runs only
+    what its copy lacks: the same text, and no node holds anything after."""
+    cluster = Cluster("0-9")
+    try:
+        middle = cluster.join("middle", "10-19").wait_started()
+        tails = [cluster.join("tail", "20-29").wait_started() for _ in range(2)]
+        cluster.wait_nodes(3)
+        messages = [{"role": "user", "content": LONG_STORY}]
+        fault_free = await stream_text(cluster.head.url, messages, 60)
+        kill_serving_tail, killed = serving_tail_killer(tails, at_chunk=25)
+        assert await stream_text(cluster.head.url, messages, 60, on_chunk=kill_serving_tail) == fault_free
+        assert killed
+        failovers = counted_failovers(cluster.head)
+        assert failovers["standby_resumes"] == 1 and failovers["recomputed_tokens"] < 16, failovers
+        assert not any("re-opened" in line for line in middle.lines)  # the middle's session went on
+        for node in (middle, next(tail for tail in tails if tail not in killed)):
+            assert no_copies(node)["sessions"] == 0
     finally:
         cluster.stop()
