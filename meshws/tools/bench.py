@@ -45,6 +45,7 @@ from .bench_compute import (gguf_of, measure_bandwidth, measure_decode_step, mea
 from .bench_gguf import measure_gguf, print_gguf
 from .bench_plot import write_gguf_plot, write_plot
 from .bench_kv import add_kv_arguments, run_kv_suite
+from .bench_standby import add_standby_arguments, run_standby_suite
 from .bench_laps import measure_laps
 from .bench_llama import measure_llama_cpp_sessions
 from .bench_nodes import measure_processes
@@ -242,11 +243,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded", help="the embedded model, or a GGUF file (its own section "
                         "only, unless --suite all)")
-    parser.add_argument("--suite", choices=("auto", "all", "gguf", "placement", "kv"), default="auto",
+    parser.add_argument("--suite", choices=("auto", "all", "gguf", "placement", "kv", "standby"), default="auto",
                         help="gguf: the GGUF section; all: every section; auto: all on the embedded model, gguf on "
-                        "another file; placement: `bench_placement` (root, cgroup v1); kv: `bench_kv`")
-    add_placement_arguments(parser)
-    add_kv_arguments(parser)
+                        "another file; placement: `bench_placement` (root, cgroup v1); kv: `bench_kv`; standby: "
+                        "`bench_standby`")
+    add_placement_arguments(parser), add_kv_arguments(parser), add_standby_arguments(parser)
     parser.add_argument("--dtype", nargs="+", default=["auto", "float32"], choices=("auto", "bfloat16", "float32"),
                         help="auto: a GGUF's blocks with 8-bit activations (the nodes' default); float32: exact")
     parser.add_argument("--sessions", nargs="+", type=int, default=[1, 4, 16, 32])
@@ -274,13 +275,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
         args.tokens, args.repeats = min(args.tokens, 4), 1
     args.runs = max(1, args.runs or (1 if args.short else 3))
     os.environ.update(MODEL_ENV)
-
     gguf = gguf_of(args.model)
     suite = args.suite if args.suite != "auto" else "all" if args.model in ("embedded", "") or gguf is None else "gguf"
     gguf_section = None
-    if suite == "kv":
-        return run_kv_suite(args, gguf, out)
-    if gguf is not None and suite not in ("placement", "kv"):
+    if suite in ("kv", "standby"):
+        return (run_kv_suite if suite == "kv" else run_standby_suite)(args, gguf, out)
+    if gguf is not None and suite != "placement":
         gguf_section = measure_gguf(gguf, 16 if args.short else 64, parts=args.parts)
         print_gguf(gguf_section)
         if suite == "gguf":
