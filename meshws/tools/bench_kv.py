@@ -22,15 +22,13 @@ import json
 import os
 import random
 import threading
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from ..model.gguf_file import geometry, read_table
 from .launch import Mesh, NodeProcess
+from .streams import completion_chunks
 
 QUESTION = 50
 ANSWER = 16
@@ -74,21 +72,15 @@ class Peak:
         return max(0, self.rss - self.base)
 
 
-async def _complete(client: aiohttp.ClientSession, url: str, model: str, ids: list[int]) -> dict[str, Any]:
+async def _complete(url: str, model: str, ids: list[int]) -> dict[str, Any]:
     """One streamed completion: seconds to the first token, and its usage."""
     body = {"model": model, "prompt": ids, "max_tokens": ANSWER, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
-    began, first, usage = time.perf_counter(), None, {}
-    async with client.post(f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and first is None:
-                first = time.perf_counter() - began
-            usage = chunk.get("usage") or usage
+    first, usage = None, {}
+    async for at, chunk in completion_chunks(url, body):
+        if chunk.get("choices") and first is None:
+            first = at
+        usage = chunk.get("usage") or usage
     return {"ttft_s": first, "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
 
 
@@ -117,13 +109,12 @@ def memory(gguf: str, kv_dtype: str, sessions: int, prompt: int) -> dict[str, An
         rng = random.Random(1)
 
         async def run() -> list[dict[str, Any]]:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as client:
-                await _complete(client, node.url, model, _ids(64, rng))  # warm: kernels, first buffers
-                await asyncio.sleep(1.0)
-                with Peak(node) as peak:
-                    results = await asyncio.gather(*(_complete(client, node.url, model, _ids(prompt, rng))
-                                                     for _ in range(sessions)))
-                return [peak.growth, peak.kv, results]
+            await _complete(node.url, model, _ids(64, rng))  # warm: kernels, first buffers
+            await asyncio.sleep(1.0)
+            with Peak(node) as peak:
+                results = await asyncio.gather(*(_complete(node.url, model, _ids(prompt, rng))
+                                                 for _ in range(sessions)))
+            return [peak.growth, peak.kv, results]
 
         growth, kv, _ = asyncio.run(run())
     finally:
@@ -148,14 +139,12 @@ def prefixes(gguf: str, prompt: int, clients: int = 8) -> dict[str, Any]:
         system = _ids(prompt, rng)
 
         async def run() -> dict[str, Any]:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as client:
-                one_by_one = [await _complete(client, mesh.head.url, model, system + _ids(QUESTION, rng))
-                              for _ in range(clients)]
-                await asyncio.sleep(1.0)
-                with Peak(mesh.tail) as peak:
-                    await asyncio.gather(*(_complete(client, mesh.head.url, model, system + _ids(QUESTION, rng))
-                                           for _ in range(clients)))
-                return {"one_by_one": one_by_one, "growth": peak.growth}
+            one_by_one = [await _complete(mesh.head.url, model, system + _ids(QUESTION, rng)) for _ in range(clients)]
+            await asyncio.sleep(1.0)
+            with Peak(mesh.tail) as peak:
+                await asyncio.gather(*(_complete(mesh.head.url, model, system + _ids(QUESTION, rng))
+                                       for _ in range(clients)))
+            return {"one_by_one": one_by_one, "growth": peak.growth}
 
         found = asyncio.run(run())
     finally:

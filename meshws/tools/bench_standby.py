@@ -26,11 +26,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from ..model.gguf_file import geometry, read_table
 from .bench_kv import _ids, _model
 from .launch import NodeProcess, free_port
+from .streams import completion_chunks
 
 HIT_AT = 40  # the token after which the serving tail is hit
 
@@ -71,22 +70,13 @@ class Cluster:
 async def _answer(url: str, model: str, ids: list[int], tokens: int, on_token: Any = None) -> dict[str, Any]:
     body = {"model": model, "prompt": ids, "max_tokens": tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
-    began, times, text = time.perf_counter(), [], []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as client:
-        async with client.post(f"{url}/v1/completions", json=body) as response:
-            response.raise_for_status()
-            async for raw in response.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(chunk["error"])
-                if chunk.get("choices"):
-                    times.append(time.perf_counter() - began)
-                    text.append(chunk["choices"][0]["text"])
-                    if on_token is not None:
-                        await on_token(len(times))
+    times, text = [], []
+    async for at, chunk in completion_chunks(url, body):
+        if chunk.get("choices"):
+            times.append(at)
+            text.append(chunk["choices"][0]["text"])
+            if on_token is not None:
+                await on_token(len(times))
     gaps = [b - a for a, b in zip(times, times[1:])]
     return {"text": "".join(text), "ttft_s": times[0], "max_gap_s": max(gaps, default=0.0)}
 

@@ -6,7 +6,26 @@ import asyncio
 import json
 import statistics
 import time
-from typing import Any
+from typing import Any, AsyncIterator
+
+
+async def completion_chunks(url: str, body: dict[str, Any]) -> AsyncIterator[tuple[float, dict[str, Any]]]:
+    """A streamed `/v1/completions` answer's chunks, each with the seconds since the request began; an error
+    chunk raises."""
+    import aiohttp
+
+    began = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as client:
+        async with client.post(f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"])
+                yield time.perf_counter() - began, chunk
 
 
 async def stream_once(url: str, model: str, prompt_ids: list[int], tokens: int, ssl: Any = True,
