@@ -37,6 +37,10 @@ class PipelineError(Exception):
         self.url = url  # the hop that went away, when known
 
 
+class RouteCacheMiss(KVCacheMiss):
+    """A hop of the route answered `cache_miss` (not the head's own cache)."""
+
+
 class HopChannel:
     """The head's end of one session channel on the link to its first hop."""
 
@@ -88,14 +92,15 @@ class HopChannel:
                                        hops=reply.hops, logprobs=reply.logprobs,
                                        prompt_logprobs=reply.prompt_logprobs)
             if isinstance(reply, CacheMiss):
-                raise KVCacheMiss(reply.reason)
+                raise RouteCacheMiss(reply.reason)
             if isinstance(reply, Error):
                 raise PipelineError(reply.message, lost=reply.lost, url=reply.url)
 
-    async def close(self) -> None:
+    async def close(self, grace: bool = False) -> None:
+        """The session ends on the route (`grace`: it goes on elsewhere, so the hops' standbys wait a moment)."""
         self.link.unsubscribe(self.sid)
         try:
-            await self.link.send_control(Close(sid=self.sid))
+            await self.link.send_control(Close(sid=self.sid, grace=grace))
         except LinkDown:
             pass  # the next hop releases the session when the link drops
 
@@ -116,7 +121,7 @@ class RoutedPath:
         self.channel: HopChannel | None = None
         self.avoid: set[str] = set()
         self.kept = False  # a shared prompt prefix's session (`prefixes`): every shard counts it apart
-        self.standby_held = 0  # positions the route's standby said it holds, as the tail last reported
+        self.standby_held: list[int] = []  # each hop's standby's positions, as the hops last reported them
 
     @property
     def view(self) -> list[dict]:
@@ -134,25 +139,24 @@ class RoutedPath:
         if self.route.link is not None:
             self.channel = HopChannel(self.route.link, self.sid, self.step_timeout, self.compress_min_bytes,
                                       self.secret)
-            standby = None if self.kept or self.route.hops else self.route.standby  # (else in the route's hops)
+            standby = None if self.kept else self.route.first_standby  # (later hops' are in the route's hops)
             await self.channel.open(sampling, prompt_tokens, self.route.hops, fork=fork, layers=self.route.layers,
                                     kept=self.kept, standby=standby, resume=resume)
-        self.standby_held = 0
+        self.standby_held = []
 
     async def resume(self, sampling: SamplingParams, prompt_tokens: int) -> None:
         """A conversation's next answer on the same route: every hop keeps its cache and takes the new sampling."""
         if self.channel is not None and self.route is not None:
             await self.channel.open(sampling, prompt_tokens, self.route.hops, resume=True, layers=self.route.layers,
-                                    standby=None if self.kept or self.route.hops else self.route.standby)
+                                    standby=None if self.kept else self.route.first_standby)
 
     async def step(self, step: int, mode: str, payload: TensorPayload, ids: list[int] | None,
                    drafts: tuple[int, ...] = ()) -> TailTokenResult:
         if self.channel is None:
             raise PipelineError("the head has no next hop for its hidden states")
         result = await self.channel.step(step, mode, payload, ids, drafts)
-        tail = result.hops[-1] if result.hops else None  # (the tail's part comes last)
-        if tail is not None and tail.standby is not None:
-            self.standby_held = tail.standby
+        if result.hops:  # (in route order, one a hop)
+            self.standby_held = [report.standby or 0 for report in result.hops]
         return result
 
     async def reroute(self, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int) -> None:
@@ -177,42 +181,55 @@ class RoutedPath:
                 raise PipelineError(f"{failure}; and no other route: {again}", again.lost, again.url) from again
 
     async def resume_on_standby(self, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int) -> int:
-        """When `failure` is the loss of the route's tail and its standby holds the session: the session goes on
-        there (its copy adopted, `open` with resume). The positions the standby holds, or 0 (nothing done)."""
-        route, held = self.route, self.standby_held
-        if route is None or not held or failure.url is None or route.urls[-1:] != [failure.url]:
+        """When `failure` is the loss of a hop whose standby holds the session: the session goes on there (its copy
+        adopted, `open` with resume; the hops after it hold theirs: `Open.hold`). The positions the standby holds,
+        or 0 (nothing done)."""
+        route = self.route
+        if route is None or failure.url not in route.urls:
             return 0
-        standby = self.planner.standby_route(route)
+        index = route.urls.index(failure.url)
+        held = self.standby_held[index] if index < len(self.standby_held) else 0
+        standby = self.planner.standby_route(route, index) if held else None
         if standby is None:
             return 0
         self.avoid |= {failure.url}
-        if len(route.urls) == 1:
-            await self.close()  # (the head's own link to the tail that went)
-        else:  # the hops before the tail keep the session and their caches: the open (resume) re-links them
-            route.release()
-            self.route = None
-        self.planned = standby
+        old = self.channel if index == 0 else None  # (else the hops before keep the session: the open re-links them)
+        route.release()
+        self.route, self.planned = None, standby
         await self.open(sampling, prompt_tokens, resume=True)
+        if old is not None:  # (after: a hop that went but lives lets its standby's copy go only after a while)
+            await old.close(grace=True)
         return held
 
     async def after_loss(self, failure: PipelineError, sampling: SamplingParams, prompt_tokens: int,
                          stats: GenerationStats) -> int:
         """The route's first hop went while a conversation was idle: its standby's copy if the tail had one (the
         positions it holds), else a new route (0: everything is prefilled again)."""
-        held = await self.resume_on_standby(failure, sampling, prompt_tokens)
+        try:
+            held = await self.resume_on_standby(failure, sampling, prompt_tokens)
+        except PipelineError:
+            held = 0  # (the standby went too)
         if not held:
             await self.close()
             await self.open(sampling, prompt_tokens)
         stats.failovers, stats.standby_resumes = stats.failovers + 1, stats.standby_resumes + bool(held)
         return held
 
-    async def after_miss(self, sampling: SamplingParams, prompt_tokens: int, stats: GenerationStats) -> int:
-        """A shard lacked the session's cache (its tail restarted, or let the session go): where the tail had a
-        standby, the session goes on from its copy; the positions it holds, or 0 (prefilled again as it is)."""
-        if self.route is None or not self.standby_held:
+    async def after_miss(self, miss: Exception, sampling: SamplingParams, prompt_tokens: int,
+                         stats: GenerationStats) -> int:
+        """A hop of the route lacked the session's cache (its tail restarted, or let the session go): where the
+        tail had a standby, the session goes on from its copy; the positions it holds, or 0 (prefilled again as it
+        is). A miss in the head's own cache changes nothing."""
+        if not isinstance(miss, RouteCacheMiss) or self.route is None or not self.standby_held[-1:] \
+                or not self.standby_held[-1]:
             return 0
         lost = PipelineError("the tail lost the session's cache", lost=True, url=self.route.urls[-1])
-        held = await self.resume_on_standby(lost, sampling, prompt_tokens)
+        try:
+            held = await self.resume_on_standby(lost, sampling, prompt_tokens)
+        except PipelineError:  # (the standby went too: a new route, everything again)
+            await self.close()
+            await self.open(sampling, prompt_tokens)
+            held = 0
         stats.failovers, stats.standby_resumes = stats.failovers + bool(held), stats.standby_resumes + bool(held)
         return held
 

@@ -237,7 +237,7 @@ class Generator:
                         raise PipelineError(f"{misses} cache misses in a row: {exc}") from exc
                     log.info("session %s: cache miss on a lap with %d drafts (%s); re-prefilling", sid[:12],
                              0 if need_prefill else len(sequence.drafts), exc)
-                    kept = await path.after_miss(sampling, len(sequence.prompt_ids), stats)  # (a standby's copy)
+                    kept = await path.after_miss(exc, sampling, len(sequence.prompt_ids), stats)  # (a standby's)
                     need_prefill, sequence.reuse = True, min(kept, sequence.held)
                     continue
                 except PipelineError as exc:
@@ -246,7 +246,8 @@ class Generator:
                     log.warning("session %s: lost a lap with %d drafts", sid[:12],
                                 0 if need_prefill else len(sequence.drafts))
                     need_prefill, sequence.reuse = True, await path.failover(  # (0, or what a standby's copy holds)
-                        exc, sampling, len(sequence.prompt_ids), stats, sequence.held, len(sequence.ids()))
+                        exc, sampling, len(sequence.prompt_ids), stats, max(sequence.held, sequence.reuse),
+                        len(sequence.ids()))
                     continue
                 except (ValueError, CacheBudgetExceeded) as exc:  # a step refused by the head's own shard (bad
                     raise PipelineError(str(exc)) from exc  # length, dtype; a session its KV budget cannot hold)

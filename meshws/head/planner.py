@@ -72,26 +72,32 @@ class RoutePlanner:
                 view += [chain_hop.to_wire() for chain_hop in (peer.chain if peer else ())]
             else:
                 view.append({"node": hop.node, "layers": list(hop.layers), "url": hop.url})
-        standby = self._standby_for(hops[-1], {hop.url for hop in hops} | (exclude or set()))
-        after = () if hops[0].static else tuple(RouteHop(url=h.url, layers=h.layers,
-                                                         standby=standby if h is hops[-1] else None) for h in hops[1:])
+        avoid = {hop.url for hop in hops} | (exclude or set())
+        standbys = tuple(self._standby_for(hop, avoid) for hop in hops)
+        after = () if hops[0].static else tuple(RouteHop(url=h.url, layers=h.layers, standby=standby)
+                                                for h, standby in zip(hops[1:], standbys[1:]))
         return Route(self.links.get(hops[0].url), after, view, [hop.url for hop in hops],
-                     layers=None if hops[0].static else hops[0].layers, standby=standby)
+                     layers=None if hops[0].static else hops[0].layers, standbys=standbys)
 
-    def standby_route(self, route: Route) -> Route | None:
-        """The route a session resumes on when `route`'s tail goes: the same hops before it, then the tail's
-        standby; held. None when it has none or the head cannot reach it now."""
-        last = route.hops[-1].layers if route.hops else route.layers
-        if route.standby is None or not self.links.get(route.standby).is_up:
+    def standby_route(self, route: Route, index: int) -> Route | None:
+        """The route a session resumes on when `route`'s hop `index` goes: the same hops, with that one's standby in
+        its place; held. None when it has none, or the head cannot reach it now."""
+        standby = route.standbys[index] if index < len(route.standbys) else None
+        span = route.layers if index == 0 else route.hops[index - 1].layers
+        if standby is None or not self.links.get(standby).is_up:
             return None
-        record = next((r for r in self._candidates() if r.url == route.standby and r.layers == last), None)
+        record = next((r for r in self._candidates() if r.url == standby and r.layers == span), None)
         if record is None:
             return None
-        view = route.view[:-1] + [{"node": record.node, "layers": list(record.layers), "url": record.url}]
-        if not route.hops:
-            return self.hold(Route(self.links.get(record.url), (), view, [record.url], layers=record.layers))
-        hops = (*route.hops[:-1], RouteHop(url=record.url, layers=record.layers))
-        return self.hold(Route(route.link, hops, view, route.urls[:-1] + [record.url], layers=route.layers))
+        view, urls = list(route.view), list(route.urls)
+        view[index + 1], urls[index] = {"node": record.node, "layers": list(record.layers), "url": record.url}, standby
+        standbys = route.standbys[:index] + (None,) + route.standbys[index + 1:]
+        if index == 0:
+            return self.hold(Route(self.links.get(standby), route.hops, view, urls, layers=record.layers,
+                                   standbys=standbys))
+        hops = list(route.hops)
+        hops[index - 1] = RouteHop(url=standby, layers=record.layers)
+        return self.hold(Route(route.link, tuple(hops), view, urls, layers=route.layers, standbys=standbys))
 
     def _standby_for(self, tail: NodeRecord, avoid: set[str]) -> str | None:
         """The least loaded other node of the tail's span that the tail can reach; None where there is none."""

@@ -64,8 +64,13 @@ class Route:
     view: list[dict[str, Any]] = field(default_factory=list)  # every node and its layers, for people
     urls: list[str] = field(default_factory=list)  # the hops' endpoints, first hop first
     layers: tuple[int, int] | None = None  # the first hop's span as planned (its `open` says so; None: --peer)
-    standby: str | None = None  # another node of the last hop's span that keeps the session's KV too (`mesh.standby`)
+    standbys: tuple[str | None, ...] = ()  # each hop's: another node of its span that keeps the session's KV too
     on_done: Callable[[], None] | None = None  # set while a generation holds the route
+
+    @property
+    def first_standby(self) -> str | None:
+        """The first hop's standby (the `open` names it; later hops' are in the route's hops)."""
+        return self.standbys[0] if self.standbys else None
 
     def release(self) -> None:
         """The generation left this route (idempotent)."""

@@ -66,6 +66,7 @@ class InboundSession:
     step_task: asyncio.Task | None = None  # the step running now
     waiting: tuple[int, asyncio.TimerHandle] | None = None  # (step, timer) while the next hop owes an answer
     busy: bool = False
+    hold: bool = False  # the hop before has a standby: a dropped link leaves the cache as a copy (`mesh.standby`)
     prefills: int = 0
     decodes: int = 0
     cache_misses: int = 0

@@ -56,13 +56,14 @@ class NextHops:
         standby = message.route[0].standby if message.route else None
         parts = signed_parts(route, standby)
         mac = sign_route(self.secret, message.sid, parts) if self.secret and parts else None
-        return replace(message, route=route, route_mac=mac, layers=layers, standby=standby)
+        hold = self.standby(message) is not None and not message.kept  # (we have one: the next hop holds on)
+        return replace(message, route=route, route_mac=mac, layers=layers, standby=standby, hold=hold)
 
     def standby(self, message: Open) -> str | None:
         """Where to send the session's keys and values, if the head named a standby: only one it signed (without a
         secret: a loopback node, unless --insecure). None when there is none to follow."""
         url = message.standby
-        if url is None:
+        if url is None or (url.rstrip("/") not in self.links and self._route_links() >= MAX_ROUTE_LINKS):
             return None
         if self.secret:
             parts = signed_parts(message.route, url)
@@ -95,8 +96,11 @@ class NextHops:
         elif not (self.open_routes or all(is_loopback_url(hop.url) for hop in message.route)):
             raise ValueError("without a mesh secret this node follows routes to loopback nodes only")
         url = message.route[0].url.rstrip("/")
-        if url not in self.links and sum(not link.reversed for link in self.links.all()) >= MAX_ROUTE_LINKS:
+        if url not in self.links and self._route_links() >= MAX_ROUTE_LINKS:
             raise ValueError(f"this node already keeps {MAX_ROUTE_LINKS} links to next hops")
+
+    def _route_links(self) -> int:
+        return sum(not link.reversed for link in self.links.all())
 
     async def idle_ctx(self, app: web.Application) -> AsyncIterator[None]:
         """Close links opened for routes once no session has used them for a while (a cleanup context)."""

@@ -35,9 +35,9 @@ from .log_limit import LogLimiter
 from .metrics import NodeMetrics
 from .next_hops import NextHops
 from .shard_steps import ShardSteps
-from .standby import Copies, Feeds
-from .wire import (Close, ControlMessage, Error, FrameError, Hello, Open, SessionReply, Token, decode_control,
-                   encode_control, is_kv_frame)
+from .standby import Copies, Feeds, tell_closed
+from .wire import (Close, ControlMessage, Error, FrameError, Hello, KVAck, Open, SessionReply, Token,
+                   decode_control, encode_control, is_kv_frame)
 from .wire.fields import MAX_CHAIN
 
 log = logging.getLogger("meshws.shard_service")
@@ -60,17 +60,10 @@ class ShardService:
         open_routes: bool = False,
         limits: ShardLimits = ShardLimits(),
     ) -> None:
-        self.backend = backend
-        self.worker = worker
-        self.links = links
-        self.metrics = metrics
-        self.node_name = node_name
-        self.hello = hello
-        self.static_peer = static_peer
-        self.max_frame_bytes = max_frame_bytes
-        self.compress_min_bytes = compress_min_bytes
-        self.authorize = authorize
-        self.limits = limits
+        self.backend, self.worker, self.links, self.metrics = backend, worker, links, metrics
+        self.node_name, self.hello, self.static_peer = node_name, hello, static_peer
+        self.max_frame_bytes, self.compress_min_bytes = max_frame_bytes, compress_min_bytes
+        self.authorize, self.limits = authorize, limits
         self.draining = False  # SIGTERM: sessions running finish; new ones are refused as lost
         self.moving = False  # its layers are being replaced: new sessions are refused as lost
         self.next_hops = NextHops(backend, links, static_peer, secret, open_routes)
@@ -83,7 +76,7 @@ class ShardService:
                                 max_frame_bytes=max_frame_bytes, compress_min_bytes=compress_min_bytes,
                                 send=self._send, refuse=self._error, spawn=self._spawn)
         self.decode_log = self.steps.decode_log
-        self.feeds = self.steps.feeds = Feeds(backend, worker, links, metrics, compress_min_bytes)
+        self.feeds = self.steps.feeds = Feeds(backend, worker, links, metrics, compress_min_bytes, max_frame_bytes)
         self.copies = Copies(backend, worker, metrics, max_frame_bytes, self._send, self.lanes.run,
                              live=lambda sid: sid in self.sessions)
 
@@ -135,12 +128,12 @@ class ShardService:
             await run_uncancelled(self._close_all(link))
 
     async def _close_all(self, link: InboundLink) -> None:
-        self.copies.link_lost(link)
         sids = set(link.owned)
         for sid in sids:
             session = self.sessions.get(sid)
             if session is not None and session.link is link:
-                self._end(session, reason="inbound link dropped")
+                self._let_go(link, session, "inbound link dropped")
+        self.copies.link_lost(link)
         await self.lanes.drain(sids)
 
     async def move(self, adopt: Callable[[], Coroutine[Any, Any, Any]]) -> int:
@@ -184,9 +177,9 @@ class ShardService:
         elif isinstance(message, Close):
             session = self.sessions.get(message.sid)
             if session is not None and session.link is link:
-                self._end(session, reason="closed")
+                self._let_go(link, session, "replaced" if message.grace else "closed")
             else:
-                self.copies.closed(link, message.sid)
+                self.copies.closed(link, message.sid, message.grace)
         elif isinstance(message, Hello):
             await self._error(link, None, None, "hello was already exchanged on this link", "bad_frame")
         else:
@@ -222,16 +215,20 @@ class ShardService:
             await self._error(link, sid, None, f"{self.node_name}: this link already carries "
                               f"{self.limits.link_sessions} sessions, the limit", "link_busy")
             return  # (before ending an earlier session of this id: a refused open changes nothing)
-        if earlier is not None:  # a re-open (a new route after a failure), on this link or another: start clean
-            self._end(earlier, reason="re-opened" if earlier.link is link else "re-opened on another link")
-        session = InboundSession(sid, message.sampling, message.prompt_tokens, next_hop, route, link=link)
+        if earlier is not None and earlier.link is not None:  # a re-open (a new route after a failure), on this
+            # link or another: start clean, or (resume) from its cache, handed over as a copy (`_let_go`)
+            self._let_go(earlier.link, earlier, "re-opened" if earlier.link is link else "re-opened on another link",
+                         keep=message.resume)
+        session = InboundSession(sid, message.sampling, message.prompt_tokens, next_hop, route, link=link,
+                                 hold=message.hold)
         session.after = self.lanes.last(sid)  # the release of an earlier session of this id goes first
         if message.fork is not None and message.fork[0] in link.owned:  # (never another link's session)
             fork = message.fork  # in the lane: before the steps, and before a close's release
             session.after = self.lanes.run(sid, lambda: self._fork(fork, sid))
         elif message.fork is not None:
             message = replace(message, fork=None)  # nor does a hop behind us copy one
-        self.copies.adopt(sid)  # (a copy this node kept for another: the head resumes it here)
+        if message.resume:
+            self.copies.adopt(sid)  # (a copy this node kept for another: the head resumes it here)
         self.sessions[sid] = session
         link.owned.add(sid)
         standby = self.next_hops.standby(message)
@@ -260,7 +257,7 @@ class ShardService:
         if next_hop is not session.next_hop and session.link is not None:
             if session.next_hop is not None:  # (gone, or lost its cache: what it held, the standby holds)
                 session.next_hop.unsubscribe(session.sid)
-                self._spawn(self._tell_closed(session.next_hop, session.sid))
+                self._spawn(tell_closed(session.next_hop, session.sid, grace=True))
             session.next_hop = next_hop
             if next_hop is not None:
                 next_hop.subscribe(session.sid, self._relay_to(session.link))
@@ -282,6 +279,8 @@ class ShardService:
         """Replies from the next hop go back to the hop before us; a lost link says where it was."""
 
         def relay(message: SessionReply) -> None:
+            if isinstance(message, KVAck):
+                return  # (a standby's answers are for this node's feeds alone)
             session = self.sessions.get(message.sid)
             if session is not None:
                 self.steps.answered(session, getattr(message, "step", None))
@@ -292,6 +291,11 @@ class ShardService:
             self._spawn(self._send(link, message))
 
         return relay
+
+    def _let_go(self, link: InboundLink, session: InboundSession, reason: str, keep: bool = True) -> None:
+        if keep and session.hold and reason != "closed":  # (the hop before had a standby: a head may resume there)
+            self.copies.orphan(link, session.sid)
+        self._end(session, reason)
 
     def _end(self, session: InboundSession, reason: str) -> None:
         """Forget a session now (its step is cancelled); release it and close it onward in its lane."""
@@ -305,18 +309,19 @@ class ShardService:
             session.step_task.cancel()  # no work for the departed: the worker skips what is left
         if session.next_hop is not None:
             session.next_hop.unsubscribe(sid)
-        self.lanes.run(sid, lambda: self._release(session, reason))
+        self.lanes.run(sid, lambda kept=self.copies.holds(sid): self._release(session, reason, kept))  # (a copy now)
 
-    async def _release(self, session: InboundSession, reason: str) -> None:
+    async def _release(self, session: InboundSession, reason: str, kept: bool = False) -> None:
         sid = session.sid
         try:
-            await self.worker.release(sid)
+            if not kept:
+                await self.worker.release(sid)
         except RuntimeError:  # the worker is shut down: the node clears every cache as it stops
             pass
         self.decode_log.forget(sid)
-        await self.feeds.stop(session, tell=not self.draining)  # (a node that stops leaves its standbys their copies)
-        if session.next_hop is not None:
-            await self._tell_closed(session.next_hop, sid)
+        await self.feeds.stop(session, "now" if reason == "closed" else None if self.draining else "later")
+        if session.next_hop is not None and not kept:
+            await tell_closed(session.next_hop, sid, grace=reason != "closed")
         log.info(
             "session %s %s: %d prefill(s), %d decode steps, %d cache misses, %.1f ms compute, %.1f s open",
             sid[:12], reason, session.prefills, session.decodes, session.cache_misses,
@@ -324,13 +329,6 @@ class ShardService:
         )
 
     # -- sending ------------------------------------------------------------
-
-    @staticmethod
-    async def _tell_closed(next_hop: Link, sid: str) -> None:
-        try:
-            await next_hop.send_control(Close(sid=sid))
-        except LinkDown:
-            pass  # the next hop releases the session when our link to it drops
 
     async def _error(self, link: InboundLink, sid: str | None, step: int | None, text: str, kind: str) -> None:
         self.metrics.errors.labels(kind).inc()

@@ -248,7 +248,7 @@ class ShardSteps:
     def _count_step(self, session: InboundSession, frame: ForwardFrame, elapsed: float) -> None:
         session.compute_seconds += elapsed
         held = self.backend.sessions.held(session.sid)
-        standby = self.feeds.acked(session.sid) if self.feeds is not None else None
+        standby = self.feeds.held(session.sid) if self.feeds is not None else None
         session.report = (frame.step, HopReport(node=self.node_name, ms=elapsed * 1000, cache_len=held,
                                                 load=len(self.sessions), standby=standby))
         if self.feeds is not None:

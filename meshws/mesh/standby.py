@@ -38,7 +38,17 @@ IN_FLIGHT = 2  # kv frames of one session sent and not yet answered
 ANSWER_WAIT = 30.0  # seconds a feed waits for a standby's answer before it gives the standby up
 LINK_WAIT = 5.0  # seconds a feed waits for its link to the standby to come up
 GRACE = 60.0  # seconds a copy outlives the link that fed it, waiting for a head to resume the session here
-OFF_LOOP_BYTES = 1 << 20  # frames at least this large are packed and unpacked off the event loop
+OFF_LOOP_BYTES = 1 << 20  # frames at least this large are packed off the event loop
+QUEUED_BYTES = 256 << 20  # rows a standby holds received and not yet written, from every link at once
+
+
+async def tell_closed(link: Link, sid: str, grace: bool = False) -> None:
+    """`close` for `sid` on `link`, if it is up: the node there lets the session (or its copy) go; with `grace`, a
+    copy waits GRACE for a head first (the session may be resuming there)."""
+    try:
+        await link.send_control(Close(sid=sid, grace=grace))
+    except LinkDown:
+        pass  # it releases the session when our link to it drops
 
 
 class Feed:
@@ -46,19 +56,19 @@ class Feed:
         self.sid, self.link = sid, link
         self.owner = owner  # the session (`InboundSession`) it feeds: a re-open's feed is another's
         self.sent = 0  # positions sent to the standby (it holds them once it answers)
-        self.acked = 0  # positions the standby said it holds
-        self.pending: deque[int] = deque()  # where each frame in flight ends, in order
+        self.trusted = 0  # positions the standby holds as this node's cache holds them (what it acked, less cuts)
+        self.pending: deque[list[int]] = deque()  # each frame in flight: [where it ends, what its answer vouches for]
         self.wake, self.answered = asyncio.Event(), asyncio.Event()
         self.task: asyncio.Task | None = None
         self.gone = False  # the standby or its link went: nothing more is sent
 
     def reply(self, message: SessionReply) -> None:
         if isinstance(message, KVAck):
-            self.acked = message.length
-            expected = self.pending.popleft() if self.pending else message.length
-            if message.length < expected:  # it lacks earlier positions (or holds fewer): from there again
+            end, vouched = self.pending.popleft() if self.pending else (message.length, message.length)
+            if message.length < end:  # it lacks earlier positions (or holds fewer): from there again
                 self.sent = min(self.sent, message.length)
                 self.wake.set()
+            self.trusted = min(message.length, vouched)
             self.answered.set()
         elif isinstance(message, Error):
             self.gone = True
@@ -66,14 +76,24 @@ class Feed:
             if message.lost is False:
                 log.info("session %s: standby %s refused its copy: %s", self.sid[:12], self.link.url, message.message)
 
+    def sending(self, start: int, end: int) -> None:
+        """A frame of positions `start .. end` goes. Starting below what was sent, it follows a cut: what the
+        frames before it (and their answers) vouch for ends at `start`."""
+        for entry in self.pending:
+            entry[1] = min(entry[1], start)
+        self.trusted = min(self.trusted, start)
+        self.sent = end
+        self.pending.append([end, end])
+
 
 class Feeds:
     """The sessions this node serves that have a standby, and what each standby holds."""
 
     def __init__(self, backend: Any, worker: ComputeWorker, links: LinkPool, metrics: NodeMetrics,
-                 compress_min_bytes: int) -> None:
+                 compress_min_bytes: int, max_frame_bytes: int) -> None:
         self.backend, self.worker, self.links, self.metrics = backend, worker, links, metrics
         self.compress_min_bytes = compress_min_bytes
+        self.frame_bytes = max_frame_bytes // 2  # a frame's rows at most: within what the standby accepts
         self.feeds: dict[str, Feed] = {}
 
     def start(self, session: Any, url: str) -> None:
@@ -84,6 +104,8 @@ class Feeds:
         earlier = self.feeds.pop(sid, None)
         if earlier is not None:
             self._halt(earlier)
+            if earlier.link.url != url.rstrip("/"):  # (another standby now: the earlier one's copy goes)
+                asyncio.create_task(tell_closed(earlier.link, sid))
         feed = Feed(sid, self.links.get(url), session)
         feed.link.subscribe(sid, feed.reply)
         feed.task = asyncio.create_task(self._run(feed))
@@ -95,22 +117,24 @@ class Feeds:
         if feed is not None:
             feed.wake.set()
 
-    def acked(self, sid: str) -> int | None:
+    def held(self, sid: str) -> int | None:
+        """The positions the session's standby holds as this node's cache does (None: it has no standby; 0: its
+        feed stopped): what this node reports in its part of each answer."""
         feed = self.feeds.get(sid)
-        return None if feed is None or feed.gone else feed.acked
+        if feed is None:
+            return None
+        return 0 if feed.gone else min(feed.trusted, self.backend.kv_unchanged(sid))
 
-    async def stop(self, session: Any, tell: bool) -> None:
-        """`session` ends here: its feed stops, and (`tell`) its standby lets the copy go."""
+    async def stop(self, session: Any, tell: str | None) -> None:
+        """`session` ends here: its feed stops, and its standby lets the copy go `now`, or `later` (after GRACE,
+        unless a head resumes the session there first), or (None: this node stops) when our link drops."""
         feed = self.feeds.get(session.sid)
         if feed is None or feed.owner is not session:
             return
         del self.feeds[session.sid]
         self._halt(feed)
-        if tell and feed.link.is_up:
-            try:
-                await feed.link.send_control(Close(sid=feed.sid))
-            except LinkDown:
-                pass  # the standby lets its copies go when our link drops (after GRACE)
+        if tell is not None and feed.link.is_up:
+            await tell_closed(feed.link, feed.sid, grace=tell == "later")
 
     def stop_all(self) -> None:
         """The node stops: no standby is told (the head resumes the sessions there)."""
@@ -149,7 +173,8 @@ class Feeds:
                 feed.gone = True
             if feed.gone:
                 return False
-        rows: KVRows | None = await self.worker.urgent(self.backend.export_kv, feed.sid, feed.sent, FRAME_POSITIONS)
+        rows: KVRows | None = await self.worker.call(self.backend.export_kv, feed.sid, feed.sent, FRAME_POSITIONS,
+                                                     self.frame_bytes)
         if rows is None or rows.count == 0:
             return False
         pack = (rows.start, rows.dtype, rows.shape, rows.body, self.compress_min_bytes)
@@ -163,8 +188,7 @@ class Feeds:
         except LinkDown:
             feed.gone = True
             return False
-        feed.sent = rows.start + rows.count
-        feed.pending.append(feed.sent)
+        feed.sending(rows.start, rows.start + rows.count)
         self.metrics.frame("out", "kv", len(data))
         return True
 
@@ -180,13 +204,13 @@ class Copies:
         self._send, self._lane, self._live = send, lane, live
         self.held: dict[str, InboundLink] = {}  # sid -> the link its rows come over
         self._expiring: dict[str, asyncio.TimerHandle] = {}
+        self.queued_bytes = 0  # rows received and not yet written (every link): within QUEUED_BYTES
 
     async def accept(self, link: InboundLink, data: bytes) -> None:
         """A `kv` frame from `link`: checked, then written in the session's lane (never waits for the worker)."""
         self.metrics.frame("in", "kv", len(data))
-        try:
-            frame = await asyncio.to_thread(decode_kv, data, self.max_frame_bytes) if len(data) >= OFF_LOOP_BYTES \
-                else decode_kv(data, self.max_frame_bytes)
+        try:  # (off the loop: a small frame may declare a large body)
+            frame = await asyncio.to_thread(decode_kv, data, self.max_frame_bytes)
         except FrameError as exc:
             await self._send(link, Error(message=f"bad standby frame: {exc}", sid=exc.sid))
             return
@@ -196,31 +220,46 @@ class Copies:
             "this node serves that session" if self._live(sid) else \
             "another link feeds that session's copy" if holder is not None and holder is not link else \
             f"this link already feeds {len(link.copies)} copies, the limit" \
-            if holder is None and len(link.copies) >= link.limits.link_sessions else None
+            if holder is None and len(link.copies) >= link.limits.link_sessions else \
+            "rows received and not yet written fill this node's budget" \
+            if self.queued_bytes + len(frame.body) > QUEUED_BYTES else None
         if problem is not None:
             await self._send(link, Error(message=f"standby refused: {problem}", sid=sid))
             return
         self.held[sid] = link
         link.copies.add(sid)
         rows = KVRows(frame.start, frame.dtype, frame.shape, frame.body)
+        self.queued_bytes += len(rows.body)
         self._lane(sid, lambda: self._import(link, sid, rows))
 
     async def _import(self, link: InboundLink, sid: str, rows: KVRows) -> None:
-        if self.held.get(sid) is not link:
-            return  # adopted or let go meanwhile
+        def written() -> int | None:  # (on the worker: a copy adopted meanwhile is a session, not written to)
+            return self.backend.import_kv(sid, rows) if self.held.get(sid) is link else None
+
         try:
-            length = await self.worker.urgent(self.backend.import_kv, sid, rows)
+            length = await self.worker.call(written)
+            if length == 0 and rows.start > 0:  # (the copy went meanwhile: the byte budget took it)
+                raise ValueError("its copy was let go")
         except (ValueError, CacheBudgetExceeded) as exc:
-            self._forget(sid)
-            await self.worker.release(sid)
+            if self.held.get(sid) is link:
+                self._forget(sid)
+                await self.worker.release(sid)
             await self._send(link, Error(message=f"standby refused: {exc}", sid=sid))
             return
-        await self._send(link, KVAck(sid=sid, length=length))
+        finally:
+            self.queued_bytes -= len(rows.body)
+        if length is not None:
+            await self._send(link, KVAck(sid=sid, length=length))
 
-    def closed(self, link: InboundLink, sid: str) -> bool:
-        """A `close` from `link` for a copy it feeds: the copy goes. Whether it was one."""
+    def closed(self, link: InboundLink, sid: str, grace: bool = False) -> bool:
+        """A `close` from `link` for a copy it feeds: the copy goes (with `grace`: after GRACE, unless a head
+        resumes the session here first). Whether it was one."""
         if self.held.get(sid) is not link:
             return False
+        if grace:
+            if sid not in self._expiring:
+                self._expiring[sid] = asyncio.get_running_loop().call_later(GRACE, self._expire, link, sid)
+            return True
         self._forget(sid)
         self._lane(sid, lambda: self.worker.release(sid))
         return True
@@ -231,6 +270,18 @@ class Copies:
         for sid in list(link.copies):
             if self.held.get(sid) is link and sid not in self._expiring:
                 self._expiring[sid] = loop.call_later(GRACE, self._expire, link, sid)
+
+    def orphan(self, link: InboundLink, sid: str) -> None:
+        """`sid`'s session came over `link`, which dropped, from a hop that had a standby: its cache stays as a
+        copy, which a head resuming the session on that standby finds here (or which goes after GRACE)."""
+        if sid not in self.held:
+            self.backend.sessions.keep_apart(sid, "standby")
+            self.held[sid] = link
+            link.copies.add(sid)
+            self.closed(link, sid, grace=True)
+
+    def holds(self, sid: str) -> bool:
+        return sid in self.held
 
     def adopt(self, sid: str) -> bool:
         """A head opened the session here: the copy is this node's session now (whether there was one)."""

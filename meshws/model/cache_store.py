@@ -116,6 +116,11 @@ class SessionCacheStore:
                 self._remove(session_id)
                 self._private.discard(session_id)
 
+    def peek(self, session_id: str) -> CacheEntry | None:
+        """The session's entry as it is (neither made recent nor checked), or None."""
+        with self._lock:
+            return self._entries.get(session_id)
+
     def held(self, session_id: str) -> int:
         """Positions the session's cache holds (0 without one): measured on the cache when the store can."""
         with self._lock:

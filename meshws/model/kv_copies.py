@@ -27,9 +27,10 @@ def kind_of(cache: LeanCache) -> str:
     return "q8_0" if cache.dtype == KV_Q8_0 else {torch.float32: "float32", torch.bfloat16: "bfloat16"}[cache.dtype]
 
 
-def export_rows(shard: Any, session_id: str, sent: int, most: int) -> KVRows | None:
-    """Up to `most` positions of the session's cache a standby that holds `sent` lacks (from where the cache last
-    changed, if earlier): None without a cache of blocks; no positions when the standby has them all."""
+def export_rows(shard: Any, session_id: str, sent: int, most: int, most_bytes: int) -> KVRows | None:
+    """Up to `most` positions (`most_bytes` bytes, one position at least) of the session's cache a standby that holds
+    `sent` lacks (from where the cache last changed, if earlier): None without a cache of blocks; no positions when
+    the standby has them all."""
     try:
         cache = shard.sessions.lookup(session_id).cache
     except KVCacheMiss:
@@ -37,7 +38,8 @@ def export_rows(shard: Any, session_id: str, sent: int, most: int) -> KVRows | N
     if not isinstance(cache, LeanCache) or cache.released:
         return None
     start = min(sent, cache.changed_from, cache.length)
-    end = min(cache.length, start + most)
+    per_position = cache.layers * 2 * cache.shape[0] * cache.width * STORAGE[kind_of(cache)].itemsize
+    end = min(cache.length, start + max(1, min(most, most_bytes // per_position)))
     rows = cache.rows(start, end).contiguous()
     cache.changed_from = end
     return KVRows(start, kind_of(cache), tuple(rows.shape), rows.view(torch.uint8).numpy().tobytes())
@@ -55,6 +57,8 @@ def import_rows(shard: Any, session_id: str, rows: KVRows) -> int:
     if rows.dtype != kind_of(template) or tuple(rows.shape) != want:
         raise ValueError(f"standby rows {rows.dtype} {list(rows.shape)} do not fit this node's caches "
                          f"({kind_of(template)} {list(want)})")
+    if len(rows.body) != rows.count * want[0] * 2 * want[2] * want[4] * STORAGE[rows.dtype].itemsize:
+        raise ValueError(f"standby rows of {len(rows.body)} bytes do not fill their shape {list(rows.shape)}")
     if rows.start + rows.count > shard.context_length:
         raise ValueError(f"standby rows end at {rows.start + rows.count}, beyond the context {shard.context_length}")
     tensor = torch.frombuffer(bytearray(rows.body), dtype=STORAGE[rows.dtype]).view(*rows.shape)
@@ -67,7 +71,11 @@ def import_rows(shard: Any, session_id: str, rows: KVRows) -> int:
             return 0
         template.put_rows(0, tensor)
         shard.sessions.keep_apart(session_id, "standby")
-        shard.sessions.store(session_id, template, template.length, shard.start, nbytes=cache_nbytes(template))
+        try:
+            shard.sessions.store(session_id, template, template.length, shard.start, nbytes=cache_nbytes(template))
+        except Exception:
+            shard.sessions.drop(session_id)  # (not left marked as a copy)
+            raise
         return template.length
     cache = entry.cache
     if rows.start > cache.length:
@@ -76,3 +84,21 @@ def import_rows(shard: Any, session_id: str, rows: KVRows) -> int:
     entry.seq_len = cache.length
     shard.sessions.resize(session_id, cache_nbytes(cache))
     return cache.length
+
+
+class StandbyRows:
+    """A shard's side of standbys (`ModelShard` is one): its sessions' rows out, other nodes' sessions' rows in."""
+
+    sessions: Any
+    supports_kv_cache: bool
+
+    def export_kv(self, session_id: str, sent: int, most: int, most_bytes: int) -> KVRows | None:
+        return export_rows(self, session_id, sent, most, most_bytes) if self.supports_kv_cache else None
+
+    def kv_unchanged(self, session_id: str) -> int:
+        """Positions of the session's cache as they were last exported (0 without one)."""
+        entry = self.sessions.peek(session_id)
+        return int(getattr(entry.cache, "changed_from", 0)) if entry is not None else 0
+
+    def import_kv(self, session_id: str, rows: KVRows) -> int:
+        return import_rows(self, session_id, rows)

@@ -17,8 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .backend import (DecodeStep, KVRows, PrefillRun, PrefillStep, StepResult, TailTokenResult, TensorPayload,
-                      TokenLogprob)
+from .backend import DecodeStep, PrefillRun, PrefillStep, StepResult, TailTokenResult, TensorPayload, TokenLogprob
 from .batched import Rows, decode_rows, prefill_rows, prefills_together
 from .cache_store import KVCacheMiss, SessionCacheStore
 from .compiled import compile_lean
@@ -26,7 +25,7 @@ from .constraints import Grammars
 from .shard_facts import ShardFacts
 from .gguf_model import GgufModel
 from .kv_blocks import footprint
-from .kv_copies import export_rows, import_rows
+from .kv_copies import StandbyRows
 from .memory import default_cache_budget, give_back, map_large_allocations, process_memory, tensor_bytes
 from .native import kernels
 from .sampling import prompt_token_logprobs, token_logprobs, verify_drafts
@@ -41,7 +40,7 @@ from .weights import eos_ids
 log = logging.getLogger("meshws.shard")
 
 
-class ModelShard(ShardFacts):
+class ModelShard(ShardFacts, StandbyRows):
     def __init__(self, model: str | ResolvedModel | None, start: int, end: int | None = None,
                  settings: ShardSettings | None = None, cache_dir: Path | str | None = None) -> None:
         self.settings, self.dtype_reason = (settings or ShardSettings()).checked()
@@ -218,12 +217,6 @@ class ModelShard(ShardFacts):
 
     def release_session(self, session_id: str) -> bool:
         return self.sessions.drop(session_id)
-
-    def export_kv(self, session_id: str, sent: int, most: int) -> KVRows | None:  # for its standby (`kv_copies`)
-        return export_rows(self, session_id, sent, most) if self.supports_kv_cache else None
-
-    def import_kv(self, session_id: str, rows: KVRows) -> int:  # a standby's copy of another node's session
-        return import_rows(self, session_id, rows)
 
     def fork_session(self, parent_id: str, session_id: str, length: int) -> bool:
         return self.supports_kv_cache and fork_cache(self.sessions, parent_id, session_id, length, self.start)

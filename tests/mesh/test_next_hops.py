@@ -137,9 +137,10 @@ def test_every_field_of_an_open_reaches_the_tail_through_a_middle():
     mine = "ws://127.0.0.1:10"  # the middle's own standby
     chosen = {"sid": "s-1", "sampling": SamplingParams(temperature=0.5, seed=7, logprobs=2), "prompt_tokens": 40,
               "route": (tail_hop,), "route_mac": sign_route(SECRET, "s-1", signed_parts((tail_hop,), mine)),
-              "resume": True, "fork": ("s-0", 64), "layers": (6, 9), "kept": True, "standby": mine}
+              "resume": True, "fork": ("s-0", 64), "layers": (6, 9), "kept": False, "standby": mine, "hold": True}
     assert {field.name for field in fields(Open)} == set(chosen)  # a new field: give it a value above
-    assert all(chosen[field.name] != field.default for field in fields(Open))
+    assert all(chosen[field.name] != field.default for field in fields(Open) if field.name != "kept")
+    assert decode_control(encode_control(Open(**{**chosen, "kept": True}))).kept  # (a kept prefix has no standby)
     middle = NextHops(_Middle(), links=LinkPool(lambda url: None), static_peer=None, secret=SECRET, open_routes=False)
     received = decode_control(encode_control(Open(**chosen)))
     assert received == Open(**chosen)
@@ -149,7 +150,8 @@ def test_every_field_of_an_open_reaches_the_tail_through_a_middle():
     assert url == tail_hop.url and at_tail.route == () and at_tail.layers == (9, 12)
     assert at_tail.standby == tail_hop.standby and NextHops(_Middle(), LinkPool(lambda url: None), None, SECRET,
                                                             False).standby(at_tail) == tail_hop.standby  # signed anew
-    owned = ("route", "route_mac", "layers", "standby")  # what the middle sets for the next hop
+    assert at_tail.hold  # this middle has a standby: if its link drops, the tail keeps the session a while
+    owned = ("route", "route_mac", "layers", "standby", "hold")  # what the middle sets for the next hop
     assert {name: getattr(at_tail, name) for name in chosen if name not in owned} == \
         {name: value for name, value in chosen.items() if name not in owned}
     forged = replace(received, standby="ws://10.9.9.9:1")

@@ -17,7 +17,7 @@ PROMPT = list(range(300, 300 + 333))  # more than a block of 256 positions
 def _copy(source: ModelShard, standby: ModelShard, sid: str, sent: int, most: int = 100) -> int:
     """Send what the standby lacks in frames of `most` positions, as a feed does; the positions it then holds."""
     while True:
-        rows = source.export_kv(sid, sent, most)
+        rows = source.export_kv(sid, sent, most, 1 << 30)
         assert rows is not None
         if rows.count == 0:
             return sent
@@ -57,7 +57,7 @@ def test_a_cache_cut_back_is_sent_again_from_the_cut(embedded_model):
     sent = _copy(serving, standby, "s", sent)
     assert sent == len(PROMPT) + 3
     other = serving.run_tokens([7], "s", "decode", len(PROMPT) - 5).token_id  # cut back 8 positions, one written
-    rows = serving.export_kv("s", sent, 100)
+    rows = serving.export_kv("s", sent, 100, 1 << 30)
     assert (rows.start, rows.count) == (len(PROMPT) - 5, 1)  # from the cut, though the standby held more
     standby.import_kv("s", rows)
     standby.sessions.adopt("s")
@@ -68,14 +68,26 @@ def test_rows_that_do_not_fit_are_refused_and_a_gap_asks_for_earlier_rows(embedd
     serving = ModelShard(embedded_model, 0, 30, ShardSettings(dtype="float32", kv_dtype="bfloat16"))
     other_kind = ModelShard(embedded_model, 0, 30, ShardSettings(dtype="float32", kv_dtype="float32"))
     serving.encode_prompt(PROMPT, session_id="s")
-    rows = serving.export_kv("s", 0, 50)
+    rows = serving.export_kv("s", 0, 50, 1 << 30)
     with pytest.raises(ValueError, match="do not fit"):
         other_kind.import_kv("s", rows)
-    later = serving.export_kv("s", 50, 50)
+    later = serving.export_kv("s", 50, 50, 1 << 30)
     assert later.start == 50 and other_kind.sessions.total_bytes == 0
     standby = ModelShard(embedded_model, 0, 30, ShardSettings(dtype="float32", kv_dtype="bfloat16"))
     assert standby.import_kv("s", later) == 0  # no copy yet: the sender starts again from 0
     assert standby.import_kv("s", rows) == 50 and standby.import_kv("s", later) == 100
     short = KVRows(rows.start, rows.dtype, rows.shape, rows.body[:-2])
-    with pytest.raises((ValueError, RuntimeError)):
+    with pytest.raises(ValueError, match="do not fill"):
         standby.import_kv("s", short)
+
+
+def test_frames_fit_a_byte_limit_and_the_report_never_counts_rows_cut_since(embedded_model):
+    serving = ModelShard(embedded_model, 0, 30, ShardSettings(dtype="float32", kv_dtype="bfloat16"))
+    serving.encode_prompt(PROMPT, session_id="s")
+    one = serving.export_kv("s", 0, 256, 0)  # (a limit below one position's bytes: one position still goes)
+    per_position = len(one.body)
+    assert one.count == 1 and serving.export_kv("s", 1, 256, 10 * per_position).count == 10
+    serving.export_kv("s", 11, 1000, 1 << 30)
+    assert serving.kv_unchanged("s") == len(PROMPT)  # all of it exported as it is
+    serving.run_tokens([7], "s", "decode", 200)  # a cut back to 200, and one position written
+    assert serving.kv_unchanged("s") == 200  # a standby's copy still matches below the cut only

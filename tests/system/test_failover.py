@@ -422,7 +422,8 @@ async def test_a_conversation_outlives_its_tail_between_turns_on_the_standby(tok
                     await asyncio.to_thread(cluster.wait_nodes, 2)
 
         assert await chat_turns(cluster.head.url, questions, kill_serving_tail) == fault_free
-        assert counted_failovers(cluster.head)["standby_resumes"] == 1
+        said = [line[-160:] for line in cluster.head.lines if "session" in line][-8:]
+        assert counted_failovers(cluster.head)["standby_resumes"] == 1, said
         for node in cluster.nodes:
             if node.proc.poll() is None:
                 assert no_copies(node)["sessions"] == 0
@@ -446,8 +447,34 @@ async def test_behind_a_middle_the_tails_standby_resumes_and_the_middle_keeps_it
         assert killed
         failovers = counted_failovers(cluster.head)
         assert failovers["standby_resumes"] == 1 and failovers["recomputed_tokens"] < 16, failovers
-        assert not any("re-opened" in line for line in middle.lines)  # the middle's session went on
+        failed_over = {line.split("session ")[1].split(":")[0] for line in cluster.head.lines if "re-routing" in line}
+        assert len(failed_over) == 1  # the answer's session (its id's first 12 digits, as the logs name it)
+        assert not any(f"session {sid} re-opened" in line for sid in failed_over for line in middle.lines)
         for node in (middle, next(tail for tail in tails if tail not in killed)):
+            assert no_copies(node)["sessions"] == 0
+    finally:
+        cluster.stop()
+
+
+async def test_a_middles_standby_resumes_the_answer_and_the_tail_keeps_its_cache(tokenizer):
+    """Head, two replica middles, a tail: the serving middle is SIGKILLed mid-answer. The tail keeps the session's
+    cache a while (its hop before had a standby), the head resumes on the middle's standby, which sends on to the
+    same tail: only what the copy lacked runs again, on both; the same text; nothing left after."""
+    cluster = Cluster("0-9")
+    try:
+        middles = [cluster.join("middle", "10-19").wait_started() for _ in range(2)]
+        tail = cluster.join("tail", "20-29").wait_started()
+        cluster.wait_nodes(3)
+        messages = [{"role": "user", "content": LONG_STORY}]
+        fault_free = await stream_text(cluster.head.url, messages, 60)
+        kill_serving_middle, killed = serving_tail_killer(middles, at_chunk=25)
+        assert await stream_text(cluster.head.url, messages, 60, on_chunk=kill_serving_middle) == fault_free
+        assert killed
+        failovers = counted_failovers(cluster.head)
+        assert failovers["standby_resumes"] == 1 and failovers["recomputed_tokens"] < 16, failovers
+        closed = [line for line in tail.lines if " closed: " in line]  # (a session's summary when it ends)
+        assert closed and all(", 0 cache misses" in line for line in closed[-2:]), closed
+        for node in (tail, next(middle for middle in middles if middle not in killed)):
             assert no_copies(node)["sessions"] == 0
     finally:
         cluster.stop()

@@ -130,11 +130,13 @@ class Open:
     layers: tuple[int, int] | None = None  # the receiver's span as the route expects it (None: not checked)
     kept: bool = False  # a shared prompt prefix, not a user's session
     standby: str | None = None  # a node of the receiver's layers to send the session's keys and values to
+    hold: bool = False  # the hop before has a standby: if its link drops, keep the session a while for a head
 
     def to_wire(self) -> dict[str, Any]:
         message: dict[str, Any] = {"type": self.type, "sid": self.sid, "sampling": self.sampling.to_wire()}
-        if self.kept:
-            message["kept"] = True
+        for flag in ("kept", "hold"):
+            if getattr(self, flag):
+                message[flag] = True
         if self.fork is not None:
             message["fork"] = {"sid": self.fork[0], "length": self.fork[1]}
         if self.prompt_tokens is not None:
@@ -159,9 +161,9 @@ class Open:
             prompt_tokens = int_field(data, "prompt_tokens", 0) if data.get("prompt_tokens") is not None else None
             route = tuple(RouteHop.parse(hop) for hop in list_field(data, "route"))
             route_mac = name_field(data, "route_mac") if data.get("route_mac") is not None else None
-            resume, kept = data.get("resume", False), data.get("kept", False)
-            if not isinstance(resume, bool) or not isinstance(kept, bool):
-                raise FrameError("resume and kept must be true or false")
+            resume, kept, hold = (data.get(name, False) for name in ("resume", "kept", "hold"))
+            if not all(isinstance(flag, bool) for flag in (resume, kept, hold)):
+                raise FrameError("resume, kept and hold must be true or false")
             fork = data.get("fork")
             if fork is not None:
                 if not isinstance(fork, dict):
@@ -172,7 +174,7 @@ class Open:
         except ValueError as exc:  # FrameError included
             raise FrameError(f"bad open: {exc}", sid) from None
         return cls(sid=sid, sampling=sampling, prompt_tokens=prompt_tokens, route=route, route_mac=route_mac,
-                   resume=resume, fork=fork, layers=layers, kept=kept, standby=standby)
+                   resume=resume, fork=fork, layers=layers, kept=kept, standby=standby, hold=hold)
 
 
 @dataclass(frozen=True)
@@ -316,17 +318,19 @@ class Error:
 
 @dataclass(frozen=True)
 class Close:
-    """The session is over: drop its cache here and pass the close on."""
+    """The session is over: drop its cache here and pass the close on. `grace`: its standby's copy waits a while
+    for a head (the session was replaced here, and may be resuming there)."""
 
     type: ClassVar[str] = "close"
     sid: str
+    grace: bool = False
 
     def to_wire(self) -> dict[str, Any]:
-        return {"type": self.type, "sid": self.sid}
+        return {"type": self.type, "sid": self.sid, **({"grace": True} if self.grace else {})}
 
     @classmethod
     def parse(cls, data: dict[str, Any]) -> "Close":
-        return cls(sid_field(data))
+        return cls(sid_field(data), data.get("grace") is True)
 
 
 ControlMessage = Union[Hello, Open, Token, CacheMiss, Error, Close, KVAck]
