@@ -56,14 +56,16 @@ class NextHops:
         standby = message.route[0].standby if message.route else None
         parts = signed_parts(route, standby)
         mac = sign_route(self.secret, message.sid, parts) if self.secret and parts else None
-        hold = self.standby(message) is not None and not message.kept  # (we have one: the next hop holds on)
+        hold = self.standby(message) is not None  # (this node has one: the next hop holds on to the session)
         return replace(message, route=route, route_mac=mac, layers=layers, standby=standby, hold=hold)
 
     def standby(self, message: Open) -> str | None:
         """Where to send the session's keys and values, if the head named a standby: only one it signed (without a
         secret: a loopback node, unless --insecure). None when there is none to follow."""
         url = message.standby
-        if url is None or (url.rstrip("/") not in self.links and self._route_links() >= MAX_ROUTE_LINKS):
+        if url is None or message.kept:  # (a kept prompt prefix needs none)
+            return None
+        if url.rstrip("/") not in self.links and self._route_links() >= MAX_ROUTE_LINKS:
             return None
         if self.secret:
             parts = signed_parts(message.route, url)

@@ -208,7 +208,10 @@ class ShardService:
             return
         earlier = self.sessions.get(sid)
         next_hop = self.links.get(next_url) if next_url else None
-        if message.resume and earlier is not None and earlier.link is link and not earlier.busy:
+        if message.resume and earlier is not None and earlier.link is link:
+            if earlier.step_task is not None:  # (the head gave its step up: the session goes on from its cache)
+                earlier.step_task.cancel()
+                await asyncio.wait({earlier.step_task})
             self._resume(earlier, message, route, next_hop)
             return
         if len(link.owned) - (earlier is not None and earlier.link is link) >= self.limits.link_sessions:
@@ -231,8 +234,7 @@ class ShardService:
             self.copies.adopt(sid)  # (a copy this node kept for another: the head resumes it here)
         self.sessions[sid] = session
         link.owned.add(sid)
-        standby = self.next_hops.standby(message)
-        if standby is not None and not message.kept:
+        if (standby := self.next_hops.standby(message)) is not None:
             self.feeds.start(session, standby)
         if message.kept:
             self.backend.sessions.keep_apart(sid)

@@ -431,50 +431,32 @@ async def test_a_conversation_outlives_its_tail_between_turns_on_the_standby(tok
         cluster.stop()
 
 
-async def test_behind_a_middle_the_tails_standby_resumes_and_the_middle_keeps_its_cache(tokenizer):
-    """Head, middle, two replica tails: the serving tail is SIGKILLed mid-answer. The middle keeps the session
-    and its cache and sends on to the tail's standby (the head's resume names the new last hop), which runs only
-    what its copy lacks: the same text, and no node holds anything after."""
+@pytest.mark.parametrize("hit", ["tail", "middle"])
+async def test_in_three_parts_a_standby_resumes_the_answer_and_the_other_hops_keep_their_caches(tokenizer, hit):
+    """Head, middle, tail, with two replicas of the hop that is SIGKILLed mid-answer. A tail's standby: the middle
+    keeps the session and its cache and sends on to it (the head's resume names the new last hop). A middle's
+    standby: the tail keeps the session's cache a while (its hop before had a standby), and the standby sends on to
+    it. Either way only what the copy lacked runs again, the text is the same, and nothing is left after."""
     cluster = Cluster("0-9")
     try:
-        middle = cluster.join("middle", "10-19").wait_started()
-        tails = [cluster.join("tail", "20-29").wait_started() for _ in range(2)]
+        middles = [cluster.join("middle", "10-19").wait_started() for _ in range(2 if hit == "middle" else 1)]
+        tails = [cluster.join("tail", "20-29").wait_started() for _ in range(2 if hit == "tail" else 1)]
         cluster.wait_nodes(3)
         messages = [{"role": "user", "content": LONG_STORY}]
         fault_free = await stream_text(cluster.head.url, messages, 60)
-        kill_serving_tail, killed = serving_tail_killer(tails, at_chunk=25)
-        assert await stream_text(cluster.head.url, messages, 60, on_chunk=kill_serving_tail) == fault_free
+        kill_serving, killed = serving_tail_killer(tails if hit == "tail" else middles, at_chunk=25)
+        assert await stream_text(cluster.head.url, messages, 60, on_chunk=kill_serving) == fault_free
         assert killed
         failovers = counted_failovers(cluster.head)
         assert failovers["standby_resumes"] == 1 and failovers["recomputed_tokens"] < 16, failovers
         failed_over = {line.split("session ")[1].split(":")[0] for line in cluster.head.lines if "re-routing" in line}
         assert len(failed_over) == 1  # the answer's session (its id's first 12 digits, as the logs name it)
-        assert not any(f"session {sid} re-opened" in line for sid in failed_over for line in middle.lines)
-        for node in (middle, next(tail for tail in tails if tail not in killed)):
-            assert no_copies(node)["sessions"] == 0
-    finally:
-        cluster.stop()
-
-
-async def test_a_middles_standby_resumes_the_answer_and_the_tail_keeps_its_cache(tokenizer):
-    """Head, two replica middles, a tail: the serving middle is SIGKILLed mid-answer. The tail keeps the session's
-    cache a while (its hop before had a standby), the head resumes on the middle's standby, which sends on to the
-    same tail: only what the copy lacked runs again, on both; the same text; nothing left after."""
-    cluster = Cluster("0-9")
-    try:
-        middles = [cluster.join("middle", "10-19").wait_started() for _ in range(2)]
-        tail = cluster.join("tail", "20-29").wait_started()
-        cluster.wait_nodes(3)
-        messages = [{"role": "user", "content": LONG_STORY}]
-        fault_free = await stream_text(cluster.head.url, messages, 60)
-        kill_serving_middle, killed = serving_tail_killer(middles, at_chunk=25)
-        assert await stream_text(cluster.head.url, messages, 60, on_chunk=kill_serving_middle) == fault_free
-        assert killed
-        failovers = counted_failovers(cluster.head)
-        assert failovers["standby_resumes"] == 1 and failovers["recomputed_tokens"] < 16, failovers
-        closed = [line for line in tail.lines if " closed: " in line]  # (a session's summary when it ends)
+        kept = middles[0] if hit == "tail" else tails[0]  # the hop that was not hit: its cache went on
+        assert not any(f"session {sid} re-opened" in line for sid in failed_over for line in kept.lines)
+        closed = [line for line in kept.lines if " closed: " in line]  # (a session's summary when it ends)
         assert closed and all(", 0 cache misses" in line for line in closed[-2:]), closed
-        for node in (tail, next(middle for middle in middles if middle not in killed)):
-            assert no_copies(node)["sessions"] == 0
+        for node in middles + tails:
+            if node not in killed:
+                assert no_copies(node)["sessions"] == 0
     finally:
         cluster.stop()
