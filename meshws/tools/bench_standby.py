@@ -84,7 +84,7 @@ async def _answer(url: str, model: str, ids: list[int], tokens: int, on_token: A
 def _kv_out_bytes(node: NodeProcess) -> float:
     with urllib.request.urlopen(f"{node.url}/metrics") as response:
         for line in response.read().decode().splitlines():
-            if line.startswith('meshws_frame_bytes_total{direction="out",kind="kv"}'):
+            if line.startswith('meshws_frame_bytes_total{direction="out",type="kv"}'):
                 return float(line.split()[-1])
     return 0.0
 
