@@ -9,7 +9,7 @@ from meshws.config import NodeSettings
 from meshws.mesh.auth import sign_route, signed_headers
 from meshws.mesh.identity import NodeIdentity
 from meshws.mesh.addresses import is_loopback_url
-from meshws.mesh.wire import Hello, Open, RouteHop, encode_control
+from meshws.mesh.wire import Close, Hello, Open, RouteHop, encode_control
 from meshws.node import Node
 
 SECRET = "right-secret-of-16+"
@@ -158,3 +158,35 @@ def test_every_field_of_an_open_reaches_the_tail_through_a_middle():
     assert middle.standby(forged) is None  # a standby the head did not sign is not fed
     wider = make_dataclass("WiderOpen", [("added", str, "")], bases=(Open,), frozen=True)
     assert middle.onward(wider(**chosen, added="x"), rest).added == "x"  # not rebuilt by position
+
+
+async def test_a_node_refuses_standby_rows_it_cannot_or_may_not_keep():
+    """kv frames over a link: a bad one and one for a node that keeps no copies (a fake backend) are refused in an
+    error frame naming the session; a standby's kv_ack sent to a shard, and a close of a copy it never had, change
+    nothing; the link and the node go on (the next open is answered as ever)."""
+    from meshws.mesh.wire import KVAck, encode_kv
+
+    class _Tail(FakeBackend):
+        start, end, is_tail = 9, 12, True
+
+    tail = Node(NodeSettings(role="tail", port=0, layers=(9, 12), secret=SECRET), backend=_Tail())
+    port = await tail.start()
+    try:
+        async with aiohttp.ClientSession() as client:
+            headers = await signed_headers(client, f"http://127.0.0.1:{port}", SECRET, "GET", "/ws/shard")
+            async with client.ws_connect(f"ws://127.0.0.1:{port}/ws/shard", headers=headers) as ws:
+                await ws.send_str(encode_control(Hello("fake-model", (6, 9), "middle", "test-middle", 12)))
+                assert (await ws.receive_json())["type"] == "hello"
+                await ws.send_bytes(encode_kv("s1", 0, "bfloat16", (3, 2, 1, 4, 8), bytes(10), 1 << 20))
+                bad = await ws.receive_json(timeout=5)
+                assert bad["sid"] == "s1" and "bad standby frame" in bad["message"], bad
+                await ws.send_bytes(encode_kv("s2", 0, "bfloat16", (3, 2, 1, 4, 8), bytes(384), 1 << 20))
+                refused = await ws.receive_json(timeout=5)
+                assert refused["sid"] == "s2" and "keeps no copies" in refused["message"], refused
+                await ws.send_str(encode_control(KVAck(sid="s2", length=9)))
+                assert "does not accept 'kv_ack'" in (await ws.receive_json(timeout=5))["message"]
+                await ws.send_str(encode_control(Close(sid="s3", grace=True)))
+                assert await _open_and_answer(ws, Open("s4", layers=(9, 12))) is None  # accepted: nothing comes back
+                assert tail.health()["standbys"] == 0 and tail.health()["channels"] == 1
+    finally:
+        await tail.stop()
