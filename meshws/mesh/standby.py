@@ -183,12 +183,12 @@ class Feeds:
         if not feed.link.is_up and not await feed.link.wait_up(LINK_WAIT):
             feed.gone = True
             return False
+        feed.sending(rows.start, rows.start + rows.count)  # (before: its answer may come while the send drains)
         try:
             await feed.link.send_frame(data)
         except LinkDown:
             feed.gone = True
             return False
-        feed.sending(rows.start, rows.start + rows.count)
         self.metrics.frame("out", "kv", len(data))
         return True
 
