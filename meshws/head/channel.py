@@ -220,8 +220,8 @@ class RoutedPath:
         """A hop of the route lacked the session's cache (its tail restarted, or let the session go): where the
         tail had a standby, the session goes on from its copy; the positions it holds, or 0 (prefilled again as it
         is). A miss in the head's own cache changes nothing."""
-        if not isinstance(miss, RouteCacheMiss) or self.route is None or not self.standby_held[-1:] \
-                or not self.standby_held[-1]:
+        tail_held = self.standby_held[-1] if self.standby_held else 0
+        if not isinstance(miss, RouteCacheMiss) or self.route is None or not tail_held:
             return 0
         lost = PipelineError("the tail lost the session's cache", lost=True, url=self.route.urls[-1])
         try:

@@ -43,7 +43,7 @@ class RoutePlanner:
         self.registry = registry
         self.static_peer = static_peer
         self.full = full  # a full node runs every layer itself: zero hops
-        self.standbys = standbys  # name a standby for each route's tail where another node serves its layers
+        self.standbys = standbys  # name a standby for each hop of a route where another node serves its layers
         self._inflight: dict[str, int] = {}  # generations routed through each hop, by URL
 
     @property
@@ -99,11 +99,11 @@ class RoutePlanner:
         hops[index - 1] = RouteHop(url=standby, layers=record.layers)
         return self.hold(Route(route.link, tuple(hops), view, urls, layers=route.layers, standbys=standbys))
 
-    def _standby_for(self, tail: NodeRecord, avoid: set[str]) -> str | None:
-        """The least loaded other node of the tail's span that the tail can reach; None where there is none."""
-        if not self.standbys or tail.static:
+    def _standby_for(self, hop: NodeRecord, avoid: set[str]) -> str | None:
+        """The least loaded other node of the hop's span that the head sees dialable; None where there is none."""
+        if not self.standbys or hop.static:
             return None
-        others = [r for r in self._candidates() if not r.static and r.layers == tail.layers and r.url not in avoid
+        others = [r for r in self._candidates() if not r.static and r.layers == hop.layers and r.url not in avoid
                   and not cannot_dial(self.links, r.url)]
         best = min(others, key=lambda r: self._inflight.get(r.url, 0) + r.load, default=None)
         return best.url if best is not None else None

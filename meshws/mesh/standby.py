@@ -95,6 +95,7 @@ class Feeds:
         self.compress_min_bytes = compress_min_bytes
         self.frame_bytes = max_frame_bytes // 2  # a frame's rows at most: within what the standby accepts
         self.feeds: dict[str, Feed] = {}
+        self.telling: set[asyncio.Task] = set()  # closes sent to standbys given up (held: a task may not vanish)
 
     def start(self, session: Any, url: str) -> None:
         """Feed `session` (an `InboundSession`)'s standby at `url` from now on (an earlier feed of its id ends)."""
@@ -105,7 +106,9 @@ class Feeds:
         if earlier is not None:
             self._halt(earlier)
             if earlier.link.url != url.rstrip("/"):  # (another standby now: the earlier one's copy goes)
-                asyncio.create_task(tell_closed(earlier.link, sid))
+                task = asyncio.create_task(tell_closed(earlier.link, sid))
+                self.telling.add(task)
+                task.add_done_callback(self.telling.discard)
         feed = Feed(sid, self.links.get(url), session)
         feed.link.subscribe(sid, feed.reply)
         feed.task = asyncio.create_task(self._run(feed))

@@ -96,7 +96,7 @@ def _model(node: NodeProcess) -> str:
 def kv_bytes_per_token(gguf: str, layers: int, kv_dtype: str) -> float:
     """KV bytes one position holds in `layers` of the file's layers."""
     _, hidden, heads, kv_heads = geometry(read_table(Path(gguf)))
-    return layers * 2 * kv_heads * (hidden // heads) * (34 / 32 if kv_dtype == "q8_0" else 2)
+    return layers * 2 * kv_heads * (hidden // heads) * {"q8_0": 34 / 32, "float32": 4}.get(kv_dtype, 2)
 
 
 def memory(gguf: str, kv_dtype: str, sessions: int, prompt: int) -> dict[str, Any]:

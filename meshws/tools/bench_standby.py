@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..model.gguf_file import geometry, read_table
-from .bench_kv import _ids, _model
+from .bench_kv import _ids, _model, kv_bytes_per_token
 from .launch import NodeProcess, free_port
 from .streams import completion_chunks
 
@@ -102,7 +102,7 @@ def _left(nodes: list[NodeProcess]) -> int:
 
 def case(model: str, gguf: Path, fault: str, prompt: int, tokens: int) -> dict[str, Any]:
     """One fault on a fresh mesh: the embedded model in two parts at float32, another GGUF in three parts."""
-    layers, hidden, heads, kv_heads = geometry(read_table(gguf))
+    layers = geometry(read_table(gguf))[0]
     embedded = model in ("embedded", "")
     parts, dtype = (2, "float32") if embedded else (3, "auto")
     cluster = Cluster(model, layers, parts, "off" if fault == "off" else "auto", dtype)
@@ -112,7 +112,7 @@ def case(model: str, gguf: Path, fault: str, prompt: int, tokens: int) -> dict[s
         sent = max(_kv_out_bytes(tail) for tail in cluster.tails)  # (what the serving one sent its standby)
         left_clean = _left(cluster.nodes)
         tail_layers = layers - round(layers * (parts - 1) / parts)
-        per_token = tail_layers * 2 * kv_heads * (hidden // heads) * (4 if dtype == "float32" else 2)
+        per_token = kv_bytes_per_token(str(gguf), tail_layers, "float32" if dtype == "float32" else "bfloat16")
         hit: list[NodeProcess] = []
 
         async def strike(count: int) -> None:
