@@ -145,7 +145,7 @@ class Generator:
                 prefilled.set()
             self.paths.pop(sid, None)
             stats.finished_at = time.perf_counter()
-            stats.cached_tokens = 0 if stats.failovers else sequence.reuse  # (0 after a miss or a re-route too)
+            stats.cached_tokens = min(sequence.cached or 0, len(sequence.prompt_ids))  # (fewer after a fault)
             self.active.pop(sid, None)
             try:
                 if conversation is not None and clean and sequence.held and self.backend.supports_kv_cache \

@@ -21,6 +21,7 @@ class Progress:
     max_tokens: int = 0
     speculation: Speculation | None = None  # drafts for the decode laps (None: one token per lap)
     drafts: tuple[int, ...] = ()  # the guesses the last lap carried
+    cached: int | None = None  # the fewest positions any prefill kept: prompt tokens this answer never ran
 
     def __len__(self) -> int:
         return len(self.tokens) + len(self.legacy_text)
@@ -29,5 +30,7 @@ class Progress:
         return self.prompt_ids + self.tokens
 
     def prefill_input(self) -> str | list[int]:
-        """What a (re-)prefill runs: the token ids so far, or prompt + text with a legacy tail."""
+        """What a (re-)prefill runs: the token ids so far, or prompt + text with a legacy tail. It runs what
+        follows the `reuse` positions kept (a warm session's, a standby's after a failover; 0 after a miss)."""
+        self.cached = self.reuse if self.cached is None else min(self.cached, self.reuse)
         return self.prompt + "".join(self.legacy_text) if self.legacy_text else self.ids()

@@ -64,8 +64,11 @@ class Cluster:
             node.stop()
 
 
-async def stream_text(url, messages, max_tokens, on_chunk=None):
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+async def stream_text(url, messages, max_tokens, on_chunk=None, user=None, usage=None):
+    """The streamed answer's text; `usage` (a list) gets its usage; `user`: with the client's address, who may
+    adopt a warm session."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            **({"user": user} if user else {}), **({"stream_options": {"include_usage": True}} if usage else {})}
     parts, events = [], []
     async with aiohttp.ClientSession() as client:
         async with client.post(f"{url}/v1/chat/completions", json=body) as response:
@@ -78,6 +81,8 @@ async def stream_text(url, messages, max_tokens, on_chunk=None):
                     break
                 chunk = orjson.loads(events[-1])
                 assert "error" not in chunk, chunk
+                if chunk.get("usage") and usage is not None:
+                    usage.append(chunk["usage"])
                 if chunk["choices"]:
                     parts.append(chunk["choices"][0]["delta"].get("content") or "")
                 if on_chunk:
@@ -427,6 +432,46 @@ async def test_a_conversation_outlives_its_tail_between_turns_on_the_standby(tok
         for node in cluster.nodes:
             if node.proc.poll() is None:
                 assert no_copies(node)["sessions"] == 0
+    finally:
+        cluster.stop()
+
+
+async def test_a_warm_api_session_outlives_its_tail_on_the_standby(tokenizer):
+    """`--warm-sessions 1`: an HTTP answer's session stays open for the same client's next turn. Its tail is
+    SIGKILLed between the turns; the next turn adopts the warm session and goes on from the standby's copy of its
+    KV, answering as it would have without the fault. (`user` "a" and "b": two conversations, the pool's bound
+    ends the first when the second's first answer ends, so one session is open when the tail is hit.)"""
+    cluster = Cluster("0-14", "--warm-sessions", "1")
+    try:
+        tails = cluster.replica_tails()
+        first = [{"role": "user", "content": LONG_STORY}]
+
+        async def turns(user, between):
+            answer = await stream_text(cluster.head.url, first, 30, user=user)
+            await between()
+            follow = first + [{"role": "assistant", "content": answer},
+                              {"role": "user", "content": "What did the keeper write on the last page of the log?"}]
+            usage = [{}]
+            again = await stream_text(cluster.head.url, follow, 30, user=user, usage=usage)
+            return answer, again, usage[-1]["prompt_tokens_details"]["cached_tokens"]
+
+        async def nothing():
+            pass
+
+        async def kill_serving_tail():
+            deadline = time.monotonic() + 8
+            while sorted(counts := [tail.health()["sessions"] for tail in tails]) != [0, 1]:
+                assert time.monotonic() < deadline, f"the open sessions did not settle on one: {counts}"
+                await asyncio.sleep(0.1)
+            tails[counts.index(1)].kill()
+
+        *fault_free, cached = await turns("a", nothing)
+        *with_fault, cached_after_fault = await turns("b", kill_serving_tail)
+        assert with_fault == fault_free
+        failovers = counted_failovers(cluster.head)
+        assert failovers["standby_resumes"] == 1 and failovers["failovers"] == 1, failovers
+        assert cached > len(chat_ids(tokenizer, LONG_STORY))  # the first turn, kept
+        assert cached - 16 < cached_after_fault <= cached  # the standby's copy: only its last step or two again
     finally:
         cluster.stop()
 
