@@ -345,12 +345,14 @@ LONG_STORY = STORY + " " + " ".join(
     in range(1, 31))
 
 
-@pytest.mark.parametrize("fault", ["kill", "drain", "standby off"])
+@pytest.mark.parametrize("fault", ["kill", "drain", "lagging standby", "standby off"])
 async def test_a_standby_resumes_the_answer_without_prefilling_it_again(tokenizer, fault):
     """Two replica tails: the one serving a long prompt's answer is SIGKILLed (or drained with --drain-timeout 1)
     mid-answer. Its standby, the other tail, holds a copy of the session's KV it was fed after every step: the
-    head resumes there, running again only what the copy lacked; the text is the fault-free one. With --standby
-    off the head prefills everything again, and the text is the same too."""
+    head resumes there, running again only what the copy lacked; the text is the fault-free one. A lagging
+    standby (SIGSTOPped from token 5 until the kill at 25) holds the prompt but not the tokens after: the answer
+    did not wait for it, and those positions run again. With --standby off the head prefills everything again,
+    and the text is the same too."""
     cluster = Cluster("0-14", *(("--standby", "off") if fault == "standby off" else ()))
     try:
         tails = cluster.replica_tails(flags=("--drain-timeout", "1") if fault == "drain" else ())
@@ -361,13 +363,18 @@ async def test_a_standby_resumes_the_answer_without_prefilling_it_again(tokenize
         for tail in tails:
             assert no_copies(tail)["sessions"] == 0  # the fault-free answer's copy went with it
 
-        hit = []
+        hit, stopped = [], []
 
         def strike(chunks):
+            if fault == "lagging standby" and chunks >= 5 and not stopped:
+                stopped.extend(tail for tail in tails if tail.health()["sessions"] == 0)  # the standby
+                stopped[0].proc.send_signal(signal.SIGSTOP)
             if chunks >= 25 and not hit:
-                serving = next(tail for tail in tails if tail.health()["sessions"] == 1)
+                serving = next(tail for tail in tails if tail not in stopped and tail.health()["sessions"] == 1)
                 serving.proc.send_signal(signal.SIGTERM) if fault == "drain" else serving.kill()
                 hit.append(serving)
+                for standby in stopped:
+                    standby.proc.send_signal(signal.SIGCONT)
 
         with_fault = await stream_text(cluster.head.url, messages, 60, on_chunk=strike)
         assert hit and with_fault == fault_free
@@ -375,6 +382,9 @@ async def test_a_standby_resumes_the_answer_without_prefilling_it_again(tokenize
         assert failovers["failovers"] == 1
         if fault == "standby off":
             assert failovers["standby_resumes"] == 0 and failovers["recomputed_tokens"] > prompt_tokens
+        elif fault == "lagging standby":
+            assert failovers["standby_resumes"] == 1
+            assert 15 <= failovers["recomputed_tokens"] < prompt_tokens // 4, failovers  # the tokens it missed
         else:
             assert failovers["standby_resumes"] == 1
             assert failovers["recomputed_tokens"] < 16, failovers  # the last step or two, not the prompt
