@@ -46,7 +46,7 @@ USER meshws
 ARG BAKE_MODEL=1
 RUN mkdir -p /home/meshws/.cache/meshws/models \
     && if [ "$BAKE_MODEL" = "1" ]; then python -c "from meshws.model.source import resolve_model; \
-    from meshws.model.kernel_build import library; resolve_model(None, tokenizer=True); assert library()"; fi
+    from meshws.model.kernels.kernel_build import library; resolve_model(None, tokenizer=True); assert library()"; fi
 # Tokenizer files, kernels and the node's key (identity.key) live here: keep them across restarts.
 VOLUME /home/meshws/.cache/meshws
 

@@ -25,7 +25,7 @@ from .api.guards import host_name
 from .mesh.addresses import is_loopback
 from .mesh import identity as node_identity
 from .mesh.auth import HEADER, Verifier, body_digest, listener_proof, nonce_of
-from .model.source import default_cache_dir
+from .model.gguf.model_files import default_cache_dir
 
 
 class NodeAccess:

@@ -122,7 +122,7 @@ class CoreShare:
         other node starts computing meanwhile, the borrowed core is shared, and since the kernels' threads take
         a product's units as they come free (`native`), a step then slows by the units its helper holds, not
         to its slowest thread's pace (a static split had a head step take 18 ms instead of 9)."""
-        from .model import blas, native
+        from .model.kernels import blas, native
 
         blas.set_threads(self.threads)
         with self._lock:
@@ -149,7 +149,7 @@ class CoreShare:
                                   "kernels borrow the cores of those not computing at the moment"}
 
     def close(self) -> None:
-        from .model import native
+        from .model.kernels import native
 
         with self._lock:
             mine, others, self._byte, self._others = self._byte, self._others, -1, {}

@@ -13,7 +13,7 @@ import os
 from typing import Sequence
 
 from .config import build_parser, env_name
-from .model import kernel_build
+from .model.kernels import kernel_build
 from .model.source import build_tokenizer_early
 
 

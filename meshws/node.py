@@ -55,7 +55,7 @@ from .mesh.metrics import NodeMetrics
 from .mesh.reverse import ReverseDialer, ReverseEndpoint, cannot_dial
 from .mesh.shard_service import ShardService
 from .mesh.wire import ChainHop, Hello
-from .model import blas
+from .model.kernels import blas
 from .model.backend import ShardBackend
 from .placement import ROLES, NodeCapacity, PlanFollower, budget_problem, head_placement
 from .reports import NodeReports

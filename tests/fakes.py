@@ -21,8 +21,8 @@ from meshws.model.backend import (
     decode_alone,
     prefill_at_once,
 )
-from meshws.model.cache_store import KVCacheMiss, SessionCacheStore
-from meshws.model.sampling_params import SamplingParams
+from meshws.model.kv.cache_store import KVCacheMiss, SessionCacheStore
+from meshws.model.text.sampling_params import SamplingParams
 from meshws.node import Node
 
 TEXTS = {1: " a", 2: " b", 3: " c", 99: ""}

@@ -45,7 +45,7 @@ async def complete_ids(url, ids, max_tokens, **extra):
 def cache_of_its_own(resolved, root):
     """`resolved` (a GGUF model) in a new cache folder under `root` holding only its tokenizer (copied with its
     mtimes), as a head that has started once leaves it."""
-    from meshws.model.model_files import MANIFEST
+    from meshws.model.gguf.model_files import MANIFEST
     from meshws.model.source import ResolvedModel
 
     target = Path(root) / resolved.folder.name

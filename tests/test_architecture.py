@@ -1,4 +1,4 @@
-"""The package's layers: api -> head -> mesh -> model, arrows pointing down only, and no cycles.
+"""The package's layers: api -> head -> mesh -> model, arrows pointing down only, and no cycles; model/'s rooms.
 
 Built from the source with `ast`, so the rule holds for every import, lazy ones included.
 """
@@ -10,6 +10,9 @@ import meshws
 
 PACKAGE = Path(meshws.__file__).resolve().parent
 LAYERS = ["model", "mesh", "head", "api"]  # each may import only those before it
+ROOMS = ["gguf", "text", "kv", "kernels"]  # model/'s rooms: each may import only itself, those before it, BOUNDARY
+BOUNDARY = {"meshws.model.backend", "meshws.model.tensors"}  # model's step types and tensor bytes: no room's
+MAX_LOOSE = 20  # modules directly in model/, outside the rooms
 MAX_LINES = 365
 
 
@@ -18,12 +21,25 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Every meshws module `path` imports (relative imports resolved)."""
+def _nodes(tree: ast.AST, typing: bool) -> list[ast.AST]:
+    """The tree's nodes; without `typing`, none under `if TYPE_CHECKING:` (names for annotations, not imports)."""
+    found, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        found.append(node)
+        if not typing and isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _imports(path: Path, typing: bool = True) -> set[str]:
+    """Every meshws module `path` imports (relative imports resolved); `typing` False: those run at import."""
     module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _nodes(ast.parse(path.read_text()), typing):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name.startswith("meshws")}
         elif isinstance(node, ast.ImportFrom):
@@ -38,8 +54,8 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    return {_module_name(path): _imports(path) for path in PACKAGE.rglob("*.py")}
+def _graph(typing: bool = True) -> dict[str, set[str]]:
+    return {_module_name(path): _imports(path, typing) for path in PACKAGE.rglob("*.py")}
 
 
 def _layer(module: str) -> int | None:
@@ -103,6 +119,45 @@ def test_the_checks_catch_an_upward_import_and_a_cycle():
     assert find_cycle(looped) is not None
 
 
+def _room(module: str) -> int | None:
+    parts = module.split(".")
+    return ROOMS.index(parts[2]) if len(parts) > 2 and parts[1] == "model" and parts[2] in ROOMS else None
+
+
+def room_crossings(graph: dict[str, set[str]]) -> list[str]:
+    """Imports run by a room of model/ (or the boundary) that it may not make: of a later room, or of a module
+    directly in model/ other than the boundary (for the boundary: of anything but the boundary)."""
+    crossings = []
+    for module, targets in graph.items():
+        mine = _room(module)
+        if mine is None and module not in BOUNDARY:
+            continue  # model's own compute, and everything outside model, may import any room
+        for target in targets:
+            if not target.startswith("meshws.model.") or target in BOUNDARY:
+                continue
+            theirs = _room(target)
+            if mine is None or theirs is None or theirs > mine:
+                crossings.append(f"{module} -> {target}")
+    return sorted(crossings)
+
+
+def test_model_is_in_rooms_whose_imports_point_one_way():
+    assert room_crossings(_graph(typing=False)) == []
+    loose = [path.name for path in (PACKAGE / "model").glob("*.py") if path.name != "__init__.py"]
+    assert len(loose) <= MAX_LOOSE, sorted(loose)
+    assert all((PACKAGE / "model" / room / "__init__.py").exists() for room in ROOMS)
+
+
+def test_the_room_check_catches_a_backward_import():
+    graph = _graph(typing=False)
+    kv, native = "meshws.model.kv.kv_blocks", "meshws.model.kernels.native"
+    assert kv in graph["meshws.model.kernels.native"]  # the graph sees a room's imports of an earlier room
+    bad = dict(graph, **{kv: graph[kv] | {native, "meshws.model.shard"}})
+    assert room_crossings(bad) == [f"{kv} -> {native}", f"{kv} -> meshws.model.shard"]
+    boundary = dict(graph, **{"meshws.model.backend": {"meshws.model.kv.cache_store"}})
+    assert room_crossings(boundary) == ["meshws.model.backend -> meshws.model.kv.cache_store"]
+
+
 def test_every_module_says_what_it_owns_and_fits_in_one_sitting():
     for path in PACKAGE.rglob("*.py"):
         if path.name == "__main__.py":
@@ -136,7 +191,7 @@ def test_the_mesh_reads_and_passes_frames_without_torch():
     done = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "imported meshws.mesh." in done.stdout
-    sampling = NO_TORCH.replace("import meshws.mesh\n", "import meshws.model.sampling\nimport meshws.mesh\n")
+    sampling = NO_TORCH.replace("import meshws.mesh\n", "import meshws.model.text.sampling\nimport meshws.mesh\n")
     refused = subprocess.run([sys.executable, "-c", sampling], capture_output=True, text=True, timeout=120)
     assert "torch imported" in refused.stderr  # the refusal works: the tail's sampling does need torch
 

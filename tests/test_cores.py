@@ -14,7 +14,7 @@ import torch
 from fakes import FakeBackend
 from meshws.cores import RETUNE_SECONDS, CoreShare
 from meshws.mesh.compute import ComputeWorker
-from meshws.model import blas, native
+from meshws.model.kernels import blas, native
 
 
 def _lookalike():

@@ -11,8 +11,8 @@ from typing import Any
 from ..head.service import HeadService
 import orjson
 
-from ..model.constraints import GrammarError
-from ..model.sampling_params import MAX_PROMPT_LOGPROBS, MAX_PROMPT_TOP_LOGPROBS, MAX_TOP_LOGPROBS, SamplingParams
+from ..model.text.constraints import GrammarError
+from ..model.text.sampling_params import MAX_PROMPT_LOGPROBS, MAX_PROMPT_TOP_LOGPROBS, MAX_TOP_LOGPROBS, SamplingParams
 from .errors import ApiError, shown
 from .fields import check_fields
 from .messages import MAX_MESSAGES, message_chars, parse_messages

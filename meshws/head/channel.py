@@ -17,8 +17,8 @@ from ..mesh.next_hops import signed_parts
 from ..mesh.link import Link, LinkDown
 from ..mesh.wire import CacheMiss, Close, Error, Open, RouteHop, SessionReply, Token
 from ..model.backend import TailTokenResult, TensorPayload
-from ..model.cache_store import KVCacheMiss
-from ..model.sampling_params import SamplingParams
+from ..model.kv.cache_store import KVCacheMiss
+from ..model.text.sampling_params import SamplingParams
 from .planner import RoutePlanner
 from .routes import NoRoute, Route
 from .stats import GenerationStats

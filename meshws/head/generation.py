@@ -25,8 +25,8 @@ from typing import Any, AsyncIterator, Callable
 from ..mesh.aio import run_uncancelled
 from ..mesh.compute import ComputeWorker
 from ..model.backend import DecodeStep, PrefillStep, ShardBackend, TailTokenResult
-from ..model.cache_store import CacheBudgetExceeded, KVCacheMiss
-from ..model.sampling_params import SamplingParams
+from ..model.kv.cache_store import CacheBudgetExceeded, KVCacheMiss
+from ..model.text.sampling_params import SamplingParams
 from .admission import Slot
 from .channel import MAX_FAILOVERS, PipelineError, RoutedPath
 from .conversation import Conversation

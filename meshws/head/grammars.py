@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from ..model.constraints import GrammarError, json_grammar
+from ..model.text.constraints import GrammarError, json_grammar
 
 MAX_COMPILING = 2  # compiles at once (each a thread)
 BUDGET_SECONDS = 2.0  # for a schema to be compiled, from the request's wait for a place to the grammar

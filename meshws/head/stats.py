@@ -8,7 +8,7 @@ from enum import Enum
 from typing import Any
 
 from ..model.backend import TokenLogprob
-from ..model.sampling_params import SamplingParams
+from ..model.text.sampling_params import SamplingParams
 from .drafts import Speculation
 from .timing import LapTimes
 

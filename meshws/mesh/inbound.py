@@ -11,7 +11,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import WSMsgType, web
 
-from ..model.sampling_params import SamplingParams
+from ..model.text.sampling_params import SamplingParams
 from .link import Link
 from .log_limit import LogLimiter
 from .wire import ControlMessage, Error, FrameError, Hello, HopReport, RouteHop, decode_control

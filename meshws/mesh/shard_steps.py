@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any, Callable, Coroutine
 
 from ..model.backend import DecodeStep, PrefillStep, ShardBackend, StepResult, TailTokenResult
-from ..model.cache_store import CacheBudgetExceeded, KVCacheMiss
+from ..model.kv.cache_store import CacheBudgetExceeded, KVCacheMiss
 from .compute import ComputeWorker
 from .inbound import DecodeLogThrottle, InboundLink, InboundSession, ShardLimits
 from .link import LinkDown

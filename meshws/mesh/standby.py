@@ -22,7 +22,7 @@ import logging
 from collections import deque
 from typing import Any, Awaitable, Callable
 
-from ..model.cache_store import CacheBudgetExceeded
+from ..model.kv.cache_store import CacheBudgetExceeded
 from ..model.backend import KVRows
 from .compute import ComputeWorker
 from .inbound import InboundLink

@@ -1,17 +1,19 @@
 """Compute: one layer range of a causal LM, its per-session KV caches and sampling.
 
-torch and transformers live here, asyncio and sockets never do. What lives here:
-`source` (what `--model` names), `gguf_file` (a GGUF's header and tensor table),
-`gguf_model` (the file mapped: tensors as stored, the architecture's facts), `block_types`
-(a tensor as stored; which ggml types the kernels compute on), `model_files` (the small
-files a GGUF needs: its tokenizer, `tokenizer_files`; a transformers config, `conversion`),
-`kernel_build`, `native`, `kernels.c` and `quants.c` (meshws's kernels), `lean`,
-`lean_weights`, `packed` and `fused` (the lean path), `shard_parts` and `shard`
-(`ModelShard`: prefill and decode over a layer range), `weights` and `gguf_convert` (the
-transformers path's weights), `memory` (what a process holds), `session_layers` (the cached
-path and its stateless fallback), `batched` (several sessions' steps as one forward),
-`cache_store` (`SessionCacheStore`), `sampling`, `tensors` (hidden states <-> bytes) and
-`backend` (the `ShardBackend` protocol and the step types that cross to the transport).
+torch lives here, asyncio and sockets never do. Four rooms, and the compute that uses them:
 
-Imports: the standard library, torch, transformers — nothing else of meshws.
+  gguf/     a GGUF file: its table, its blocks mapped, its tokenizer and config built into a cache folder
+  text/     tokens and choices: a tokenizer folder read, sampling and its settings, structured output's masks
+  kv/       a session's keys and values: the store with its budget, the blocks, the copies a standby keeps
+  kernels/  meshws's C kernels: built, loaded, and the linears, paths and fused steps on them
+
+Directly here: `shard` (`ModelShard`: prefill and decode over a layer range) and what it is made of
+(`shard_parts`, `lean`, `lean_weights`, `weights`, `session_layers`, `batched`, `compiled`), what a shard
+tells (`shard_facts`, `costs`, `speed`, `memory`), `source` (what `--model` names), `settings`, and the
+boundary the transport meets: `backend` (the protocol and step types, no torch) and `tensors` (hidden
+states <-> bytes).
+
+Directions (`tests/test_architecture.py`): a room imports only its own modules, the rooms before it in
+the order gguf, text, kv, kernels, and the boundary (`backend`, `tensors`); the modules here import any
+room. Nothing of meshws outside `model` is imported.
 """

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generator, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
-    from .cache_store import SessionCacheStore
+    from .kv.cache_store import SessionCacheStore
     from .costs import ModelCosts
-    from .sampling_params import SamplingParams
+    from .text.sampling_params import SamplingParams
 
 # Dtype names hidden states may travel in, and their sizes in bytes.
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -27,10 +27,10 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from .backend import DecodeStep, PrefillStep, ShardBackend, StepResult, decode_alone
-from .cache_store import CacheEntry, KVCacheMiss
-from .sampling_params import SamplingParams
+from .kv.cache_store import CacheEntry, KVCacheMiss
+from .text.sampling_params import SamplingParams
 from .session_layers import cannot_run_here, cut_back
-from .native import threads as kernel_threads
+from .kernels.native import threads as kernel_threads
 from .tensors import cache_nbytes, crop_cache
 
 log = logging.getLogger("meshws.shard")

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .source import default_cache_dir
+from .gguf.model_files import default_cache_dir
 from .tensors import positions
 
 log = logging.getLogger("meshws.shard")
@@ -37,7 +37,7 @@ def compile_lean(shard: Any, cache_dir: Path | str | None) -> float:
     lean = shard.lean
     if lean is None:
         raise ValueError("--compile needs the lean path")
-    from . import packed
+    from .kernels import packed
 
     for name in OPAQUE:  # ctypes calls and FBGEMM's op: opaque to inductor (the row scaling rounds as eagerly)
         function = getattr(packed, name)

@@ -86,7 +86,7 @@ def costs_from_sizes(sizes: dict[str, int], layers: int, kv_bytes_per_token: int
 
 def gguf_costs(path: Path, kv_element_bytes: float = 2) -> ModelCosts:
     """A GGUF's costs from its tensor table (no weight is read)."""
-    from .gguf_file import geometry, read_table
+    from .gguf.gguf_file import geometry, read_table
 
     table = read_table(path)
     layers, hidden, heads, kv_heads = geometry(table)

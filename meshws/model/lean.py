@@ -20,13 +20,13 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .block_types import BlockTensor
-from .cache_store import KVCacheMiss
-from .fused import FusedDecode
-from .native import AttendRows, Kernels
-from .native import threads as kernel_threads
-from .kv_blocks import KV_Q8_0, LeanCache, row_width
-from .packed import Linear, linear, parts_linear
+from .gguf.block_types import BlockTensor
+from .kv.cache_store import KVCacheMiss
+from .kernels.fused import FusedDecode
+from .kernels.native import AttendRows, Kernels
+from .kernels.native import threads as kernel_threads
+from .kv.kv_blocks import KV_Q8_0, LeanCache, row_width
+from .kernels.packed import Linear, linear, parts_linear
 from .tensors import causal_mask, rotate_half
 
 # Rows a fused step takes (sessions, or a lap of drafts); the LM head a quarter. torch's AVX512-BF16 products beat

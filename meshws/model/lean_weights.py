@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from .block_types import BlockTensor
-from .gguf_model import Architecture, GgufModel
+from .gguf.block_types import BlockTensor
+from .gguf.gguf_model import Architecture, GgufModel
 from .lean import LayerWeights, LeanLayers, LeanSpec, RopeTable
-from .native import Kernels
-from .packed import Linear, block_linear, pack_linear
+from .kernels.native import Kernels
+from .kernels.packed import Linear, block_linear, pack_linear
 
 
 def gguf_rope(arch: Architecture) -> RopeTable:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from .cache_store import CacheEntry, KVCacheMiss, SessionCacheStore
+from .kv.cache_store import CacheEntry, KVCacheMiss, SessionCacheStore
 from .tensors import cache_nbytes, crop_cache
 
 log = logging.getLogger("meshws.shard")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .cpu import choose_dtype
+from .kernels.cpu import choose_dtype
 from .tensors import TORCH_DTYPES
 
 

@@ -19,17 +19,17 @@ import torch
 
 from .backend import DecodeStep, PrefillRun, PrefillStep, StepResult, TailTokenResult, TensorPayload, TokenLogprob
 from .batched import Rows, decode_rows, prefill_rows, prefills_together
-from .cache_store import KVCacheMiss, SessionCacheStore
+from .kv.cache_store import KVCacheMiss, SessionCacheStore
 from .compiled import compile_lean
-from .constraints import Grammars
+from .text.constraints import Grammars
 from .shard_facts import ShardFacts
-from .gguf_model import GgufModel
-from .kv_blocks import footprint
-from .kv_copies import StandbyRows
+from .gguf.gguf_model import GgufModel
+from .kv.kv_blocks import footprint
+from .kv.kv_copies import StandbyRows
 from .memory import default_cache_budget, give_back, map_large_allocations, process_memory, tensor_bytes
-from .native import kernels
-from .sampling import prompt_token_logprobs, token_logprobs, verify_drafts
-from .sampling_params import DEFAULT as GREEDY, SamplingParams
+from .kernels.native import kernels
+from .text.sampling import prompt_token_logprobs, token_logprobs, verify_drafts
+from .text.sampling_params import DEFAULT as GREEDY, SamplingParams
 from .session_layers import SessionLayers, fork as fork_cache
 from .settings import ShardLayout, ShardSettings
 from .shard_parts import ShardParts, gguf_parts, lean_problem, transformers_parts

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from . import blas
-from .block_types import type_name
+from .kernels import blas
+from .gguf.block_types import type_name
 from .costs import ModelCosts, folder_costs, gguf_costs
 from .memory import process_memory
 

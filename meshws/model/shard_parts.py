@@ -15,17 +15,17 @@ from typing import Any, Callable
 
 import torch
 
-from . import blas
+from .kernels import blas
 from .backend import ShardBackend
 from .batched import RowRunner, Rows
-from .block_types import BlockTensor, supported_names
-from .gguf_model import Architecture, GgufModel
+from .gguf.block_types import BlockTensor, supported_names
+from .gguf.gguf_model import Architecture, GgufModel
 from .lean import LeanLayers
 from .lean_weights import embedding_rows, lean_from_gguf, lean_from_modules
-from .native import Kernels, kernels
-from .native import threads as kernel_threads
-from .packed import int8_kernel_runs
-from .paths import choose_paths
+from .kernels.native import Kernels, kernels
+from .kernels.native import threads as kernel_threads
+from .kernels.packed import int8_kernel_runs
+from .kernels.paths import choose_paths
 from .settings import ShardLayout, ShardSettings
 from .source import ResolvedModel, model_cache
 from .tensors import TORCH_DTYPES
@@ -72,7 +72,7 @@ def lean_problem(model: GgufModel, arch: Architecture | None, native: Kernels | 
         return "--quant int8 applies to float weights; a GGUF's blocks are its weights"
     unknown = sorted({t.ggml_type for t in model.table.tensors.values()} - set(native.block_types) - {0, 1, 30})
     if unknown:
-        from .block_types import type_name
+        from .gguf.block_types import type_name
 
         return (f"its tensors include {', '.join(type_name(t) for t in unknown)}; the kernels compute on "
                 f"{supported_names(native.block_types)}")

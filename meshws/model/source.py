@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 from pathlib import Path
 
-from .model_files import LAYOUT_VERSION, ModelCache, stale_copies
-from .plain_tokenizer import PlainTokenizer
+from .gguf.model_files import LAYOUT_VERSION, ModelCache, default_cache_dir, stale_copies
+from .text.plain_tokenizer import PlainTokenizer
 
 log = logging.getLogger("meshws.model")
 
@@ -44,14 +44,6 @@ class ResolvedModel:
     model_id: str  # the name peers compare in `hello`
     folder: Path  # config.json, the tokenizer and the weights; for a GGUF, the cache of its tokenizer (`model_files`)
     gguf: Path | None = None  # a GGUF source: the weights and the model's facts
-
-
-def default_cache_dir() -> Path:
-    configured = os.environ.get("MESHWS_CACHE_DIR")
-    if configured:
-        return Path(configured).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "meshws" / "models"
 
 
 def embedded_gguf_path() -> Path:
@@ -93,7 +85,7 @@ def model_shape(resolved: ResolvedModel) -> dict[str, int]:
     """The model's size: layers, hidden, heads, kv_heads, head_dim, intermediate and vocab (a GGUF's metadata, else
     its config.json), without loading it."""
     if resolved.gguf is not None:
-        from .gguf_file import geometry, read_table
+        from .gguf.gguf_file import geometry, read_table
 
         table = read_table(resolved.gguf)
         meta, arch = table.metadata, table.architecture

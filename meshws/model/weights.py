@@ -35,7 +35,7 @@ def shard_config(config: Any, start: int, end: int) -> Any:
 def load_shard_model(resolved: ResolvedModel, shard_config: Any, layout: Any, dtype: str) -> Any:
     """A CausalLM holding only this shard's layers: their weights mapped from a folder's files, or a GGUF's
     dequantized in memory (the "config" part of its cache, `model_files`, names its tensors)."""
-    from .gguf_convert import GgufTensors
+    from .gguf.gguf_convert import GgufTensors
     from .tensors import TORCH_DTYPES
 
     model = _empty_shard_model(shard_config, layout)
@@ -53,7 +53,7 @@ def load_shard_model(resolved: ResolvedModel, shard_config: Any, layout: Any, dt
         raise RuntimeError(f"the checkpoint of {resolved.model_id} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     needed = set(sources.values())
     if gguf is not None:
-        from .gguf_convert import part_of
+        from .gguf.gguf_convert import part_of
 
         tensors = {name: tensor for part in sorted({part_of(name) for name in needed})
                    for name, tensor in gguf.convert(part, TORCH_DTYPES[dtype]).items() if name in needed}

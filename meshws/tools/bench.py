@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
 
     import torch
 
-    from ..model import blas
+    from ..model.kernels import blas
     from ..model.source import load_tokenizer, model_shape, resolve_model
 
     resolved = resolve_model(args.model, os.environ.get("MESHWS_CACHE_DIR"), tokenizer=True)

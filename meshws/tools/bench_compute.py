@@ -40,7 +40,7 @@ def measure_decode_step(resolved: Any, dtype: str, bandwidth: float, steps: int 
     """ms per one-token decode step of a 15-layer middle shard, per compute path, and its ratio to the floor."""
     import torch
 
-    from ..model.blas import choose_matmul
+    from ..model.kernels.blas import choose_matmul
     from ..model.shard import ModelShard, ShardSettings
     from ..model.tensors import positions
 

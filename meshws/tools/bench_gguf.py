@@ -122,7 +122,7 @@ def llama_cpp_available() -> bool:
 
 def _fresh_cache(root: str) -> dict[str, str]:
     """An empty model cache, but with this machine's built kernels (built once per machine, not per start)."""
-    from ..model.kernel_build import library
+    from ..model.kernels.kernel_build import library
 
     built = library()
     if built is not None:
@@ -205,7 +205,7 @@ def measure_meshws_gguf(gguf: Path, threads: int, tokens: int, layers: int, mode
 
 def measure_gguf(gguf: Path, tokens: int = 64, threads: int | None = None, parts: int = 2) -> dict[str, Any]:
     """The section: both sides' figures, the ratios, the targets."""
-    from ..model.gguf_file import read_table
+    from ..model.gguf.gguf_file import read_table
 
     table = read_table(gguf)
     layers = int(table.metadata[f"{table.architecture}.block_count"])

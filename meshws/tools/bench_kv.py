@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ..model.gguf_file import geometry, read_table
+from ..model.gguf.gguf_file import geometry, read_table
 from .launch import Mesh, NodeProcess
 from .streams import completion_chunks
 

@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ..model.gguf_file import geometry, read_table
+from ..model.gguf.gguf_file import geometry, read_table
 from .bench_kv import _ids, _model, kv_bytes_per_token
 from .launch import NodeProcess, free_port
 from .streams import completion_chunks

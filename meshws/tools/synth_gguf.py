@@ -71,9 +71,9 @@ def copy_tokenizer(writer: object) -> None:
     """SmolLM2's tokenizer and chat template, from the embedded model's GGUF."""
     import gguf
 
-    from ..model.gguf_file import read_table
+    from ..model.gguf.gguf_file import read_table
     from ..model.source import embedded_gguf_path
-    from ..model.tokenizer_files import ARRAYS
+    from ..model.gguf.tokenizer_files import ARRAYS
 
     table = read_table(embedded_gguf_path(), ARRAYS)
     for key, value in table.metadata.items():

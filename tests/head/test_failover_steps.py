@@ -4,7 +4,7 @@ import pytest
 
 from meshws.head.channel import MAX_FAILOVERS, PipelineError, RoutedPath
 from meshws.head.generation import GenerationStats
-from meshws.model.sampling_params import SamplingParams
+from meshws.model.text.sampling_params import SamplingParams
 
 
 class _Path:

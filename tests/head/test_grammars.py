@@ -8,7 +8,7 @@ import pytest
 
 from meshws.head import grammars
 from meshws.head.grammars import MAX_SCHEMA_NODES, GrammarCompiler, schema_nodes
-from meshws.model.constraints import GrammarError
+from meshws.model.text.constraints import GrammarError
 
 
 async def test_a_schema_compiles_on_a_thread_and_is_kept():

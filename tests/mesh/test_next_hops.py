@@ -131,7 +131,7 @@ def test_every_field_of_an_open_reaches_the_tail_through_a_middle():
 
     from meshws.mesh.next_hops import NextHops, signed_parts
     from meshws.mesh.wire import decode_control
-    from meshws.model.sampling_params import SamplingParams
+    from meshws.model.text.sampling_params import SamplingParams
 
     tail_hop = RouteHop("ws://127.0.0.1:9/ws/shard", (9, 12), standby="ws://127.0.0.1:11")
     mine = "ws://127.0.0.1:10"  # the middle's own standby

@@ -8,7 +8,7 @@ import pytest
 
 from meshws.mesh import wire
 from meshws.mesh.wire import FrameError, decode_control, decode_forward, encode_forward
-from meshws.model.sampling_params import SamplingParams
+from meshws.model.text.sampling_params import SamplingParams
 
 
 def _frame(header: dict, body: bytes) -> bytes:

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshws.model import blas
-from meshws.model.cpu import cpu_vendor
-from meshws.model.packed import linear, pack_linear
+from meshws.model.kernels import blas
+from meshws.model.kernels.cpu import cpu_vendor
+from meshws.model.kernels.packed import linear, pack_linear
 
 AMD = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2\n"
 INTEL = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx2\n"

@@ -18,8 +18,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from meshws.model import native
-from meshws.model.block_types import BlockTensor
+from meshws.model.kernels import native
+from meshws.model.gguf.block_types import BlockTensor
 
 KERNELS = native.kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: meshws's kernels cannot be built")
@@ -133,8 +133,8 @@ def test_what_the_kernels_are_handed_is_checked():
 
 NO_MEMORY = r"""
 import resource, sys, torch
-from meshws.model import native
-from meshws.model.block_types import BlockTensor
+from meshws.model.kernels import native
+from meshws.model.gguf.block_types import BlockTensor
 kernels, columns = native.kernels(), 1 << 26  # a float32 product widens 4 outputs at a time: 1 GiB for this width
 blocks = BlockTensor("w", 2, (4, columns), torch.zeros(4, columns // 32 * 18, dtype=torch.uint8))  # Q4_0
 rows = torch.ones(1, columns)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from meshws.model.cache_store import CacheBudgetExceeded, KVCacheMiss, SessionCacheStore
+from meshws.model.kv.cache_store import CacheBudgetExceeded, KVCacheMiss, SessionCacheStore
 
 
 class _Clock:
@@ -229,7 +229,7 @@ def test_a_private_session_alone_does_not_make_the_store_look_occupied():
 def test_shared_blocks_count_once_in_the_totals_and_the_budget():
     import torch
 
-    from meshws.model.kv_blocks import KV_BLOCK, LeanCache, footprint
+    from meshws.model.kv.kv_blocks import KV_BLOCK, LeanCache, footprint
 
     def cache(blocks):
         made = LeanCache(2, 1, 4, torch.float32)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from meshws.model.constraints import Grammars, GrammarError, json_grammar, tightened
+from meshws.model.text.constraints import Grammars, GrammarError, json_grammar, tightened
 
 pytestmark = pytest.mark.real_model  # the embedded model's tokenizer
 

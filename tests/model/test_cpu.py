@@ -1,6 +1,6 @@
 """`--dtype auto`: bf16 only where the CPU multiplies it natively, and the reason says so."""
 
-from meshws.model.cpu import choose_dtype, cpu_flags
+from meshws.model.kernels.cpu import choose_dtype, cpu_flags
 
 AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
 SAPPHIRE = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"

@@ -9,7 +9,7 @@ import pytest
 
 from helpers import run_chain
 from meshws.model.backend import DecodeStep, PrefillStep
-from meshws.model.cache_store import KVCacheMiss
+from meshws.model.kv.cache_store import KVCacheMiss
 from meshws.model.shard import ModelShard, ShardSettings
 
 pytestmark = pytest.mark.real_model

@@ -12,9 +12,9 @@ the C code reads it.
 import pytest
 import torch
 
-from meshws.model.native import kernels
-from meshws.model.kv_blocks import LeanCache
-from meshws.model.sampling_params import SamplingParams
+from meshws.model.kernels.native import kernels
+from meshws.model.kv.kv_blocks import LeanCache
+from meshws.model.text.sampling_params import SamplingParams
 from meshws.model.shard import ModelShard, ShardSettings
 
 pytestmark = [pytest.mark.real_model,

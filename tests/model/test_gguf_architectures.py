@@ -115,7 +115,7 @@ def test_a_type_the_kernels_lack_runs_dequantized_and_says_so(tmp_path, files):
     import gguf
     import numpy as np
 
-    from meshws.model.gguf_file import read_table
+    from meshws.model.gguf.gguf_file import read_table
 
     source = read_table(files["llama"].as_posix())
     path = tmp_path / "with-q2k.gguf"

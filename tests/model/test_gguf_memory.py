@@ -21,7 +21,7 @@ def one_b(tmp_path_factory):
 
 @pytest.mark.parametrize("span", [(0, 8), (8, 16)], ids=["head", "tail"])
 def test_a_half_node_of_a_1b_model_maps_only_its_share(one_b, span):
-    from meshws.model.gguf_file import read_table
+    from meshws.model.gguf.gguf_file import read_table
 
     table = read_table(one_b)
     first, last = span

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from helpers import run_chain
-from meshws.model import blas
+from meshws.model.kernels import blas
 from meshws.model.backend import DecodeStep
-from meshws.model.native import kernels
-from meshws.model.kv_blocks import KV_BLOCK, LeanCache
+from meshws.model.kernels.native import kernels
+from meshws.model.kv.kv_blocks import KV_BLOCK, LeanCache
 from meshws.model.shard import ModelShard, ShardSettings
 from meshws.tools.quality import greedy
 

@@ -11,11 +11,11 @@ import threading
 import pytest
 import torch
 
-from meshws.model.model_files import MANIFEST, ModelCache, stale_copies
+from meshws.model.gguf.model_files import MANIFEST, ModelCache, stale_copies
 from meshws.model.settings import ShardSettings
 from meshws.model.shard import ModelShard
 from meshws.model.source import embedded_gguf_path, locate_model, model_cache, resolve_model
-from meshws.model.tokenizer_files import build_tokenizer
+from meshws.model.gguf.tokenizer_files import build_tokenizer
 
 pytestmark = pytest.mark.real_model
 
@@ -90,7 +90,7 @@ def test_a_child_that_fails_leaves_the_build_to_the_node(tmp_path, caplog, monke
 
 def test_a_nodes_early_start_skips_flags_it_will_refuse_and_starts_a_heads_build(tmp_path, capsys):
     from meshws import early
-    from meshws.model import model_files
+    from meshws.model.gguf import model_files
 
     early.start(["--role", "nonsense"])
     early.start(["--role", "tail", "--layers", "20-29", "--cache-dir", str(tmp_path)])  # a tail needs no tokenizer

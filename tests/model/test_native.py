@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from meshws.model import native
-from meshws.model.native import AttendRows
-from meshws.model.kv_blocks import KV_BLOCK, LeanCache
-from meshws.model.packed import NATIVE_TOP, linear, pack_linear
+from meshws.model.kernels import native
+from meshws.model.kernels.native import AttendRows
+from meshws.model.kv.kv_blocks import KV_BLOCK, LeanCache
+from meshws.model.kernels.packed import NATIVE_TOP, linear, pack_linear
 
 KERNELS = native.kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler here")
@@ -136,7 +136,7 @@ def test_the_library_is_built_once_per_cache_and_not_without_a_compiler(tmp_path
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler here")
     probe = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout);"
-             "from meshws.model import native; k = native.kernels(); print('LOADED', k is not None)")
+             "from meshws.model.kernels import native; k = native.kernels(); print('LOADED', k is not None)")
     env = {"PATH": "/usr/bin:/bin", "MESHWS_CACHE_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
 
     def run(**extra):
@@ -439,8 +439,8 @@ def test_decode_attention_on_shared_blocks_equals_its_own_copy_bit_for_bit(dtype
 def test_q8_0_heads_are_turned_by_the_orthonormal_hadamard_matrix_which_spreads_an_outlier():
     """Keys and values are turned before q8_0 keeps them: the turn is x H (H Sylvester's, orthonormal and its own
     inverse), so q.k is unchanged, and an outlier channel no longer sets its block's scale alone."""
-    from meshws.model.kv_blocks import from_q8_0
-    from meshws.model.packed import _hadamard  # (the int8 path's Sylvester matrix, built in torch)
+    from meshws.model.kv.kv_blocks import from_q8_0
+    from meshws.model.kernels.packed import _hadamard  # (the int8 path's Sylvester matrix, built in torch)
 
     hadamard = _hadamard(64)
     generator = torch.Generator().manual_seed(3)
@@ -467,7 +467,7 @@ def test_q8_0_rows_are_ggufs_and_attention_reads_them_as_the_widened_floats_bit_
     holding their widened values, in a batch as alone (row-invariant bits, as the other kinds)."""
     import gguf
 
-    from meshws.model.kv_blocks import KV_Q8_0, from_q8_0
+    from meshws.model.kv.kv_blocks import KV_Q8_0, from_q8_0
 
     generator = torch.Generator().manual_seed(7)
     values = torch.randn(6, 3, 64, generator=generator) * 4

@@ -4,7 +4,7 @@ Hadamard turn keeps outlier channels from costing precision, and FBGEMM's sums n
 import pytest
 import torch
 
-from meshws.model.packed import _rotated, int8_kernel_runs, linear, pack_linear
+from meshws.model.kernels.packed import _rotated, int8_kernel_runs, linear, pack_linear
 
 pytestmark = pytest.mark.skipif(not int8_kernel_runs(), reason="no FBGEMM int8 GEMM in this torch")
 

@@ -10,9 +10,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from meshws.model import native
-from meshws.model.block_types import BlockTensor
-from meshws.model.paths import choose_paths, direct_rows, typical_weights
+from meshws.model.kernels import native
+from meshws.model.gguf.block_types import BlockTensor
+from meshws.model.kernels.paths import choose_paths, direct_rows, typical_weights
 
 KERNELS = native.kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: meshws's kernels cannot be built")

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from meshws.model.gguf_file import read_table
-from meshws.model.plain_tokenizer import PlainTokenizer
+from meshws.model.gguf.gguf_file import read_table
+from meshws.model.text.plain_tokenizer import PlainTokenizer
 from meshws.model.source import embedded_gguf_path, resolve_model
-from meshws.model.tokenizer_files import ARRAYS
+from meshws.model.gguf.tokenizer_files import ARRAYS
 
 pytestmark = pytest.mark.real_model
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from meshws.model.backend import DecodeStep, PrefillStep, TailTokenResult, TensorPayload, run_prefill
-from meshws.model.cache_store import KVCacheMiss
-from meshws.model.native import kernels
+from meshws.model.kv.cache_store import KVCacheMiss
+from meshws.model.kernels.native import kernels
 from meshws.model.shard import ModelShard, ShardSettings
 
 pytestmark = [pytest.mark.real_model,

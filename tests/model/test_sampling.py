@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from meshws.model.sampling_params import SamplingParams
-from meshws.model.sampling import greedy_choice, sample_token, token_logprobs
+from meshws.model.text.sampling_params import SamplingParams
+from meshws.model.text.sampling import greedy_choice, sample_token, token_logprobs
 
 
 def test_greedy_is_argmax():
@@ -75,7 +75,7 @@ def test_sampling_wire_round_trip():
 def test_prompt_logprobs_come_block_by_block_as_if_at_once():
     """Each prompt token's log-probability from the row before it, computed a block of rows at a time (a long
     prompt's vocab-wide rows are never all held): the same figures as one log_softmax over every row."""
-    from meshws.model.sampling import PROMPT_LOGPROB_ROWS, prompt_token_logprobs
+    from meshws.model.text.sampling import PROMPT_LOGPROB_ROWS, prompt_token_logprobs
 
     torch.manual_seed(0)
     vocab, positions = 50, PROMPT_LOGPROB_ROWS * 2 + 7

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from meshws.model.cache_store import KVCacheMiss, SessionCacheStore
+from meshws.model.kv.cache_store import KVCacheMiss, SessionCacheStore
 from meshws.model.session_layers import SessionLayers
 
 

@@ -86,7 +86,7 @@ def _nested(depth):  # an array of arrays ... of one uint32
 def test_a_malformed_gguf_header_is_a_value_error_naming_its_fault(tmp_path, metadata, tensors, needle):
     """Alignment 0 divided by zero, 2000 nested arrays ran out of Python's stack, a tensor of no dimensions had no
     row length: each is a ValueError that says what is wrong with the file."""
-    from meshws.model.gguf_file import read_table
+    from meshws.model.gguf.gguf_file import read_table
 
     with pytest.raises(ValueError, match=needle):
         read_table(_gguf(tmp_path / "bad.gguf", metadata, tensors))
@@ -107,7 +107,7 @@ def test_a_malformed_gguf_header_is_a_value_error_naming_its_fault(tmp_path, met
 ])
 def test_a_gguf_geometry_that_cannot_be_is_a_value_error(tmp_path, metadata, needle):
     """(Per-layer head counts, as hybrid models give them, count as their largest: 3 here, not the list's length.)"""
-    from meshws.model.gguf_file import geometry, read_table
+    from meshws.model.gguf.gguf_file import geometry, read_table
 
     with pytest.raises(ValueError, match=needle):
         geometry(read_table(_gguf(tmp_path / "bad.gguf", metadata)))
@@ -117,7 +117,7 @@ def test_per_layer_head_counts_count_as_their_largest(tmp_path):
     """Hybrid models (jamba, granitehybrid...) give a head count per layer, 0 for a layer without attention."""
     import struct
 
-    from meshws.model.gguf_file import geometry, read_table
+    from meshws.model.gguf.gguf_file import geometry, read_table
 
     per_layer = struct.pack("<IQ", 4, 3) + _u32(2) + _u32(0) + _u32(2)
     path = _gguf(tmp_path / "hybrid.gguf", [("llama.block_count", 4, _u32(3)), ("llama.embedding_length", 4, _u32(64)),

@@ -3,7 +3,7 @@
 import pytest
 
 from meshws.model.backend import PrefillStep, run_prefill
-from meshws.model.sampling_params import SamplingParams
+from meshws.model.text.sampling_params import SamplingParams
 from meshws.model.shard import ModelShard, ShardSettings
 
 pytestmark = pytest.mark.real_model
@@ -52,8 +52,8 @@ def test_a_grammar_masks_each_row_so_a_draft_it_forbids_is_rejected(full):
     import llguidance
     import torch
 
-    from meshws.model.constraints import Grammars
-    from meshws.model.sampling import sample_token, verify_drafts
+    from meshws.model.text.constraints import Grammars
+    from meshws.model.text.sampling import sample_token, verify_drafts
 
     grammars = Grammars(lambda: full.tokenizer, full.vocab_size)
     grammar = llguidance.LLMatcher.grammar_from_regex(r"[0-9]{1,8}")

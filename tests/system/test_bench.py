@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from helpers import ROOT
-from meshws.model.native import kernels
+from meshws.model.kernels.native import kernels
 
 pytestmark = [pytest.mark.real_model, pytest.mark.processes]
 

@@ -7,10 +7,10 @@ import pytest
 
 from helpers import CHAT_PROMPTS, chat_ids, complete_ids
 from meshws.cores import usable_cores
-from meshws.model.blas import choose_matmul
-from meshws.model.cpu import choose_dtype
-from meshws.model.native import kernels
-from meshws.model.paths import direct_rows
+from meshws.model.kernels.blas import choose_matmul
+from meshws.model.kernels.cpu import choose_dtype
+from meshws.model.kernels.native import kernels
+from meshws.model.kernels.paths import direct_rows
 from meshws.tools.launch import NodeProcess, free_port
 
 pytestmark = [pytest.mark.real_model, pytest.mark.processes]

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from helpers import complete_ids
-from meshws.model.native import kernels
+from meshws.model.kernels.native import kernels
 from meshws.model.shard import ModelShard, ShardSettings
 from meshws.tools.launch import Mesh
 from meshws.tools.quality import PROMPTS

@@ -43,7 +43,7 @@ async def test_health_and_metrics_describe_the_node(mesh):
     # Each maps its 15 layers' Q4_1 tensors and the Q8_0 embeddings (the tail's LM head) from the GGUF: 30 MB of
     # layers and 30 MB of embeddings, no copy; resident: what the prompts read (a head's embeddings only at the
     # prompts' rows).
-    table = __import__("meshws.model.gguf_file", fromlist=["read_table"]).read_table(MODEL_PATH())
+    table = __import__("meshws.model.gguf.gguf_file", fromlist=["read_table"]).read_table(MODEL_PATH())
     for node, first, last in ((head, 0, 15), (tail, 15, 30)):
         mine = {name for name in table.tensors if name.startswith("blk.") and first <= int(name.split(".")[1]) < last}
         mine |= {"token_embd.weight"} | ({"output_norm.weight"} if last == 30 else set())

@@ -119,7 +119,7 @@ def middle_behind_nat():
 def _key(own=True):
     """The node key of this host's nodes (they share the cache folder, hence one key), or a key of another member."""
     from meshws.mesh.identity import NodeIdentity
-    from meshws.model.source import default_cache_dir
+    from meshws.model.gguf.model_files import default_cache_dir
 
     return NodeIdentity.load_or_create(default_cache_dir()) if own else NodeIdentity.generate()
 

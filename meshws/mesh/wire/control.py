@@ -8,8 +8,8 @@ from typing import Any, ClassVar, Union
 import orjson
 
 from ...model.backend import TokenLogprob
-from ...model.sampling_params import DEFAULT as DEFAULT_SAMPLING
-from ...model.sampling_params import MAX_PROMPT_LOGPROBS, MAX_TOP_LOGPROBS, SamplingParams
+from ...model.text.sampling_params import DEFAULT as DEFAULT_SAMPLING
+from ...model.text.sampling_params import MAX_PROMPT_LOGPROBS, MAX_TOP_LOGPROBS, SamplingParams
 from .fields import (
     MAX_TEXT_LENGTH,
     FrameError,

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from .source import default_cache_dir
+from ..gguf.model_files import default_cache_dir
 
 log = logging.getLogger("meshws.shard")
 
@@ -103,6 +103,6 @@ def _key(tools: list[str]) -> str:
                           + " ".join(FLAGS).encode() + native.encode()).hexdigest()[:16]
 
 
-if __name__ == "__main__":  # `python -m meshws.model.kernel_build`: build now (./dev setup does, once)
+if __name__ == "__main__":  # `python -m meshws.model.kernels.kernel_build`: build now (./dev setup does, once)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(library() or "no C compiler: meshws runs without its kernels")

@@ -22,7 +22,7 @@ import numpy
 import torch
 
 from .cache_store import KVCacheMiss
-from .tensors import cache_nbytes
+from ..tensors import cache_nbytes
 
 # Positions per block: a session holds fewer than this many positions of room it does not use. Attention reads a
 # block's rows of one head as one run; runs of 64 positions made long decode steps a tenth slower than one buffer,

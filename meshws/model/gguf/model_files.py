@@ -48,7 +48,17 @@ BUILT = "meshws-built: "  # the line a conversion child ends with: the parts it 
 IN_PROCESS = ("tokenizer",)  # parts built here (or early, `build_early`); the others in a child (`conversion`)
 EARLY_WAIT = 120.0  # seconds `prepare` waits for a child `build_early` started, before building the part itself
 _EARLY: dict[tuple[Path, str], tuple[subprocess.Popen, Any]] = {}  # children `build_early` started, not waited for
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the meshws package
+PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # the folder holding the meshws package
+
+
+def default_cache_dir() -> Path:
+    """Where models' files (and the built kernels, compiled graphs, a node's key) are kept: MESHWS_CACHE_DIR, or
+    meshws/models under the user's cache folder."""
+    configured = os.environ.get("MESHWS_CACHE_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "meshws" / "models"
 
 
 class ModelCache:
@@ -96,8 +106,8 @@ class ModelCache:
             return
         errors = tempfile.TemporaryFile()  # (what the child says, for a failure's warning: a file never blocks it)
         _EARLY[(self.folder, key)] = (subprocess.Popen(
-            [sys.executable, "-m", "meshws.model.model_files", str(self.gguf), str(self.folder), key], env=_child_env(),
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors), errors)
+            [sys.executable, "-m", "meshws.model.gguf.model_files", str(self.gguf), str(self.folder), key],
+            env=_child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors), errors)
 
     def _wait_early(self, key: str) -> bool:
         """Wait for the child `build_early` started for part `key`, if any; True if there was one."""
@@ -216,7 +226,7 @@ def _child_env() -> dict[str, str]:
 def run_conversion(gguf: Path, folder: Path, keys: list[str]) -> list[str]:
     """Convert parts `keys` of `gguf` into `folder` in a child process (`conversion`); the parts it built."""
     log.info("converting %s of %s into %s (in a child process)", ", ".join(keys), gguf.name, folder)
-    result = subprocess.run([sys.executable, "-m", "meshws.model.conversion", str(gguf), str(folder), *keys],
+    result = subprocess.run([sys.executable, "-m", "meshws.model.gguf.conversion", str(gguf), str(folder), *keys],
                             env=_child_env(), capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"converting {', '.join(keys)} of {gguf} failed:\n{result.stderr[-3000:]}")
@@ -225,10 +235,10 @@ def run_conversion(gguf: Path, folder: Path, keys: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-    """`python -m meshws.model.model_files GGUF FOLDER tokenizer`: a part built in process otherwise, built in a child
-    (`ModelCache.build_early`) under the part's lock, as a node would build it."""
+    """`python -m meshws.model.gguf.model_files GGUF FOLDER tokenizer`: a part built in process otherwise, built in
+    a child (`ModelCache.build_early`) under the part's lock, as a node would build it."""
     if len(argv) != 3 or argv[2] not in IN_PROCESS:
-        raise SystemExit(f"usage: python -m meshws.model.model_files GGUF FOLDER {{{','.join(IN_PROCESS)}}}")
+        raise SystemExit(f"usage: python -m meshws.model.gguf.model_files GGUF FOLDER {{{','.join(IN_PROCESS)}}}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cache = ModelCache(Path(argv[0]), Path(argv[1]))
     cache.build_here(argv[2], cache._builder(argv[2]))

@@ -22,7 +22,7 @@ import numpy
 import torch
 import torch.nn.functional as F
 
-from .block_types import BlockTensor
+from ..gguf.block_types import BlockTensor
 from .native import Kernels, threads
 
 NATIVE_TOP = 127  # int8 weights for meshws's kernel use the whole signed range

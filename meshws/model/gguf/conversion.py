@@ -1,4 +1,4 @@
-"""`python -m meshws.model.conversion GGUF FOLDER config`: a GGUF's transformers config, built in a child process.
+"""`python -m meshws.model.gguf.conversion GGUF FOLDER config`: a GGUF's transformers config, built in a child process.
 
 Only the transformers path (an architecture the lean path does not run, or `--compute transformers`)
 needs it: `config.json` and `generation_config.json` as `from_pretrained(..., gguf_file=...)` makes
@@ -38,7 +38,7 @@ def write_config(gguf: Path, out: Path) -> None:
 
 def main(argv: list[str]) -> None:
     if len(argv) < 3 or any(part != "config" for part in argv[2:]):
-        raise SystemExit("usage: python -m meshws.model.conversion GGUF FOLDER config")
+        raise SystemExit("usage: python -m meshws.model.gguf.conversion GGUF FOLDER config")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     gguf, folder = Path(argv[0]), Path(argv[1])
     built = ["config"] if ModelCache(gguf, folder).build_here("config", lambda staging: write_config(gguf, staging)) \

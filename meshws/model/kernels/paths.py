@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .block_types import BlockTensor
+from ..gguf.block_types import BlockTensor
 from .native import Kernels
 
 MOST_ROWS = 6  # rows measured (the defaults switch at 2; before the tiles got cheaper, at 3 or 4)

@@ -39,8 +39,8 @@ import numpy
 import torch
 
 from . import kernel_build
-from .block_types import BlockTensor, kernel_types, supported_names
-from .kv_blocks import KV_BLOCK, KV_Q8_0, block_table
+from ..gguf.block_types import BlockTensor, kernel_types, supported_names
+from ..kv.kv_blocks import KV_BLOCK, KV_Q8_0, block_table
 
 log = logging.getLogger("meshws.shard")
 

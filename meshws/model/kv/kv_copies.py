@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from .backend import KVRows
+from ..backend import KVRows
 from .cache_store import KVCacheMiss
 from .kv_blocks import KV_Q8_0, LeanCache
-from .tensors import cache_nbytes
+from ..tensors import cache_nbytes
 
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "q8_0": torch.uint8}
 

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .kv_blocks import KV_BLOCK
+from ..kv.kv_blocks import KV_BLOCK
 from .native import CACHE_KINDS, KINDS, AttendRows, Kernels, threads
 
 
