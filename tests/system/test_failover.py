@@ -245,7 +245,7 @@ async def test_automatic_tails_cover_the_gap_and_the_second_replicates_the_first
             spans = sorted(tuple(node["layers"]) for node in health["nodes"])
             if health["plan"]["state"] == "live" and spans == [(10, 30), (10, 30)]:
                 break
-            assert time.monotonic() < deadline, (spans, health["plan"])
+            assert time.monotonic() < deadline, (spans, health["plan"], [n.get("measured") for n in health["nodes"]])
             time.sleep(0.2)
         assert health["ready"] and sum(span.get("replica", False) for span in health["plan"]["spans"]) == 1
         # Two generations at once spread across the replicas (the less loaded one is chosen).
