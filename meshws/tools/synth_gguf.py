@@ -28,8 +28,10 @@ PRESETS = {  # hidden, layers, ffn, heads, kv heads
 VOCAB = 49152  # SmolLM2's
 # Per --quant: the type of most matrices, of the "big" ones (embeddings, LM head; q4_k_m: half of ffn_down, attn_v).
 QUANTS = {"q4_k_m": ("Q4_K", "Q6_K"), "q8_0": ("Q8_0", "Q8_0"), "q4_1": ("Q4_1", "Q4_1"), "q4_0": ("Q4_0", "Q6_K"),
-          "f16": ("F16", "F16")}
-MIXED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]  # a matrix each, in turn
+          "f16": ("F16", "F16"), "q2_k": ("Q2_K", "Q4_K"), "q3_k_m": ("Q3_K", "Q5_K"), "iq4_nl": ("IQ4_NL", "Q6_K"),
+          "iq4_xs": ("IQ4_XS", "Q6_K")}
+MIXED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16",
+         "BF16", "F32"]  # a matrix each, in turn
 
 
 def half(values: np.ndarray) -> np.ndarray:
@@ -64,6 +66,15 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> 
     elif kind == "Q6_K":
         blocks[:, 192:208] = rng.integers(16, 48, size=(count, 16), dtype=np.uint8)
         blocks[:, 208:210] = half(np.full(count, step / (32 * 32)))
+    elif kind == "Q2_K":  # d * (4-bit sc) * (2-bit q) - dmin * (4-bit m)
+        blocks[:, 80:82] = half(np.full(count, 2 * step / 45))
+        blocks[:, 82:84] = half(np.full(count, step / 15))
+    elif kind == "Q3_K":  # d * (6-bit sc - 32) * (q - 4)
+        blocks[:, 108:110] = half(np.full(count, step / 128))
+    elif kind == "IQ4_NL":  # d * (one of 16 values in -127 .. 113)
+        blocks[:, 0:2] = half(rng.uniform(0.5, 1.0, count) * step / 127)
+    elif kind == "IQ4_XS":  # d * (6-bit sc - 32) * (one of those 16)
+        blocks[:, 0:2] = half(np.full(count, step / (32 * 127)))
     return blocks.reshape(rows, cols // elements * size)
 
 

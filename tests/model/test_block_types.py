@@ -24,9 +24,11 @@ from meshws.model.gguf.block_types import BlockTensor
 KERNELS = native.kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: meshws's kernels cannot be built")
 
-TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K",
+         14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS"}
 # Where each type keeps its float16 scales (d; and m or dmin) within a block.
-SCALES = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}
+SCALES = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 10: [80, 82], 11: [108], 12: [0, 2], 13: [0, 2], 14: [208],
+          20: [0], 23: [0]}
 SPECIAL = np.array([0.0, -0.0, 6e-8, -6e-8, 1e-5, 65504.0, -65504.0, np.inf, -np.inf, np.nan], dtype=np.float16)
 
 
@@ -126,9 +128,9 @@ def test_what_the_kernels_are_handed_is_checked():
         KERNELS.qlinear(torch.randn(1, 128), blocks, None, 1)
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
         KERNELS.widen(blocks, torch.tensor([4]))
-    q2_k = BlockTensor("blk.0.ffn_up.weight", 10, (4, 256), torch.zeros(4, 84, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="Q2_K; the kernels compute on F32, F16, BF16, Q4_0"):
-        KERNELS.linear(torch.randn(1, 256), q2_k, None, None, 1)
+    iq2_xxs = BlockTensor("blk.0.ffn_up.weight", 16, (4, 256), torch.zeros(4, 66, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="IQ2_XXS; the kernels compute on F32, F16, BF16, Q4_0"):
+        KERNELS.linear(torch.randn(1, 256), iq2_xxs, None, None, 1)
 
 
 NO_MEMORY = r"""
@@ -171,13 +173,16 @@ int main(void) {
         seed = seed * 1103515245u + 12345u;
         x[i] = (float)((seed >> 8) & 0xffff) / 65536.0f - 0.5f;
     }
-    const int types[] = {2, 3, 6, 7, 8, 12, 13, 14};
-    for (int t = 0; t < 8; t++) {
+    const int types[] = {2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23};
+    const int scales[][2] = {{0, 2}, {0, 2}, {0, 2}, {0, 2}, {0, 2}, {80, 82}, {108, 108}, {0, 2}, {0, 2}, {208, 208},
+                             {0, 0}, {0, 0}}; /* where each keeps its float16 d (and m, dmin) */
+    for (int t = 0; t < 12; t++) {
         const block_type *bt = block_type_of(types[t]);
         for (size_t b = 0; b < sizeof w / bt->bytes; b++) { /* sane scales: 2^-10 */
             uint8_t *block = w + b * bt->bytes;
             const uint16_t h = 0x1400;
-            if (types[t] == 14) memcpy(block + 208, &h, 2); else { memcpy(block, &h, 2); memcpy(block + 2, &h, 2); }
+            memcpy(block + scales[t][0], &h, 2);
+            memcpy(block + scales[t][1], &h, 2);
         }
         for (int in = 1024; in <= 1088; in += 64) { /* (1088: a last unit of two blocks, for the 32-value types) */
             if (in % bt->elements)
@@ -210,5 +215,5 @@ def test_8_bit_products_give_the_same_bits_on_every_instruction_set(tmp_path):
                        capture_output=True, timeout=300)
         outputs.append(subprocess.run([str(binary)], check=True, capture_output=True, text=True,
                                       timeout=120).stdout)
-    assert len(outputs[0].splitlines()) == (8 + 5) * (17 + 3) * 70  # (five types of 32 values also with 1088 inputs)
+    assert len(outputs[0].splitlines()) == (12 + 6) * (17 + 3) * 70  # (six types of 32 values also with 1088 inputs)
     assert outputs[0] == outputs[1] == outputs[2]

@@ -110,7 +110,7 @@ def test_llama_3_rope_frequencies_are_applied_as_llama_cpp_applies_them(files):
 
 
 def test_a_type_the_kernels_lack_runs_dequantized_and_says_so(tmp_path, files):
-    """A GGUF with a Q2_K tensor: the transformers path on weights dequantized in memory, named in the path; asked
+    """A GGUF with an IQ2_XXS tensor: the transformers path on weights dequantized in memory, named in the path; asked
     for the lean path, a clear error naming the types it computes on."""
     import gguf
     import numpy as np
@@ -118,7 +118,7 @@ def test_a_type_the_kernels_lack_runs_dequantized_and_says_so(tmp_path, files):
     from meshws.model.gguf.gguf_file import read_table
 
     source = read_table(files["llama"].as_posix())
-    path = tmp_path / "with-q2k.gguf"
+    path = tmp_path / "with-iq2xxs.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     original = gguf.GGUFReader(str(files["llama"]))
     for field in original.fields.values():
@@ -132,11 +132,11 @@ def test_a_type_the_kernels_lack_runs_dequantized_and_says_so(tmp_path, files):
             writer.add_key_value(field.name, value, kind)
     for tensor in original.tensors:
         data = np.array(tensor.data)
-        if tensor.name == "blk.1.ffn_up.weight":  # Q2_K: 84 bytes a block of 256, scales d and dmin as float16
+        if tensor.name == "blk.1.ffn_up.weight":  # IQ2_XXS: 66 bytes a block of 256, its scale d a float16 first
             rows, columns = int(tensor.shape[1]), int(tensor.shape[0])
-            blocks = np.random.default_rng(0).integers(0, 256, size=(rows * columns // 256, 84), dtype=np.uint8)
-            blocks[:, 80:84] = np.array([1e-4, 1e-4], dtype=np.float16).view(np.uint8)
-            writer.add_tensor(tensor.name, blocks.reshape(rows, -1), raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+            blocks = np.random.default_rng(0).integers(0, 256, size=(rows * columns // 256, 66), dtype=np.uint8)
+            blocks[:, 0:2] = np.array([1e-4], dtype=np.float16).view(np.uint8)
+            writer.add_tensor(tensor.name, blocks.reshape(rows, -1), raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
             continue
         raw = None if tensor.tensor_type == gguf.GGMLQuantizationType.F32 else tensor.tensor_type
         writer.add_tensor(tensor.name, data, raw_dtype=raw)
@@ -144,9 +144,9 @@ def test_a_type_the_kernels_lack_runs_dequantized_and_says_so(tmp_path, files):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)
     writer.close()
-    assert read_table(path).tensors["blk.1.ffn_up.weight"].ggml_type == 10 and source
+    assert read_table(path).tensors["blk.1.ffn_up.weight"].ggml_type == 16 and source
     shard = ModelShard(str(path), 0, 4, EXACT)
-    assert shard.compute_path.startswith("transformers (weights dequantized in memory: its tensors include Q2_K")
+    assert shard.compute_path.startswith("transformers (weights dequantized in memory: its tensors include IQ2_XXS")
     assert shard.encode_prompt(shard.tokenize(PROMPTS[0])).token_id >= 0
-    with pytest.raises(ValueError, match="Q2_K; the kernels compute on F32, F16, BF16, Q4_0"):
+    with pytest.raises(ValueError, match="IQ2_XXS; the kernels compute on F32, F16, BF16, Q4_0"):
         ModelShard(str(path), 0, 4, ShardSettings(dtype="float32", compute="lean"))

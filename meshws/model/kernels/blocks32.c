@@ -1,4 +1,4 @@
-/* 8-bit products of the 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): sixteen outputs at once, one a lane.
+/* 8-bit products of the 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL): sixteen outputs at once.
    #included by quants.c (its block table, activation rows and `parallel`).
 
    Each (row, output) pair sums block after block, in this order and nothing else:
@@ -77,9 +77,11 @@ static inline __attribute__((always_inline)) void v_transpose(__m512i *r, const 
             }
 }
 
-static int v_shuffled(int type) { return type == 2 || type == 3 || type == 8; }
+static int v_shuffled(const block_type *t) { /* the types `v_lay` and `v_direct` read as stored */
+    return t->loop == LOOP_Q4_0 || t->loop == LOOP_Q4_1 || t->loop == LOOP_Q8_0;
+}
 
-static int v_head(const block_type *t) { return t->type == 3 ? 4 : 2; } /* Q4_1's d and m, or a d: codes follow */
+static int v_head(const block_type *t) { return t->loop == LOOP_Q4_1 ? 4 : 2; } /* Q4_1's d and m, or a d; then codes */
 
 /* The permutes `v_lay` takes, made once (`v_tables_once`, by the first product on tiles: `v_product`): built on
    each call, their scalar stores stalled the vector loads that read them, a measurable share of laying out a tile
@@ -90,7 +92,7 @@ static struct {
     int32_t pair[16];                          /* lanes 4 o + b of two packed registers: outputs 0-7 */
 } v_tables;
 
-static int v_table(int type) { return type == 2 ? 0 : type == 3 ? 1 : 2; }
+static int v_table(const block_type *t) { return t->loop == LOOP_Q4_0 ? 0 : t->loop == LOOP_Q4_1 ? 1 : 2; }
 
 static pthread_once_t v_tables_once = PTHREAD_ONCE_INIT;
 
@@ -103,7 +105,7 @@ static void v_make_tables(void) {
     const int types[3] = {2, 3, 8};
     for (int k = 0; k < 3; k++) {
         const block_type *t = block_type_of(types[k]);
-        const int q8 = t->type == 8, per = q8 ? 2 : 4, codes_at = v_head(t);
+        const int q8 = t->loop == LOOP_Q8_0, per = q8 ? 2 : 4, codes_at = v_head(t);
         for (int i = 0; i < 64; i++) {
             v_tables.take[k][i] = (uint8_t)(q8 ? i / 32 * t->bytes + codes_at + i % 32 :
                                                  i / 16 * t->bytes + codes_at + i % 16);
@@ -120,11 +122,11 @@ static void v_make_tables(void) {
    j + 16 (high). Meanwhile `next_bytes` of a later unit's rows (`next`) are fetched into L2. */
 static void v_lay(const block_type *t, const uint8_t *w, int64_t row_bytes, int n, int64_t blocks, v_tile *tile,
                   const uint8_t *next, int64_t next_bytes) {
-    if (!v_shuffled(t->type)) {
+    if (!v_shuffled(t)) {
         v_lay_any(t, w, row_bytes, n, blocks, tile);
         return;
     }
-    const int bytes = t->bytes, q8 = t->type == 8, per = q8 ? 2 : 4, table = v_table(t->type);
+    const int bytes = t->bytes, q8 = t->loop == LOOP_Q8_0, per = q8 ? 2 : 4, table = v_table(t);
     const __m512i codes_from = _mm512_loadu_si512(v_tables.take[table]);
     const __m512i heads_from = _mm512_loadu_si512(v_tables.heads[table]);
     const __m512i pair = _mm512_loadu_si512(v_tables.pair);
@@ -174,7 +176,7 @@ static void v_lay(const block_type *t, const uint8_t *w, int64_t row_bytes, int 
                                                     _mm512_castsi512_si256(_mm512_permutex2var_epi32(packed[2], at,
                                                                                                      packed[3])), 1);
             _mm512_store_ps(tile->d + (b0 + i) * V_OUT, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head)));
-            _mm512_store_ps(tile->m + (b0 + i) * V_OUT, t->type == 3 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
+            _mm512_store_ps(tile->m + (b0 + i) * V_OUT, t->loop == LOOP_Q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
                 _mm512_srli_epi32(head, 16))) : _mm512_setzero_ps());
         }
     }
@@ -356,7 +358,7 @@ static void v_direct(const block_type *t, const uint8_t *w, int64_t row_bytes, i
                                              _mm512_set1_epi32(panel[8]));
         const __m512i h = v_gather_lanes(heads[0], heads[1], heads[2], heads[3]);
         const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
-        const __m512 m = t->type == 3 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16))) :
+        const __m512 m = t->loop == LOOP_Q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16))) :
             _mm512_setzero_ps();
         const float *scale = (const float *)panel + 9, *share = scale + 1;
         __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(scale[0])));
@@ -504,7 +506,7 @@ static void v_units(const void *task, int64_t begin, int64_t end) {
         if (j->direct) {
             const int64_t ahead = unit + 1 < end ? (j->out - o0 - V_OUT < V_OUT ? j->out - o0 - V_OUT : V_OUT) : 0;
             for (int64_t r = 0; r < j->rows; r++)
-                if (j->type->type == 8)
+                if (j->type->loop == LOOP_Q8_0)
                     v_direct_q8(j->w + o0 * j->row_bytes, j->row_bytes, n, blocks, j->codes + r * j->x_bytes,
                                 j->panels + r * blocks * V_PANEL, bias, j->y + r * j->ldy + o0, (int32_t *)buffer,
                                 (int32_t *)buffer + 16 * stride);
@@ -537,28 +539,29 @@ static void v_units(const void *task, int64_t begin, int64_t end) {
    these defaults were measured so with two threads on a Zen 4 (SmolLM2's shapes: Q4_1 1536 x 576, Q8_0 49152 x 576):
    one row is faster straight from the blocks, two rows on tiles (the times: docs/performance.md). (Before the
    tiles' layout got cheaper, direct won up to two rows of Q4_1 and three of Q8_0.) */
-static int v_below[9] = {[2] = 2, [3] = 2, [8] = 2};
+static int v_below[LOOPS] = {[LOOP_Q4_0] = 2, [LOOP_Q4_1] = 2, [LOOP_Q8_0] = 2};
 
-static int v_direct_below(int type) {
+static int v_direct_below(const block_type *t) {
 #if LANES == 16 && defined(__AVX512VNNI__)
-    return v_shuffled(type) ? __atomic_load_n(&v_below[type], __ATOMIC_RELAXED) : 0; /* (set while others run) */
+    return t && v_shuffled(t) ? __atomic_load_n(&v_below[t->loop], __ATOMIC_RELAXED) : 0; /* (set while others run) */
 #else
-    return (void)type, 0; /* (the lane-by-lane loops have tiles only) */
+    return (void)t, 0; /* (the lane-by-lane loops have tiles only) */
 #endif
 }
 
 /* How many rows of a 32-value type's product run straight from the blocks (below that, tiles); 0: tiles always
    (another type, or a build without AVX-512 VNNI). For /health. */
 int mw_direct_rows(int type) {
-    const int below = v_direct_below(type);
+    const int below = v_direct_below(block_type_of(type));
     return below ? below - 1 : 0;
 }
 
 /* Sets how many rows of `type` run straight from the blocks (what a node measured to be faster there); returns
    what `mw_direct_rows` says now (0 where this build or type has no such path). Set before products run. */
 int mw_set_direct_rows(int type, int rows) {
-    if (v_direct_below(type) && rows >= 0 && rows < 64)
-        __atomic_store_n(&v_below[type], rows + 1, __ATOMIC_RELAXED);
+    const block_type *t = block_type_of(type);
+    if (v_direct_below(t) && rows >= 0 && rows < 64)
+        __atomic_store_n(&v_below[t->loop], rows + 1, __ATOMIC_RELAXED);
     return mw_direct_rows(type);
 }
 
@@ -567,18 +570,18 @@ int mw_set_direct_rows(int type, int rows) {
 static int v_product(const block_type *t, const uint8_t *x, int64_t rows, int64_t in, const void *w,
                      const float *bias, float *y, int64_t ldy, int64_t out, int threads, int path) {
 #ifdef V2_PRODUCT
-    (void)path;
-    return v2_product(t, x, rows, in, w, bias, y, ldy, out, threads);
+    if (t->loop != LOOP_ANY) /* (a type without AVX2 loops: the lane-by-lane tiles below) */
+        return v2_product(t, x, rows, in, w, bias, y, ldy, out, threads);
 #endif
     const int64_t x_bytes = q8_row_bytes(in, ROW32), blocks = in / 32;
-    const int below = v_direct_below(t->type); /* (0: no direct path here) */
+    const int below = v_direct_below(t); /* (0: no direct path here) */
     const int direct = below && (path == PATH_DIRECT || (path == PATH_CHOSEN && rows < below));
 #if LANES == 16 && defined(__AVX512VNNI__)
     if (!direct)
         pthread_once(&v_tables_once, v_make_tables); /* (`v_lay`'s, once per process: not on each unit's way) */
 #endif
     int32_t *panels = lined(sizeof(int32_t) * (size_t)(rows * blocks * V_PANEL));
-    const int spreads = direct && t->type != 8; /* (`v_direct`'s; Q8_0's lone rows read `x` as it is) */
+    const int spreads = direct && t->loop != LOOP_Q8_0; /* (`v_direct`'s; Q8_0's lone rows read `x` as it is) */
     int8_t *spread = spreads ? lined((size_t)(rows * blocks * V_SPREAD)) : NULL;
     if (!panels || (spreads && !spread)) {
         free(panels);

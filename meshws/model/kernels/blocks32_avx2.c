@@ -22,14 +22,15 @@
 typedef int32_t __attribute__((may_alias, aligned(1))) v2_word;
 typedef float __attribute__((may_alias, aligned(1))) v2_real;
 
-/* A block's 32 codes in order (value j at byte j), unsigned (c + offset), or Q8_0's signed c. */
-static inline __m256i v2_codes(int type, const uint8_t *block) {
-    if (type == 8)
+/* A block's 32 codes in order (value j at byte j), unsigned (c + offset), or Q8_0's signed c; `loop` names the
+   layout (the row's LOOP_*: only the five types these loops are written for come here, `v_product`). */
+static inline __m256i v2_codes(int loop, const uint8_t *block) {
+    if (loop == LOOP_Q8_0)
         return _mm256_loadu_si256((const __m256i *)(block + 2));
-    const int at = type == 2 ? 2 : type == 3 ? 4 : type == 6 ? 6 : 8; /* where the nibbles start */
+    const int at = loop == LOOP_Q4_0 ? 2 : loop == LOOP_Q4_1 ? 4 : loop == LOOP_Q5_0 ? 6 : 8; /* (the nibbles) */
     const __m128i nibbles = _mm_loadu_si128((const __m128i *)(block + at)), fifteen = _mm_set1_epi8(15);
     __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(nibbles, 4), fifteen), _mm_and_si128(nibbles, fifteen));
-    if (type == 6 || type == 7) { /* Q5: bit j of the 32-bit word before the nibbles is value j's fifth bit */
+    if (loop == LOOP_Q5_0 || loop == LOOP_Q5_1) { /* Q5: bit j of the word before the nibbles: value j's 5th bit */
         uint32_t high;
         memcpy(&high, block + at - 4, 4);
         const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)high),
@@ -43,9 +44,9 @@ static inline __m256i v2_codes(int type, const uint8_t *block) {
 }
 
 /* The 8 partial sums (32-bit lanes) of one block's products with the row's 32 codes q. */
-static inline __m256i v2_dot(int type, __m256i codes, __m256i q) {
-    const __m256i pairs = type == 8 ? _mm256_maddubs_epi16(_mm256_abs_epi8(codes), _mm256_sign_epi8(q, codes))
-                                    : _mm256_maddubs_epi16(codes, q);
+static inline __m256i v2_dot(int loop, __m256i codes, __m256i q) {
+    const __m256i pairs = loop == LOOP_Q8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(codes), _mm256_sign_epi8(q, codes))
+                                            : _mm256_maddubs_epi16(codes, q);
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
@@ -119,12 +120,12 @@ static inline __m256i v2_q8_tile_dot(const __m256i *magnitudes, const __m256i *s
 
 /* Block `at` (bytes in) of eight outputs' rows: its codes (`v2_codes`), and with `ahead`, the next unit's block asked
    for (below). */
-static inline __attribute__((always_inline)) void v2_block_codes(int type, int bytes, const uint8_t *const *from,
+static inline __attribute__((always_inline)) void v2_block_codes(int loop, int bytes, const uint8_t *const *from,
                                                                  int64_t at, const uint8_t *ahead, __m256i *codes) {
     for (int line = 0; ahead && line < 8 * bytes; line += 64)
         _mm_prefetch((const char *)ahead + 8 * at + line, _MM_HINT_T0);
     for (int o = 0; o < 8; o++)
-        codes[o] = v2_codes(type, from[o] + at);
+        codes[o] = v2_codes(loop, from[o] + at);
 }
 
 /* Eight outputs (rows `from`) times nr quantized rows (ROW32, `x`): acc[r], lane o. With `ahead` (the next unit's
@@ -134,21 +135,21 @@ static inline __attribute__((always_inline)) void v2_block_codes(int type, int b
 static inline __attribute__((always_inline)) void v2_rows(const block_type *t, const uint8_t *const *from,
                                                           int64_t blocks, const q_row *x, int nr, __m256 *acc,
                                                           const uint8_t *ahead) {
-    const int type = t->type, bytes = t->bytes;
+    const int loop = t->loop, bytes = t->bytes;
     for (int r = 0; r < nr; r++)
         acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t at = b * bytes;
         __m256i codes[8];
-        v2_block_codes(type, bytes, from, at, ahead, codes);
-        const __m256 d = v2_heads(from, at), m = type == 3 || type == 7 ? v2_heads(from, at + 2) : _mm256_setzero_ps();
+        v2_block_codes(loop, bytes, from, at, ahead, codes);
+        const __m256 d = v2_heads(from, at), m = t->has_b ? v2_heads(from, at + 2) : _mm256_setzero_ps();
         for (int r = 0; r < nr; r++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(x[r].q + 32 * b));
             __m256i parts[8];
             for (int o = 0; o < 8; o++)
-                parts[o] = v2_dot(type, codes[o], q);
+                parts[o] = v2_dot(loop, codes[o], q);
             __m256i dot = v2_sum8(parts);
-            if (type != 8)
+            if (loop != LOOP_Q8_0)
                 dot = _mm256_add_epi32(dot, _mm256_set1_epi32(-t->offset * x[r].totals[b]));
             __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(x[r].scale[b])));
             v = _mm256_fmadd_ps(m, _mm256_set1_ps(x[r].sums[b]), v);
@@ -157,37 +158,37 @@ static inline __attribute__((always_inline)) void v2_rows(const block_type *t, c
     }
 }
 
-/* `v2_rows`' tiles for one type, a constant where this is inlined (`v2_tiles`): the offset term only where the type
-   has one, and each row's codes, scale, code sum and d times it read at fixed distances from its start (the rows lie
-   `x_bytes` apart) rather than through four pointers a row; a block's eight sums added as a tree. A row and block of
+/* `v2_rows`' tiles for one type's loop, a constant where this is inlined (`v2_tiles`; its sizes from the type's
+   row): the offset term only where the type has one, and each row's codes, scale, code sum and d times it read at
+   fixed distances from its start (the rows lie `x_bytes` apart) rather than through four pointers a row; a block's
+   eight sums added as a tree. A row and block of
    Q4_1 took 46 instructions, now 38, and SmolLM2's Q4_1 1536x576 got measurably faster on a Zen 3, on one thread and
    two, at 6 rows and at 16. Q8_0 here too (`v2_q8_tile_dot`).
    The same integers and float steps in the same order, so the same bits. */
-static inline __attribute__((always_inline)) void v2_tile_rows(const int type, const uint8_t *const *from,
-                                                               int64_t blocks, const uint8_t *x, int64_t x_bytes,
-                                                               int64_t padded, int nr, __m256 *acc,
-                                                               const uint8_t *ahead) {
-    const int bytes = type == 2 ? 18 : type == 3 ? 20 : type == 6 ? 22 : type == 7 ? 24 : 34;
-    const int five = type == 6 || type == 7;
-    const int offset = type == 2 ? 8 : type == 6 ? 16 : 0, minimum = type == 3 || type == 7;
+static inline __attribute__((always_inline)) void v2_tile_rows(const int loop, const block_type *t,
+                                                               const uint8_t *const *from, int64_t blocks,
+                                                               const uint8_t *x, int64_t x_bytes, int64_t padded,
+                                                               int nr, __m256 *acc, const uint8_t *ahead) {
+    const int bytes = t->bytes, offset = t->offset, minimum = t->has_b;
+    const int five = loop == LOOP_Q5_0 || loop == LOOP_Q5_1, q8 = loop == LOOP_Q8_0;
     const int64_t nb = padded / 32;
     for (int r = 0; r < nr; r++)
         acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t at = b * bytes;
         __m256i codes[8], lanes[8], signs[8];
-        v2_block_codes(type, bytes, from, at, ahead, codes);
+        v2_block_codes(loop, bytes, from, at, ahead, codes);
         v2_transposed(codes, lanes);
-        for (int k = 0; type == 8 && k < 8; k++) { /* Q8_0: |c| and c's sign, one output to a lane */
+        for (int k = 0; q8 && k < 8; k++) { /* Q8_0: |c| and c's sign, one output to a lane */
             signs[k] = lanes[k];
             lanes[k] = _mm256_abs_epi8(lanes[k]);
         }
         const __m256 d = v2_heads(from, at), m = minimum ? v2_heads(from, at + 2) : _mm256_setzero_ps();
         const uint8_t *q = x + 32 * b, *scale = x + padded + 4 * b, *total = scale + 4 * nb, *share = total + 4 * nb;
         for (int64_t r = 0, step = 0; r < nr; r++, step += x_bytes) {
-            __m256i dot = type == 8 ? v2_q8_tile_dot(lanes, signs, (const int8_t *)(q + step))
-                                    : v2_tile_dot(five, lanes, (const int8_t *)(q + step));
-            if (offset)
+            __m256i dot = q8 ? v2_q8_tile_dot(lanes, signs, (const int8_t *)(q + step))
+                             : v2_tile_dot(five, lanes, (const int8_t *)(q + step));
+            if (offset && !q8)
                 dot = _mm256_add_epi32(dot, _mm256_set1_epi32(-offset * *(const v2_word *)(total + step)));
             const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(*(const v2_real *)(scale + step)));
             __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), ds);
@@ -198,15 +199,16 @@ static inline __attribute__((always_inline)) void v2_tile_rows(const int type, c
     }
 }
 
-/* The tiles' loop, one copy per type. */
-static void v2_tiles(int type, const uint8_t *const *from, int64_t blocks, const uint8_t *x, int64_t x_bytes,
-                     int64_t padded, int nr, __m256 *acc, const uint8_t *ahead) {
-    switch (type) {
-    case 2: v2_tile_rows(2, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
-    case 3: v2_tile_rows(3, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
-    case 6: v2_tile_rows(6, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
-    case 7: v2_tile_rows(7, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
-    default: v2_tile_rows(8, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
+/* The tiles' loop, one copy per type's loop (a type without one never comes here: `v_product`). */
+static void v2_tiles(const block_type *t, const uint8_t *const *from, int64_t blocks, const uint8_t *x,
+                     int64_t x_bytes, int64_t padded, int nr, __m256 *acc, const uint8_t *ahead) {
+    switch (t->loop) {
+    case LOOP_Q4_0: v2_tile_rows(LOOP_Q4_0, t, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
+    case LOOP_Q4_1: v2_tile_rows(LOOP_Q4_1, t, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
+    case LOOP_Q5_0: v2_tile_rows(LOOP_Q5_0, t, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
+    case LOOP_Q5_1: v2_tile_rows(LOOP_Q5_1, t, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
+    case LOOP_Q8_0: v2_tile_rows(LOOP_Q8_0, t, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
+    default: abort(); /* (unreachable: `v_product` sends a type without a loop here down the generic path) */
     }
 }
 
@@ -238,7 +240,7 @@ static void v2_units(const void *task, int64_t begin, int64_t end) {
             const int first = r0 == 0 && unit + 1 < end && o0 + 16 <= j->out; /* (the next unit is this thread's) */
             const uint8_t *ahead = first ? from[0] + 8 * j->row_bytes : NULL;
             if (nr >= V2_TILE_ROWS) {
-                v2_tiles(j->type->type, from, blocks, j->x + r0 * j->x_bytes, j->x_bytes, padded, (int)nr, acc, ahead);
+                v2_tiles(j->type, from, blocks, j->x + r0 * j->x_bytes, j->x_bytes, padded, (int)nr, acc, ahead);
             } else {
                 q_row x[V2_TILE_ROWS - 1];
                 for (int r = 0; r < nr; r++)

@@ -210,21 +210,20 @@ static inline __attribute__((always_inline)) void q5_K_dots2(const uint8_t *w, i
 }
 
 #ifndef KQUANTS_AVX2_LOOPS /* (this file's entry points, where it is the K-quants' loops) */
-#define FUSED_DOTS 1
-static int has_fused_dots(int type) { return type >= 12 && type <= 14; }
+#define FUSED_DOTS 1 /* (Q4_K, Q5_K, Q6_K; another K-quant: `q_dots_scalar` on its unpacked row) */
 
-static inline __attribute__((always_inline)) void dots_of(int type, const uint8_t *w, const unpacked_row *u, int64_t in,
+static inline __attribute__((always_inline)) void dots_of(int loop, const uint8_t *w, const unpacked_row *u, int64_t in,
                                                           const q_row *x, int width, int nr, int64_t padded,
                                                           float *sums) {
-    if (type == 13) {
+    if (loop == LOOP_Q5_K) {
         q5_K_dots2(w, in, x, width, nr, sums);
         return;
     }
     v16 acc[2 * Q_ROWS];
     for (int r = 0; r < 2 * width; r++)
         acc[r] = v16_zero();
-    (void)u, (void)padded; /* (every type here has its fused loop: `has_fused_dots`) */
-    if (type == 12)
+    (void)u, (void)padded; /* (only the types `has_fused_dots` names come here) */
+    if (loop == LOOP_Q4_K)
         UNITS_IN_PAIRS(q4_K_unit2, in, w, x, width, acc)
     else
         UNITS_IN_PAIRS(q6_K_unit2, in, w, x, width, acc)
@@ -233,14 +232,14 @@ static inline __attribute__((always_inline)) void dots_of(int type, const uint8_
 }
 
 #define LONE_OUTPUTS 4
-static void q_dots_lone(int type, const uint8_t *w, int64_t row_bytes, int64_t in, const uint8_t *row, int64_t padded,
+static void q_dots_lone(int loop, const uint8_t *w, int64_t row_bytes, int64_t in, const uint8_t *row, int64_t padded,
                         float *sums) {
     const q_row x = row_at(row, padded, ROW256);
     for (int o = 0; o < LONE_OUTPUTS; o++) {
         v16 acc[2] = {v16_zero(), v16_zero()};
-        if (type == 12)
+        if (loop == LOOP_Q4_K)
             UNITS_IN_PAIRS(q4_K_unit2, in, w + o * row_bytes, &x, 1, acc)
-        else if (type == 13) {
+        else if (loop == LOOP_Q5_K) {
             q5_K_dots2(w + o * row_bytes, in, &x, 1, 1, sums + o);
             continue;
         } else

@@ -8,6 +8,8 @@
      Q4_0  d * (q - 8)          Q4_1  d * q + m          Q5_0  d * (q - 16)      Q5_1  d * q + m
      Q8_0  q * d                Q4_K  (d * sc) * q - (dmin * m)                 Q5_K  likewise, 5-bit q
      Q6_K  (d * sc) * (q - 32)
+     Q2_K  (d * sc) * q - (dmin * m), 2-bit q, 4-bit sc and m     Q3_K  (d * (sc - 32)) * (q - 4), 3-bit q
+     IQ4_NL  d * K[q]     IQ4_XS  (d * (sc - 32)) * K[q], 6-bit sc per 32 values; K: 16 fixed signed bytes
    (d, m, dmin float16 as float32; sc, m 6-bit; Q6_K's sc a signed byte per 16 values). `widen_values` gives those
    floats bit for bit: a product of float32 weights read from a GGUF (`--dtype float32`) is the product of the
    weights transformers dequantizes.
@@ -25,11 +27,18 @@
 
 typedef void (*unpack_fn)(const uint8_t *src, int n, int8_t *codes, float *a, float *b);
 
+/* The product loops written for one type's bytes (each instruction set's, where it has them: `has_fused_dots`,
+   `v_shuffled`, `v2_tiles`). LOOP_ANY: none; its products take the generic path, through the type's `unpack`, on
+   every instruction set. A product path chooses by a row's `loop`, never by a type id: a new type whose row says
+   LOOP_ANY can only take the generic path. */
+enum { LOOP_ANY, LOOP_Q4_0, LOOP_Q4_1, LOOP_Q5_0, LOOP_Q5_1, LOOP_Q8_0, LOOP_Q4_K, LOOP_Q5_K, LOOP_Q6_K, LOOPS };
+
 typedef struct block_type {
     int type; /* ggml's id */
     int elements, bytes; /* a block's */
     int offset; /* added to the codes to make them unsigned for the 8-bit products */
     int has_b; /* value = a * c + b (else a * c, with no addition: -0.0 stays -0.0) */
+    int loop; /* LOOP_*: its own product loops, or LOOP_ANY */
     unpack_fn unpack;
 } block_type;
 
@@ -208,11 +217,83 @@ static void unpack_q6_K(const uint8_t *src, int n, int8_t *codes, float *a, floa
 #endif
 }
 
+/* Q2_K: 16 bytes of scales (4-bit sc, 4-bit m above it) per 16 values, then 64 bytes of 2-bit codes (value
+   128h + 32s + i at bits 2s of byte 32h + i), then d and dmin. */
+static void unpack_q2_K(const uint8_t *src, int n, int8_t *codes, float *a, float *b) {
+    (void)n;
+    const float d = half_to_float(src + 80), dmin = half_to_float(src + 82);
+    for (int g = 0; g < 16; g++) {
+        a[g] = d * (float)(src[g] & 15);
+        b[g] = -(dmin * (float)(src[g] >> 4));
+    }
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int i = 0; i < 32; i++)
+                codes[128 * h + 32 * s + i] = (int8_t)((src[16 + 32 * h + i] >> (2 * s)) & 3);
+}
+
+/* Q3_K: 32 bytes of high bits (value 32b + i at bit b of byte i: set, the code is its low bits; clear, 4 less),
+   64 bytes of low 2-bit codes (as Q2_K's), 12 bytes of 6-bit scales less 32 (low nibbles in bytes 0-7, their
+   high 2 bits in bytes 8-11), then d. */
+static void unpack_q3_K(const uint8_t *src, int n, int8_t *codes, float *a, float *b) {
+    (void)n, (void)b;
+    const uint8_t *hmask = src, *qs = src + 32, *sc = src + 96;
+    const float d = half_to_float(src + 108);
+    for (int g = 0; g < 16; g++) {
+        const int low = (sc[g % 8] >> (4 * (g / 8))) & 15, high = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
+        a[g] = d * (float)((low | high << 4) - 32);
+    }
+    for (int b = 0; b < 8; b++) /* (value 32b + i: its low bits in qs's half b / 4, shifted by 2 (b % 4)) */
+        for (int i = 0; i < 32; i++)
+            codes[32 * b + i] = (int8_t)(((qs[32 * (b / 4) + i] >> (2 * (b % 4))) & 3) - 4 + 4 * ((hmask[i] >> b) & 1));
+}
+
+static const int8_t NONLINEAR[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static void nonlinear_codes(const uint8_t *qs, int8_t *codes) { /* 32 values: low nibbles of 16 bytes, then high */
+#if defined(__SSSE3__) && !defined(GENERIC) /* (the table in a register, looked up 16 at a time) */
+    const __m128i table = _mm_loadu_si128((const __m128i *)NONLINEAR), q = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i fifteen = _mm_set1_epi8(15);
+    _mm_storeu_si128((__m128i *)codes, _mm_shuffle_epi8(table, _mm_and_si128(q, fifteen)));
+    _mm_storeu_si128((__m128i *)(codes + 16), _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), fifteen)));
+#else
+    for (int i = 0; i < 16; i++) {
+        codes[i] = NONLINEAR[qs[i] & 15];
+        codes[16 + i] = NONLINEAR[qs[i] >> 4];
+    }
+#endif
+}
+
+/* IQ4_NL: d, then 16 bytes of indices into NONLINEAR. */
+static void unpack_iq4_nl(const uint8_t *src, int n, int8_t *codes, float *a, float *b) {
+    (void)b;
+    for (int k = 0; k < n / 32; k++, src += 18) {
+        set_groups(a, NULL, 2 * k, 2, half_to_float(src), 0.0f);
+        nonlinear_codes(src + 2, codes + 32 * k);
+    }
+}
+
+/* IQ4_XS: d, the scales' high 2 bits (a little-endian 16-bit word, 2 bits per 32 values), their low nibbles (4
+   bytes), then per 32 values 16 bytes of indices into NONLINEAR. */
+static void unpack_iq4_xs(const uint8_t *src, int n, int8_t *codes, float *a, float *b) {
+    (void)n, (void)b;
+    const float d = half_to_float(src);
+    const int high = src[2] | src[3] << 8;
+    for (int j = 0; j < 8; j++) {
+        const int scale = ((src[4 + j / 2] >> (4 * (j % 2))) & 15) | ((high >> (2 * j)) & 3) << 4;
+        set_groups(a, NULL, 2 * j, 2, d * (float)(scale - 32), 0.0f);
+        nonlinear_codes(src + 8 + 16 * j, codes + 32 * j);
+    }
+}
+
 static const block_type TYPES[] = {
-    /* type, values, bytes, offset, has_b, unpack */
-    {2, 32, 18, 8, 0, unpack_q4_0},    {3, 32, 20, 0, 1, unpack_q4_1},    {6, 32, 22, 16, 0, unpack_q5_0},
-    {7, 32, 24, 0, 1, unpack_q5_1},    {8, 32, 34, 128, 0, unpack_q8_0},  {12, 256, 144, 0, 1, unpack_q4_K},
-    {13, 256, 176, 0, 1, unpack_q5_K}, {14, 256, 210, 32, 0, unpack_q6_K},
+    /* type, values, bytes, offset, has_b, loop, unpack */
+    {2, 32, 18, 8, 0, LOOP_Q4_0, unpack_q4_0},        {3, 32, 20, 0, 1, LOOP_Q4_1, unpack_q4_1},
+    {6, 32, 22, 16, 0, LOOP_Q5_0, unpack_q5_0},       {7, 32, 24, 0, 1, LOOP_Q5_1, unpack_q5_1},
+    {8, 32, 34, 128, 0, LOOP_Q8_0, unpack_q8_0},      {10, 256, 84, 0, 1, LOOP_ANY, unpack_q2_K},
+    {11, 256, 110, 4, 0, LOOP_ANY, unpack_q3_K},      {12, 256, 144, 0, 1, LOOP_Q4_K, unpack_q4_K},
+    {13, 256, 176, 0, 1, LOOP_Q5_K, unpack_q5_K},     {14, 256, 210, 32, 0, LOOP_Q6_K, unpack_q6_K},
+    {20, 32, 18, 128, 0, LOOP_ANY, unpack_iq4_nl},    {23, 256, 136, 128, 0, LOOP_ANY, unpack_iq4_xs},
 };
 #define TYPE_COUNT ((int)(sizeof TYPES / sizeof TYPES[0]))
 
@@ -347,7 +428,7 @@ static inline int unit_at(int layout, int p) { /* the value at position p of a u
 }
 
 static inline int layout_of(const block_type *t) {
-    return t->type == 12 ? ROW256_Q4K : t->elements == QK ? ROW256 : ROW32;
+    return t->loop == LOOP_Q4_K ? ROW256_Q4K : t->elements == QK ? ROW256 : ROW32;
 }
 static inline int64_t q8_padded(int64_t in) { return (in + QK - 1) / QK * QK; }
 static inline int64_t q8_row_bytes(int64_t in, int layout) {
@@ -518,8 +599,11 @@ static void unpack_row(const block_type *t, const uint8_t *w, int64_t in, unpack
             }
             b[g] = t->has_b ? b[g] : -((float)t->offset * a[g]); /* (as the fused loops make it) */
         }
-        for (int p = 0; p < QK; p++)
-            c[p] = (int8_t)(uint8_t)((int)natural[unit_at(layout, p)] + t->offset);
+        for (int p = 0; p < QK; p += 8) { /* (eight values at a time lie together in every layout) */
+            const int8_t *from = natural + unit_at(layout, p);
+            for (int i = 0; i < 8; i++)
+                c[p + i] = (int8_t)(uint8_t)((int)from[i] + t->offset);
+        }
     }
 }
 
@@ -690,39 +774,39 @@ static inline __attribute__((always_inline)) void fused_q6_K(const uint8_t *row,
 #include "kquants_avx2.c"
 
 #define FUSED_DOTS 1
-static int has_fused_dots(int type) { return type >= 12 && type <= 14; }
+#define VECTOR_UNPACKED 1 /* `unpacked_rows`: the generic path in vectors, as `q_dots_scalar` sums */
 
 /* sums[r] = row r . the weight row w (raw blocks, or `u` unpacked for a type without a fused loop), `width` rows (a
    constant once inlined: each width gets its own accumulators, in registers, rather than one array in memory that
    every call zeroed). */
-static inline __attribute__((always_inline)) void dots_of(int type, const uint8_t *w, const unpacked_row *u, int64_t in,
+static inline __attribute__((always_inline)) void dots_of(int loop, const uint8_t *w, const unpacked_row *u, int64_t in,
                                                           const q_row *x, int width, int nr, int64_t padded,
                                                           float *sums) {
-    if (type == 13) {
+    if (loop == LOOP_Q5_K) {
         q5_K_dots2(w, in, x, width, nr, sums);
         return;
     }
     vec acc[2 * Q_ROWS];
     for (int r = 0; r < 2 * width; r++)
         acc[r] = vzero();
-    switch (type) {
-    case 12: fused_q4_K(w, in, x, width, acc); break;
-    case 14: fused_q6_K(w, in, x, width, acc); break;
-    default: unpacked_rows(u, padded, x, width, acc); break;
+    switch (loop) {
+    case LOOP_Q4_K: fused_q4_K(w, in, x, width, acc); break;
+    case LOOP_Q6_K: fused_q6_K(w, in, x, width, acc); break;
+    default: unpacked_rows(u, padded, x, width, acc); break; /* (LOOP_ANY: `u` is the unpacked row) */
     }
     for (int r = 0; r < nr && r < width; r++) /* (nr <= width: said so that GCC sees every acc was set) */
         sums[r] = hsum(vplus(acc[2 * r], acc[2 * r + 1]));
 }
 
-/* A lone row against LONE_OUTPUTS weight rows `row_bytes` apart (Q4_K, Q5_K, Q6_K), one after another: sums[o] =
-   row . w_o, each output's arithmetic that of `q_dots` (the same bits). Their `hsum`s come at the end, not between
-   one output's units and the next's, so the core runs on into the next row; the rows are read in order, one stream
-   from memory (interleaved unit by unit, four streams were much slower). */
+/* A lone row against LONE_OUTPUTS weight rows `row_bytes` apart (a type with a fused loop), one after another:
+   sums[o] = row . w_o, each output's arithmetic that of `q_dots` (the same bits). Their `hsum`s come at the end, not
+   between one output's units and the next's, so the core runs on into the next row; the rows are read in order, one
+   stream from memory (interleaved unit by unit, four streams were much slower). */
 #define LONE_OUTPUTS 4
-static void q_dots_lone(int type, const uint8_t *w, int64_t row_bytes, int64_t in, const uint8_t *row, int64_t padded,
+static void q_dots_lone(int loop, const uint8_t *w, int64_t row_bytes, int64_t in, const uint8_t *row, int64_t padded,
                         float *sums) {
     const q_row x = row_at(row, padded, ROW256);
-    if (type == 13) {
+    if (loop == LOOP_Q5_K) {
         for (int o = 0; o < LONE_OUTPUTS; o++)
             q5_K_dots2(w + o * row_bytes, in, &x, 1, 1, sums + o);
         return;
@@ -732,7 +816,7 @@ static void q_dots_lone(int type, const uint8_t *w, int64_t row_bytes, int64_t i
         acc[o] = vzero();
 #pragma GCC unroll 4
     for (int o = 0; o < LONE_OUTPUTS; o++) {
-        if (type == 12)
+        if (loop == LOOP_Q4_K)
             UNITS_IN_PAIRS(q4_K_unit, in, w + o * row_bytes, &x, 1, acc + 2 * o)
         else
             UNITS_IN_PAIRS(q6_K_unit, in, w + o * row_bytes, &x, 1, acc + 2 * o)
@@ -744,35 +828,23 @@ static void q_dots_lone(int type, const uint8_t *w, int64_t row_bytes, int64_t i
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(GENERIC)
 #include "kquants_avx2.c"
 #endif
+
+/* Whether a K-quant's products here run its own fused loop on the blocks as stored (Q4_K, Q5_K, Q6_K in a vector
+   build); else the generic path, on its row unpacked (`unpack_row`). */
+static int has_fused_dots(const block_type *t) {
 #if defined(FUSED_DOTS)
-static void q_dots(int type, const uint8_t *w, const unpacked_row *u, int64_t in, const uint8_t *const *rows, int nr,
-                   int64_t padded, float *sums) {
-    q_row x[Q_ROWS];
-    const int width = nr == 1 ? 1 : nr == 2 ? 2 : nr <= 4 ? 4 : 8; /* loops built for these counts only: a group */
-    for (int r = 0; r < width; r++) /* of 3 runs as 4, its first row again (those sums dropped) */
-        x[r] = row_at(rows[r < nr ? r : 0], padded, ROW256);
-    switch (width) {
-    case 1: dots_of(type, w, u, in, x, 1, nr, padded, sums); break;
-    case 2: dots_of(type, w, u, in, x, 2, nr, padded, sums); break;
-    case 4: dots_of(type, w, u, in, x, 4, nr, padded, sums); break;
-    default: dots_of(type, w, u, in, x, 8, nr, padded, sums); break;
-    }
-}
+    return t->loop == LOOP_Q4_K || t->loop == LOOP_Q5_K || t->loop == LOOP_Q6_K;
 #else
-static int has_fused_dots(int type) { return (void)type, 0; }
-
-#define LONE_OUTPUTS 4
-static void q_dots_lone(int type, const uint8_t *w, int64_t row_bytes, int64_t in, const uint8_t *row, int64_t padded,
-                        float *sums) { /* (no fused loops here: never called) */
-    (void)type, (void)w, (void)row_bytes, (void)in, (void)row, (void)padded, (void)sums;
+    return (void)t, 0;
+#endif
 }
 
+#if !defined(VECTOR_UNPACKED)
 /* sums[r] = row r . the unpacked weight row: the vector loops' arithmetic, lane by lane in scalar code (16 lanes of
-   4 values; `hsum`'s tree). */
-static void q_dots(int type, const uint8_t *w, const unpacked_row *u, int64_t in, const uint8_t *const *rows, int nr,
-                   int64_t padded, float *sums) {
-    (void)w, (void)in;
-    const int layout = layout_of(block_type_of(type));
+   4 values; `hsum`'s tree). The generic path where no vector loop has it. */
+static void q_dots_scalar(const block_type *t, const unpacked_row *u, const uint8_t *const *rows, int nr,
+                          int64_t padded, float *sums) {
+    const int layout = layout_of(t);
     for (int r = 0; r < nr; r++) {
         const q_row x = row_at(rows[r], padded, ROW256);
         float acc[2][16] = {{0}};
@@ -804,6 +876,40 @@ static void q_dots(int type, const uint8_t *w, const unpacked_row *u, int64_t in
 }
 #endif
 
+/* sums[r] = row r . weight row w (`u`: unpacked, for a type without a fused loop here), for nr <= Q_ROWS rows. */
+static void q_dots(const block_type *t, const uint8_t *w, const unpacked_row *u, int64_t in,
+                   const uint8_t *const *rows, int nr, int64_t padded, float *sums) {
+#if defined(FUSED_DOTS)
+#if !defined(VECTOR_UNPACKED)
+    if (!has_fused_dots(t)) {
+        q_dots_scalar(t, u, rows, nr, padded, sums);
+        return;
+    }
+#endif
+    q_row x[Q_ROWS];
+    const int width = nr == 1 ? 1 : nr == 2 ? 2 : nr <= 4 ? 4 : 8; /* loops built for these counts only: a group */
+    for (int r = 0; r < width; r++) /* of 3 runs as 4, its first row again (those sums dropped) */
+        x[r] = row_at(rows[r < nr ? r : 0], padded, ROW256);
+    switch (width) {
+    case 1: dots_of(t->loop, w, u, in, x, 1, nr, padded, sums); break;
+    case 2: dots_of(t->loop, w, u, in, x, 2, nr, padded, sums); break;
+    case 4: dots_of(t->loop, w, u, in, x, 4, nr, padded, sums); break;
+    default: dots_of(t->loop, w, u, in, x, 8, nr, padded, sums); break;
+    }
+#else
+    (void)w, (void)in;
+    q_dots_scalar(t, u, rows, nr, padded, sums);
+#endif
+}
+
+#if !defined(FUSED_DOTS)
+#define LONE_OUTPUTS 4
+static void q_dots_lone(int loop, const uint8_t *w, int64_t row_bytes, int64_t in, const uint8_t *row, int64_t padded,
+                        float *sums) { /* (no fused loops here: never called) */
+    (void)loop, (void)w, (void)row_bytes, (void)in, (void)row, (void)padded, (void)sums;
+}
+#endif
+
 typedef struct {
     const block_type *type;
     const uint8_t *w, *x; /* weights [out, row_bytes]; quantized rows [rows, x_bytes] */
@@ -817,7 +923,7 @@ typedef struct {
 static void qlinear_units(const void *task, int64_t begin, int64_t end) {
     const qlinear_job *j = task;
     const int64_t padded = q8_padded(j->in);
-    const int fused = has_fused_dots(j->type->type);
+    const int fused = has_fused_dots(j->type);
     uint8_t *buffer = fused ? NULL : lined((size_t)padded + sizeof(float) * 2 * (size_t)(padded / GROUP));
     unpacked_row u = {buffer, (float *)(buffer + padded), (float *)(buffer + padded) + padded / GROUP};
     const int64_t first = begin * j->tile, last = end * j->tile < j->out ? end * j->tile : j->out;
@@ -831,7 +937,7 @@ static void qlinear_units(const void *task, int64_t begin, int64_t end) {
             int64_t o = tile;
             for (; nr == 1 && fused && o + LONE_OUTPUTS <= tile_end; o += LONE_OUTPUTS) {
                 float sums[LONE_OUTPUTS];
-                q_dots_lone(j->type->type, j->w + o * j->row_bytes, j->row_bytes, j->in, rows[0], padded, sums);
+                q_dots_lone(j->type->loop, j->w + o * j->row_bytes, j->row_bytes, j->in, rows[0], padded, sums);
                 for (int i = 0; i < LONE_OUTPUTS; i++)
                     j->y[r0 * j->ldy + o + i] = j->bias ? sums[i] + j->bias[o + i] : sums[i];
             }
@@ -840,7 +946,7 @@ static void qlinear_units(const void *task, int64_t begin, int64_t end) {
                 float sums[Q_ROWS];
                 if (!fused)
                     unpack_row(j->type, w, j->in, &u);
-                q_dots(j->type->type, w, &u, j->in, rows, nr, padded, sums);
+                q_dots(j->type, w, &u, j->in, rows, nr, padded, sums);
                 for (int r = 0; r < nr; r++)
                     j->y[(r0 + r) * j->ldy + o] = j->bias ? sums[r] + j->bias[o] : sums[r];
             }
