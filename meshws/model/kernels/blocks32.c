@@ -78,7 +78,7 @@ static inline __attribute__((always_inline)) void v_transpose(__m512i *r, const 
 }
 
 static int v_shuffled(const block_type *t) { /* the types `v_lay` and `v_direct` read as stored */
-    return t->loop == LOOP_Q4_0 || t->loop == LOOP_Q4_1 || t->loop == LOOP_Q8_0;
+    return t->loop == LOOP_Q4_0 || t->loop == LOOP_Q4_1 || t->loop == LOOP_Q8_0 || t->loop == LOOP_IQ4_NL;
 }
 
 static int v_head(const block_type *t) { return t->loop == LOOP_Q4_1 ? 4 : 2; } /* Q4_1's d and m, or a d; then codes */
@@ -92,7 +92,14 @@ static struct {
     int32_t pair[16];                          /* lanes 4 o + b of two packed registers: outputs 0-7 */
 } v_tables;
 
-static int v_table(const block_type *t) { return t->loop == LOOP_Q4_0 ? 0 : t->loop == LOOP_Q4_1 ? 1 : 2; }
+static int v_table(const block_type *t) { /* (IQ4_NL's blocks lie as Q4_0's) */
+    return t->loop == LOOP_Q4_0 || t->loop == LOOP_IQ4_NL ? 0 : t->loop == LOOP_Q4_1 ? 1 : 2;
+}
+
+/* A nibble type's codes made unsigned: as they are, or IQ4_NL's looked up (`table`: NONLINEAR_U in each quarter). */
+static inline __m512i v_nibbles(int nonlinear, __m512i nibbles, __m512i table) {
+    return nonlinear ? _mm512_shuffle_epi8(table, nibbles) : nibbles;
+}
 
 static pthread_once_t v_tables_once = PTHREAD_ONCE_INIT;
 
@@ -131,6 +138,8 @@ static void v_lay(const block_type *t, const uint8_t *w, int64_t row_bytes, int 
     const __m512i heads_from = _mm512_loadu_si512(v_tables.heads[table]);
     const __m512i pair = _mm512_loadu_si512(v_tables.pair);
     const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    const int nl = t->loop == LOOP_IQ4_NL;
+    const __m512i lookup = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)NONLINEAR_U));
     const int64_t lines = (next_bytes + 63) / 64, passes = (blocks + per - 1) / per;
     const int64_t per_pass = (lines + passes - 1) / passes;
     for (int64_t b0 = 0; b0 < blocks; b0 += per) {
@@ -156,8 +165,9 @@ static void v_lay(const block_type *t, const uint8_t *w, int64_t row_bytes, int 
                     _mm512_store_si512(to + g, _mm512_xor_si512(c[8 * i + g], flip));
             else if (!q8)
                 for (int g = 0; g < 4; g++) {
-                    _mm512_store_si512(to + g, _mm512_and_si512(c[4 * i + g], nibble));
-                    _mm512_store_si512(to + 4 + g, _mm512_and_si512(_mm512_srli_epi32(c[4 * i + g], 4), nibble));
+                    _mm512_store_si512(to + g, v_nibbles(nl, _mm512_and_si512(c[4 * i + g], nibble), lookup));
+                    _mm512_store_si512(to + 4 + g, v_nibbles(nl, _mm512_and_si512(_mm512_srli_epi32(c[4 * i + g], 4),
+                                                                                   nibble), lookup));
                 }
         }
         __m512i packed[4]; /* the heads of outputs 4k .. 4k + 3: lane 4 o + b */
@@ -335,6 +345,8 @@ static void v_direct(const block_type *t, const uint8_t *w, int64_t row_bytes, i
         rows[o] = w + (o < n ? o : n - 1) * row_bytes;
     const __mmask16 second = (__mmask16)((1u << v_head(t)) - 1); /* a block's last nibbles */
     const __m512i nibble = _mm512_set1_epi8(15);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)NONLINEAR_U));
+    const int nl = t->loop == LOOP_IQ4_NL; /* (its head's looked-up nibbles meet the spread row's zeros) */
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, spread += V_SPREAD, panel += V_PANEL) {
         const int64_t at = b * t->bytes;
@@ -349,10 +361,12 @@ static void v_direct(const block_type *t, const uint8_t *w, int64_t row_bytes, i
             const uint8_t *const *four = rows + 4 * k;
             const __m512i a = v_quads(four, at, 0xffff), c = v_quads(four, at + 16, second);
             heads[k] = a;
-            __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(a, nibble), x0);
-            s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi32(a, 4), nibble), x1);
-            s = _mm512_dpbusd_epi32(s, _mm512_and_si512(c, nibble), x2);
-            sums[k] = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi32(c, 4), nibble), x3);
+            __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v_nibbles(nl, _mm512_and_si512(a, nibble), table),
+                                            x0);
+            s = _mm512_dpbusd_epi32(s, v_nibbles(nl, _mm512_and_si512(_mm512_srli_epi32(a, 4), nibble), table), x1);
+            s = _mm512_dpbusd_epi32(s, v_nibbles(nl, _mm512_and_si512(c, nibble), table), x2);
+            sums[k] = _mm512_dpbusd_epi32(s, v_nibbles(nl, _mm512_and_si512(_mm512_srli_epi32(c, 4), nibble), table),
+                                          x3);
         }
         const __m512i dot = _mm512_add_epi32(v_sum_lanes(sums[0], sums[1], sums[2], sums[3]),
                                              _mm512_set1_epi32(panel[8]));
@@ -539,7 +553,7 @@ static void v_units(const void *task, int64_t begin, int64_t end) {
    these defaults were measured so with two threads on a Zen 4 (SmolLM2's shapes: Q4_1 1536 x 576, Q8_0 49152 x 576):
    one row is faster straight from the blocks, two rows on tiles (the times: docs/performance.md). (Before the
    tiles' layout got cheaper, direct won up to two rows of Q4_1 and three of Q8_0.) */
-static int v_below[LOOPS] = {[LOOP_Q4_0] = 2, [LOOP_Q4_1] = 2, [LOOP_Q8_0] = 2};
+static int v_below[LOOPS] = {[LOOP_Q4_0] = 2, [LOOP_Q4_1] = 2, [LOOP_Q8_0] = 2, [LOOP_IQ4_NL] = 2};
 
 static int v_direct_below(const block_type *t) {
 #if LANES == 16 && defined(__AVX512VNNI__)

@@ -24,10 +24,12 @@ typedef float __attribute__((may_alias, aligned(1))) v2_real;
 
 /* A block's 32 codes in order (value j at byte j), unsigned (c + offset), or Q8_0's signed c; `loop` names the
    layout (the row's LOOP_*: only the five types these loops are written for come here, `v_product`). */
+static inline int v2_signed(int loop) { return loop == LOOP_Q8_0 || loop == LOOP_IQ4_NL; } /* codes c, not u */
+
 static inline __m256i v2_codes(int loop, const uint8_t *block) {
     if (loop == LOOP_Q8_0)
         return _mm256_loadu_si256((const __m256i *)(block + 2));
-    const int at = loop == LOOP_Q4_0 ? 2 : loop == LOOP_Q4_1 ? 4 : loop == LOOP_Q5_0 ? 6 : 8; /* (the nibbles) */
+    const int at = loop == LOOP_Q4_1 ? 4 : loop == LOOP_Q5_0 ? 6 : loop == LOOP_Q5_1 ? 8 : 2; /* (the nibbles) */
     const __m128i nibbles = _mm_loadu_si128((const __m128i *)(block + at)), fifteen = _mm_set1_epi8(15);
     __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(nibbles, 4), fifteen), _mm_and_si128(nibbles, fifteen));
     if (loop == LOOP_Q5_0 || loop == LOOP_Q5_1) { /* Q5: bit j of the word before the nibbles: value j's 5th bit */
@@ -40,13 +42,15 @@ static inline __m256i v2_codes(int loop, const uint8_t *block) {
         const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
         u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
     }
+    if (loop == LOOP_IQ4_NL) /* (its signed values: the row's sum needs no offset term, as Q8_0's) */
+        u = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)NONLINEAR)), u);
     return u;
 }
 
 /* The 8 partial sums (32-bit lanes) of one block's products with the row's 32 codes q. */
 static inline __m256i v2_dot(int loop, __m256i codes, __m256i q) {
-    const __m256i pairs = loop == LOOP_Q8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(codes), _mm256_sign_epi8(q, codes))
-                                            : _mm256_maddubs_epi16(codes, q);
+    const __m256i pairs = v2_signed(loop) ? _mm256_maddubs_epi16(_mm256_abs_epi8(codes), _mm256_sign_epi8(q, codes))
+                                          : _mm256_maddubs_epi16(codes, q);
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
@@ -149,7 +153,7 @@ static inline __attribute__((always_inline)) void v2_rows(const block_type *t, c
             for (int o = 0; o < 8; o++)
                 parts[o] = v2_dot(loop, codes[o], q);
             __m256i dot = v2_sum8(parts);
-            if (loop != LOOP_Q8_0)
+            if (!v2_signed(loop))
                 dot = _mm256_add_epi32(dot, _mm256_set1_epi32(-t->offset * x[r].totals[b]));
             __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(x[r].scale[b])));
             v = _mm256_fmadd_ps(m, _mm256_set1_ps(x[r].sums[b]), v);
@@ -170,7 +174,7 @@ static inline __attribute__((always_inline)) void v2_tile_rows(const int loop, c
                                                                const uint8_t *x, int64_t x_bytes, int64_t padded,
                                                                int nr, __m256 *acc, const uint8_t *ahead) {
     const int bytes = t->bytes, offset = t->offset, minimum = t->has_b;
-    const int five = loop == LOOP_Q5_0 || loop == LOOP_Q5_1, q8 = loop == LOOP_Q8_0;
+    const int five = loop == LOOP_Q5_0 || loop == LOOP_Q5_1, q8 = v2_signed(loop);
     const int64_t nb = padded / 32;
     for (int r = 0; r < nr; r++)
         acc[r] = _mm256_setzero_ps();
@@ -179,7 +183,7 @@ static inline __attribute__((always_inline)) void v2_tile_rows(const int loop, c
         __m256i codes[8], lanes[8], signs[8];
         v2_block_codes(loop, bytes, from, at, ahead, codes);
         v2_transposed(codes, lanes);
-        for (int k = 0; q8 && k < 8; k++) { /* Q8_0: |c| and c's sign, one output to a lane */
+        for (int k = 0; q8 && k < 8; k++) { /* Q8_0, IQ4_NL: |c| and c's sign, one output to a lane */
             signs[k] = lanes[k];
             lanes[k] = _mm256_abs_epi8(lanes[k]);
         }
@@ -208,6 +212,7 @@ static void v2_tiles(const block_type *t, const uint8_t *const *from, int64_t bl
     case LOOP_Q5_0: v2_tile_rows(LOOP_Q5_0, t, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
     case LOOP_Q5_1: v2_tile_rows(LOOP_Q5_1, t, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
     case LOOP_Q8_0: v2_tile_rows(LOOP_Q8_0, t, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
+    case LOOP_IQ4_NL: v2_tile_rows(LOOP_IQ4_NL, t, from, blocks, x, x_bytes, padded, nr, acc, ahead); break;
     default: abort(); /* (unreachable: `v_product` sends a type without a loop here down the generic path) */
     }
 }

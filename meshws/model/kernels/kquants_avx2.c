@@ -210,7 +210,7 @@ static inline __attribute__((always_inline)) void q5_K_dots2(const uint8_t *w, i
 }
 
 #ifndef KQUANTS_AVX2_LOOPS /* (this file's entry points, where it is the K-quants' loops) */
-#define FUSED_DOTS 1 /* (Q4_K, Q5_K, Q6_K; another K-quant: `q_dots_scalar` on its unpacked row) */
+#define FUSED_DOTS (1 << LOOP_Q4_K | 1 << LOOP_Q5_K | 1 << LOOP_Q6_K) /* (others: `q_dots_scalar`, unpacked) */
 
 static inline __attribute__((always_inline)) void dots_of(int loop, const uint8_t *w, const unpacked_row *u, int64_t in,
                                                           const q_row *x, int width, int nr, int64_t padded,

@@ -31,7 +31,10 @@ typedef void (*unpack_fn)(const uint8_t *src, int n, int8_t *codes, float *a, fl
    `v_shuffled`, `v2_tiles`). LOOP_ANY: none; its products take the generic path, through the type's `unpack`, on
    every instruction set. A product path chooses by a row's `loop`, never by a type id: a new type whose row says
    LOOP_ANY can only take the generic path. */
-enum { LOOP_ANY, LOOP_Q4_0, LOOP_Q4_1, LOOP_Q5_0, LOOP_Q5_1, LOOP_Q8_0, LOOP_Q4_K, LOOP_Q5_K, LOOP_Q6_K, LOOPS };
+enum {
+    LOOP_ANY, LOOP_Q4_0, LOOP_Q4_1, LOOP_Q5_0, LOOP_Q5_1, LOOP_Q8_0, LOOP_Q2_K, LOOP_Q3_K, LOOP_Q4_K, LOOP_Q5_K,
+    LOOP_Q6_K, LOOP_IQ4_NL, LOOP_IQ4_XS, LOOPS
+};
 
 typedef struct block_type {
     int type; /* ggml's id */
@@ -248,7 +251,9 @@ static void unpack_q3_K(const uint8_t *src, int n, int8_t *codes, float *a, floa
             codes[32 * b + i] = (int8_t)(((qs[32 * (b / 4) + i] >> (2 * (b % 4))) & 3) - 4 + 4 * ((hmask[i] >> b) & 1));
 }
 
+/* IQ4_NL's and IQ4_XS's 16 values, and them + 128 (the codes made unsigned) */
 static const int8_t NONLINEAR[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const uint8_t NONLINEAR_U[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 static void nonlinear_codes(const uint8_t *qs, int8_t *codes) { /* 32 values: low nibbles of 16 bytes, then high */
 #if defined(__SSSE3__) && !defined(GENERIC) /* (the table in a register, looked up 16 at a time) */
@@ -290,10 +295,10 @@ static const block_type TYPES[] = {
     /* type, values, bytes, offset, has_b, loop, unpack */
     {2, 32, 18, 8, 0, LOOP_Q4_0, unpack_q4_0},        {3, 32, 20, 0, 1, LOOP_Q4_1, unpack_q4_1},
     {6, 32, 22, 16, 0, LOOP_Q5_0, unpack_q5_0},       {7, 32, 24, 0, 1, LOOP_Q5_1, unpack_q5_1},
-    {8, 32, 34, 128, 0, LOOP_Q8_0, unpack_q8_0},      {10, 256, 84, 0, 1, LOOP_ANY, unpack_q2_K},
-    {11, 256, 110, 4, 0, LOOP_ANY, unpack_q3_K},      {12, 256, 144, 0, 1, LOOP_Q4_K, unpack_q4_K},
+    {8, 32, 34, 128, 0, LOOP_Q8_0, unpack_q8_0},      {10, 256, 84, 0, 1, LOOP_Q2_K, unpack_q2_K},
+    {11, 256, 110, 4, 0, LOOP_Q3_K, unpack_q3_K},     {12, 256, 144, 0, 1, LOOP_Q4_K, unpack_q4_K},
     {13, 256, 176, 0, 1, LOOP_Q5_K, unpack_q5_K},     {14, 256, 210, 32, 0, LOOP_Q6_K, unpack_q6_K},
-    {20, 32, 18, 128, 0, LOOP_ANY, unpack_iq4_nl},    {23, 256, 136, 128, 0, LOOP_ANY, unpack_iq4_xs},
+    {20, 32, 18, 128, 0, LOOP_IQ4_NL, unpack_iq4_nl},    {23, 256, 136, 128, 0, LOOP_IQ4_XS, unpack_iq4_xs},
 };
 #define TYPE_COUNT ((int)(sizeof TYPES / sizeof TYPES[0]))
 
@@ -770,10 +775,106 @@ static inline __attribute__((always_inline)) void fused_q6_K(const uint8_t *row,
     UNITS_IN_PAIRS(q6_K_unit, in, row, x, nr, acc)
 }
 
+/* Chunk c of a ROW256 unit from 2-bit codes (Q2_K's and Q3_K's low bits): group j of the chunk is sub-block
+   s = SUB_ORDER[j], whose values 8c .. 8c + 7 lie at bytes 32 (s / 4) + 8c of `qs` (64 bytes), shifted by 2 (s % 4). */
+static inline __m512i two_bit_chunk(__m512i qs, int c) {
+    const long long b32 = 0x2020202020202020LL;
+    const __m512i at = _mm512_set_epi64(b32, b32, 0, 0, b32, b32, 0, 0); /* (groups 7 .. 0) */
+    const __m512i shift = _mm512_set_epi64(6, 2, 6, 2, 4, 0, 4, 0);
+    const __m512i within = _mm512_add_epi8(_mm512_set1_epi64(0x0706050403020100LL), _mm512_set1_epi8((char)(8 * c)));
+    const __m512i bytes = _mm512_permutexvar_epi8(_mm512_add_epi8(within, at), qs);
+    return _mm512_and_si512(_mm512_srlv_epi64(bytes, shift), _mm512_set1_epi8(3));
+}
+
+static inline __m512 widened(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }
+
+/* Q2_K: a = d * sc, b' = -(dmin * m) per 16 values (`unpack_q2_K`'s), the codes as they are. */
+static inline __attribute__((always_inline)) void q2_K_unit(int64_t k, int parity, const uint8_t *row, const q_row *x,
+                                                            int nr, vec *acc) {
+    const uint8_t *w = row + k / QK * 84;
+    for (int line = 0; line < 84; line += 64)
+        __builtin_prefetch(w + PREFETCH + line, 0, 2);
+    const __m128i scales = _mm_loadu_si128((const __m128i *)w), fifteen = _mm_set1_epi8(15);
+    const vec a = vtimes(vset1(half_fast(w + 80)), widened(_mm_and_si128(scales, fifteen)));
+    const vec b = negated(vtimes(vset1(half_fast(w + 82)), widened(_mm_and_si128(_mm_srli_epi16(scales, 4), fifteen))));
+    const __m512i qs = _mm512_loadu_si512(w + 16);
+    const __m512i codes[4] = {two_bit_chunk(qs, 0), two_bit_chunk(qs, 1), two_bit_chunk(qs, 2), two_bit_chunk(qs, 3)};
+    spread_rows(codes, spread_lanes(a, 0), spread_lanes(a, 1), b, x, nr, k, parity, acc);
+}
+
+/* Q3_K: a = d * (sc - 32), b' = -4a; a code made unsigned is its low bits | its high bit << 2 (value 8c + t of
+   sub-block s: bit s of hmask byte 8c + t). */
+static inline __attribute__((always_inline)) void q3_K_unit(int64_t k, int parity, const uint8_t *row, const q_row *x,
+                                                            int nr, vec *acc) {
+    const uint8_t *w = row + k / QK * 110;
+    for (int line = 0; line < 110; line += 64)
+        __builtin_prefetch(w + PREFETCH + line, 0, 2);
+    const __m128i fifteen = _mm_set1_epi8(15), low8 = _mm_loadl_epi64((const __m128i *)(w + 96));
+    uint32_t high4;
+    memcpy(&high4, w + 104, 4);
+    const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(low8, fifteen),
+                                           _mm_and_si128(_mm_srli_epi16(low8, 4), fifteen));
+    const __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)high4), _mm_setr_epi32(0, 2, 4, 6)),
+                                       _mm_set1_epi8(3));
+    const __m512i scales = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_or_si128(low, _mm_slli_epi16(high, 4))),
+                                            _mm512_set1_epi32(32));
+    const vec a = vtimes(vset1(half_fast(w + 108)), _mm512_cvtepi32_ps(scales));
+    const __m512i qs = _mm512_loadu_si512(w + 32);
+    const __m512i hbit_shift = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0); /* SUB_ORDER, groups 7 .. 0 */
+    __m512i codes[4];
+    for (int c = 0; c < 4; c++) {
+        uint64_t mask;
+        memcpy(&mask, w + 8 * c, 8);
+        const __m512i hbits = _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64((long long)mask), hbit_shift),
+                                               _mm512_set1_epi8(1));
+        codes[c] = _mm512_or_si512(two_bit_chunk(qs, c), _mm512_slli_epi16(hbits, 2));
+    }
+    spread_rows(codes, spread_lanes(a, 0), spread_lanes(a, 1), negated(vtimes(vset1(4.0f), a)), x, nr, k, parity,
+                acc);
+}
+
+/* IQ4_XS: a = d * (sc - 32) per 32 values, b' = -128a; a code made unsigned is NONLINEAR_U[q], looked up 16 at a
+   time. Values 8c + t of sub-block s: the low nibbles (c < 2), or high (c >= 2), of bytes 16s + 8 (c % 2) of qs. */
+
+static inline __attribute__((always_inline)) void iq4_xs_unit(int64_t k, int parity, const uint8_t *row,
+                                                              const q_row *x, int nr, vec *acc) {
+    const uint8_t *w = row + k / QK * 136;
+    for (int line = 0; line < 136; line += 64)
+        __builtin_prefetch(w + PREFETCH + line, 0, 2);
+    uint16_t high2;
+    uint32_t low4;
+    memcpy(&high2, w + 2, 2);
+    memcpy(&low4, w + 4, 4);
+    const __m512i j4 = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28); /* 4 x sub-block */
+    const __m512i low = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)low4), j4), _mm512_set1_epi32(15));
+    const __m512i high = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(high2), _mm512_srli_epi32(j4, 1)),
+                                          _mm512_set1_epi32(3));
+    const __m512i scales = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32));
+    const vec a = vtimes(vset1(half_fast(w)), _mm512_cvtepi32_ps(scales));
+    const __m512i qa = _mm512_loadu_si512(w + 8), qb = _mm512_loadu_si512(w + 72);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)NONLINEAR_U));
+    const long long at0 = 0x0706050403020100LL;
+    /* per group j (sub-block SUB_ORDER[j]): its bytes' start in qs, 16 SUB_ORDER[j] (groups 7 .. 0) */
+    const __m512i at = _mm512_add_epi8(_mm512_set_epi64(0x7070707070707070LL, 0x5050505050505050LL,
+                                                        0x3030303030303030LL, 0x1010101010101010LL,
+                                                        0x6060606060606060LL, 0x4040404040404040LL,
+                                                        0x2020202020202020LL, 0), _mm512_set1_epi64(at0));
+    __m512i codes[4];
+    for (int c = 0; c < 4; c++) {
+        const __m512i bytes = _mm512_permutex2var_epi8(qa, _mm512_add_epi8(at, _mm512_set1_epi8((char)(8 * (c % 2)))),
+                                                       qb);
+        const __m512i nibbles = _mm512_and_si512(c < 2 ? bytes : _mm512_srli_epi16(bytes, 4), _mm512_set1_epi8(15));
+        codes[c] = _mm512_shuffle_epi8(table, nibbles);
+    }
+    spread_rows(codes, spread_lanes(a, 0), spread_lanes(a, 1), negated(vtimes(vset1(128.0f), a)), x, nr, k, parity,
+                acc);
+}
+
 #define KQUANTS_AVX2_LOOPS 1 /* Q5_K: the AVX2 loop (no VNNI one yet), far faster than unpacking each row */
 #include "kquants_avx2.c"
 
-#define FUSED_DOTS 1
+#define FUSED_DOTS                                                                                                   \
+    (1 << LOOP_Q2_K | 1 << LOOP_Q3_K | 1 << LOOP_Q4_K | 1 << LOOP_Q5_K | 1 << LOOP_Q6_K | 1 << LOOP_IQ4_XS)
 #define VECTOR_UNPACKED 1 /* `unpacked_rows`: the generic path in vectors, as `q_dots_scalar` sums */
 
 /* sums[r] = row r . the weight row w (raw blocks, or `u` unpacked for a type without a fused loop), `width` rows (a
@@ -790,8 +891,11 @@ static inline __attribute__((always_inline)) void dots_of(int loop, const uint8_
     for (int r = 0; r < 2 * width; r++)
         acc[r] = vzero();
     switch (loop) {
+    case LOOP_Q2_K: UNITS_IN_PAIRS(q2_K_unit, in, w, x, width, acc) break;
+    case LOOP_Q3_K: UNITS_IN_PAIRS(q3_K_unit, in, w, x, width, acc) break;
     case LOOP_Q4_K: fused_q4_K(w, in, x, width, acc); break;
     case LOOP_Q6_K: fused_q6_K(w, in, x, width, acc); break;
+    case LOOP_IQ4_XS: UNITS_IN_PAIRS(iq4_xs_unit, in, w, x, width, acc) break;
     default: unpacked_rows(u, padded, x, width, acc); break; /* (LOOP_ANY: `u` is the unpacked row) */
     }
     for (int r = 0; r < nr && r < width; r++) /* (nr <= width: said so that GCC sees every acc was set) */
@@ -816,10 +920,14 @@ static void q_dots_lone(int loop, const uint8_t *w, int64_t row_bytes, int64_t i
         acc[o] = vzero();
 #pragma GCC unroll 4
     for (int o = 0; o < LONE_OUTPUTS; o++) {
-        if (loop == LOOP_Q4_K)
-            UNITS_IN_PAIRS(q4_K_unit, in, w + o * row_bytes, &x, 1, acc + 2 * o)
-        else
-            UNITS_IN_PAIRS(q6_K_unit, in, w + o * row_bytes, &x, 1, acc + 2 * o)
+        const uint8_t *row = w + o * row_bytes;
+        switch (loop) {
+        case LOOP_Q2_K: UNITS_IN_PAIRS(q2_K_unit, in, row, &x, 1, acc + 2 * o) break;
+        case LOOP_Q3_K: UNITS_IN_PAIRS(q3_K_unit, in, row, &x, 1, acc + 2 * o) break;
+        case LOOP_Q4_K: UNITS_IN_PAIRS(q4_K_unit, in, row, &x, 1, acc + 2 * o) break;
+        case LOOP_IQ4_XS: UNITS_IN_PAIRS(iq4_xs_unit, in, row, &x, 1, acc + 2 * o) break;
+        default: UNITS_IN_PAIRS(q6_K_unit, in, row, &x, 1, acc + 2 * o) break;
+        }
     }
     for (int o = 0; o < LONE_OUTPUTS; o++)
         sums[o] = hsum(vplus(acc[2 * o], acc[2 * o + 1]));
@@ -829,11 +937,11 @@ static void q_dots_lone(int loop, const uint8_t *w, int64_t row_bytes, int64_t i
 #include "kquants_avx2.c"
 #endif
 
-/* Whether a K-quant's products here run its own fused loop on the blocks as stored (Q4_K, Q5_K, Q6_K in a vector
-   build); else the generic path, on its row unpacked (`unpack_row`). */
+/* Whether a K-quant's products here run its own fused loop on the blocks as stored (FUSED_DOTS: the loops this
+   build has); else the generic path, on its row unpacked (`unpack_row`). */
 static int has_fused_dots(const block_type *t) {
 #if defined(FUSED_DOTS)
-    return t->loop == LOOP_Q4_K || t->loop == LOOP_Q5_K || t->loop == LOOP_Q6_K;
+    return FUSED_DOTS >> t->loop & 1;
 #else
     return (void)t, 0;
 #endif
