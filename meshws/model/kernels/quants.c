@@ -27,10 +27,10 @@
 
 typedef void (*unpack_fn)(const uint8_t *src, int n, int8_t *codes, float *a, float *b);
 
-/* The product loops written for one type's bytes (each instruction set's, where it has them: `has_fused_dots`,
-   `v_shuffled`, `v2_tiles`). LOOP_ANY: none; its products take the generic path, through the type's `unpack`, on
-   every instruction set. A product path chooses by a row's `loop`, never by a type id: a new type whose row says
-   LOOP_ANY can only take the generic path. */
+/* The product loops written for one type's bytes, per instruction set (`FUSED_DOTS`, `v_shuffled`, `v2_tiles`: what
+   a build has). A product path chooses by a row's `loop`, never by a type id. Where a build has no loop for a row's
+   `loop` (plain C; LOOP_ANY, a type added with its `unpack` alone), its products take the generic path through
+   `unpack`, summed in the loops' order: the same bits, only slower. */
 enum {
     LOOP_ANY, LOOP_Q4_0, LOOP_Q4_1, LOOP_Q5_0, LOOP_Q5_1, LOOP_Q8_0, LOOP_Q2_K, LOOP_Q3_K, LOOP_Q4_K, LOOP_Q5_K,
     LOOP_Q6_K, LOOP_IQ4_NL, LOOP_IQ4_XS, LOOPS
@@ -246,9 +246,9 @@ static void unpack_q3_K(const uint8_t *src, int n, int8_t *codes, float *a, floa
         const int low = (sc[g % 8] >> (4 * (g / 8))) & 15, high = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
         a[g] = d * (float)((low | high << 4) - 32);
     }
-    for (int b = 0; b < 8; b++) /* (value 32b + i: its low bits in qs's half b / 4, shifted by 2 (b % 4)) */
+    for (int j = 0; j < 8; j++) /* (value 32j + i: its low bits in qs's half j / 4, shifted by 2 (j % 4)) */
         for (int i = 0; i < 32; i++)
-            codes[32 * b + i] = (int8_t)(((qs[32 * (b / 4) + i] >> (2 * (b % 4))) & 3) - 4 + 4 * ((hmask[i] >> b) & 1));
+            codes[32 * j + i] = (int8_t)(((qs[32 * (j / 4) + i] >> (2 * (j % 4))) & 3) - 4 + 4 * ((hmask[i] >> j) & 1));
 }
 
 /* IQ4_NL's and IQ4_XS's 16 values, and them + 128 (the codes made unsigned) */
