@@ -209,7 +209,9 @@ def test_8_bit_products_give_the_same_bits_on_every_instruction_set(tmp_path):
     source.write_text(HARNESS.replace("SOURCE_FILE", f'"{native.SOURCE}"'))
     build = [flag for flag in native.FLAGS if flag not in ("-shared", "-fPIC")]
     outputs = []
-    for extra in ([], ["-mno-avx512f"], ["-march=x86-64"]):  # this CPU's; AVX2; no vectors at all
+    for extra in ([], ["-mno-avx512f"], ["-march=x86-64"], ["-DGENERIC_ROWS"], ["-mno-avx512f", "-DGENERIC_ROWS"]):
+        # this CPU's; AVX2; no vectors at all; then every row as a type added with its `unpack` alone: the generic
+        # path's vectors (this CPU's, AVX2) where a type has no loop of its own
         binary = tmp_path / ("harness" + "".join(extra).replace("-", "_").replace("=", "_"))
         subprocess.run([found, *build, *extra, "-o", str(binary), str(source), "-lm"], check=True,
                        capture_output=True, timeout=300)
@@ -217,3 +219,8 @@ def test_8_bit_products_give_the_same_bits_on_every_instruction_set(tmp_path):
                                       timeout=120).stdout)
     assert len(outputs[0].splitlines()) == (12 + 6) * (17 + 3) * 70  # (six types of 32 values also with 1088 inputs)
     assert outputs[0] == outputs[1] == outputs[2]
+    assert outputs[3] == outputs[4]
+    # the generic path gives each type's own loops' bits, but Q4_K's: its loops take its nibbles in their own order
+    own = [line for line in outputs[0].splitlines() if not line.startswith("12 ")]
+    assert [line for line in outputs[3].splitlines() if not line.startswith("12 ")] == own
+    assert outputs[3] != outputs[0]  # (Q4_K's lines: the build did run the generic path)

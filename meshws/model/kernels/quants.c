@@ -291,14 +291,26 @@ static void unpack_iq4_xs(const uint8_t *src, int n, int8_t *codes, float *a, fl
     }
 }
 
+#ifdef GENERIC_ROWS /* (a test's build: every row as if added with its `unpack` alone, so the generic paths run) */
+#define OWN(loop) LOOP_ANY
+#else
+#define OWN(loop) loop
+#endif
+
 static const block_type TYPES[] = {
     /* type, values, bytes, offset, has_b, loop, unpack */
-    {2, 32, 18, 8, 0, LOOP_Q4_0, unpack_q4_0},        {3, 32, 20, 0, 1, LOOP_Q4_1, unpack_q4_1},
-    {6, 32, 22, 16, 0, LOOP_Q5_0, unpack_q5_0},       {7, 32, 24, 0, 1, LOOP_Q5_1, unpack_q5_1},
-    {8, 32, 34, 128, 0, LOOP_Q8_0, unpack_q8_0},      {10, 256, 84, 0, 1, LOOP_Q2_K, unpack_q2_K},
-    {11, 256, 110, 4, 0, LOOP_Q3_K, unpack_q3_K},     {12, 256, 144, 0, 1, LOOP_Q4_K, unpack_q4_K},
-    {13, 256, 176, 0, 1, LOOP_Q5_K, unpack_q5_K},     {14, 256, 210, 32, 0, LOOP_Q6_K, unpack_q6_K},
-    {20, 32, 18, 128, 0, LOOP_IQ4_NL, unpack_iq4_nl},    {23, 256, 136, 128, 0, LOOP_IQ4_XS, unpack_iq4_xs},
+    {2, 32, 18, 8, 0, OWN(LOOP_Q4_0), unpack_q4_0},
+    {3, 32, 20, 0, 1, OWN(LOOP_Q4_1), unpack_q4_1},
+    {6, 32, 22, 16, 0, OWN(LOOP_Q5_0), unpack_q5_0},
+    {7, 32, 24, 0, 1, OWN(LOOP_Q5_1), unpack_q5_1},
+    {8, 32, 34, 128, 0, OWN(LOOP_Q8_0), unpack_q8_0},
+    {10, 256, 84, 0, 1, OWN(LOOP_Q2_K), unpack_q2_K},
+    {11, 256, 110, 4, 0, OWN(LOOP_Q3_K), unpack_q3_K},
+    {12, 256, 144, 0, 1, OWN(LOOP_Q4_K), unpack_q4_K},
+    {13, 256, 176, 0, 1, OWN(LOOP_Q5_K), unpack_q5_K},
+    {14, 256, 210, 32, 0, OWN(LOOP_Q6_K), unpack_q6_K},
+    {20, 32, 18, 128, 0, OWN(LOOP_IQ4_NL), unpack_iq4_nl},
+    {23, 256, 136, 128, 0, OWN(LOOP_IQ4_XS), unpack_iq4_xs},
 };
 #define TYPE_COUNT ((int)(sizeof TYPES / sizeof TYPES[0]))
 
