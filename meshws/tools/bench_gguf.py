@@ -4,7 +4,7 @@ Every figure comes from fresh processes, as users start them, with the same thre
 default all cores):
   * llama.cpp (llama-cpp-python, an optional extra): seconds from its process's start to the model
     loaded, peak resident memory, decode
-    tok/s of one stream (`create_completion`, greedy), and a 512-token prompt's time;
+    tok/s of one greedy stream (each token timed as `generate` samples it), and a 512-token prompt's time;
   * a meshws `full` node (`python -m meshws.node --role full`, default flags) with an empty model
     cache: seconds from its process's start to ready, bytes written to the cache, peak resident memory, decode tok/s of
     one stream through the OpenAI API, the 512-token prompt's time to first token;
@@ -62,10 +62,11 @@ def _llama_probe(gguf: str, threads: int, tokens: int) -> None:
         if line.strip() != "decode":
             break
         llm.reset()
-        stamps = []
-        for _ in llm.create_completion(prompt=prompt[:16], max_tokens=tokens + 1, temperature=0, stream=True,
-                                       logit_bias={llm.token_eos(): -1e9}):
+        stamps = []  # (each token as it is sampled: a text stream may hold tokens back and deliver them together)
+        for _ in llm.generate(prompt[:16], temp=0.0, reset=True):
             stamps.append(time.perf_counter())
+            if len(stamps) > tokens:
+                break
         print(json.dumps({"decode_tok_s": round((len(stamps) - 1) / (stamps[-1] - stamps[0]), 2),
                           "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}), flush=True)
 
