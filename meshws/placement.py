@@ -22,7 +22,8 @@ from typing import Any, AsyncIterator
 
 from . import heap
 from .head.placement import RESERVE_TOKENS, Capacity, span_fits
-from .head.rebalance import UNMEASURED, HeadSide, Placement
+from .head.placement import UNMEASURED
+from .head.rebalance import HeadSide, Placement
 from .model.costs import ModelCosts
 from .model.memory import available_memory
 from .model.speed import SpeedMeter, probe

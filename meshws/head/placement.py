@@ -22,9 +22,12 @@ import collections
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..model.costs import ModelCosts
+
+if TYPE_CHECKING:
+    from .routes import NodeRecord
 
 RESERVE_TOKENS = 2048  # KV positions each placed layer keeps room for (one session of 1,000-odd tokens: buffers grow
 # half as much again as they hold)
@@ -32,6 +35,7 @@ HOP_SECONDS = 0.001  # what a hop costs beyond its link's round trip: frames, th
 REPLICA_SLOWDOWN = 1.5  # a spare may replicate a span it runs at most this much slower than the primary
 EXACT_ORDERS_UP_TO = 3  # automatic middles whose every order is tried
 MAX_CANDIDATES = 12  # automatic nodes considered (fastest first): a plan takes tens of ms, not seconds
+UNMEASURED = 1.0  # seconds per mean layer assumed for a node that has not said (a very slow node)
 
 
 @dataclass(frozen=True)
@@ -335,3 +339,14 @@ def _missing(search: _Search, nodes: Sequence[Capacity]) -> str:
 
 def _mib(count: float) -> str:
     return f"{count / 2**20:.0f} MiB"
+
+
+def probe_span(total_layers: int) -> tuple[int, int]:
+    """The one layer an automatic node outside the plan holds (to measure its speed on): layer 1, as it starts."""
+    return (1, 2) if total_layers > 2 else (1, total_layers)
+
+
+def capacity(record: NodeRecord) -> Capacity:
+    """A joined node as the planner sees it."""
+    return Capacity(record.url, record.layer_seconds or UNMEASURED, record.memory or 0, record.link_seconds,
+                    None if record.auto else record.layers, frozenset(record.roles))

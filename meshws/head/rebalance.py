@@ -1,10 +1,11 @@
 """The plan in force on a head that places layers, and moving to a better one live.
 
 A head places layers when it runs `--layers auto` itself or a joined node does. Every `TICK` it asks whether to
-re-plan: a node joined, left or began draining, a budget changed, or a node's measured speed has stayed more than
-`DRIFT` off what it was when the plan was made for `replan_seconds`. A new plan (`placement.plan`) replaces the
-one in force if there is none, if that one is broken (a node left, or may no longer hold its span), or if it is
-`MIN_GAIN` faster (or only adds replicas). Versions count within this head's `epoch`.
+re-plan: a node joined, left or began draining, a budget changed, a node's measured speed has stayed more than
+`DRIFT` off the plan's for `replan_seconds`, or (each `replan_seconds`) the plan leaves nodes out: a spare measured
+slow once may serve as a replica now. A new plan (`placement.plan`) replaces the one in force if there is none, if
+that one is broken (a node left, or may no longer hold its span), if it only adds replicas, or if it is `MIN_GAIN`
+faster (not on a spare's account alone). Versions count within this head's `epoch`.
 
 A move goes in two halves, so no answer ever meets layers that are not the ones its route expects:
 
@@ -16,7 +17,7 @@ A move goes in two halves, so no answer ever meets layers that are not the ones 
    every node takes its new span at once (the heartbeat's answer says `commit`), and the head its own once all
    report theirs; the new plan is in force, and parked answers open routes on it and prefill again (prompt and
    tokens so far), as after a failover. Nodes left out drop to a one-layer span (memory released, speed measured).
-A move given up (a node too slow to load, or gone, an answer that did not park) is tried again after `COOLDOWN`.
+   A move given up (a node too slow to load, or gone, an answer that did not park) is tried again after `COOLDOWN`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from ..mesh.aio import until
 from ..model.costs import ModelCosts
-from .placement import Capacity, Plan, chain_seconds, plan, span_fits
+from .placement import Capacity, Plan, capacity, chain_seconds, plan, probe_span, span_fits
 from .registry import Registry
 from .routes import NodeRecord
 
@@ -46,13 +47,8 @@ PARK_TIMEOUT = 10.0  # seconds running answers may take to reach the end of thei
 COMMIT_TIMEOUT = 15.0  # seconds the nodes may take to report their new spans
 SETTLE_WAIT = 60.0  # the most a request or a parked answer waits for a move to end
 COOLDOWN = 20.0  # after an abandoned move, before speed alone re-plans
+SPARE = "left out: "  # a re-plan's reason that weighs a spare again: it may add replicas, not move layers
 SETTLE = 8.0  # after a move, before speed alone re-plans (the moved nodes' speeds measured on their new spans)
-UNMEASURED = 1.0  # seconds per mean layer assumed for a node that has not said (a very slow node)
-
-
-def probe_span(total_layers: int) -> tuple[int, int]:
-    """The one layer an automatic node outside the plan holds (to measure its speed on): layer 1, as it starts."""
-    return (1, 2) if total_layers > 2 else (1, total_layers)
 
 
 @dataclass
@@ -95,6 +91,7 @@ class Placement:
         self._target_speeds: dict[str, float] = {}
         self._basis: dict[str, float] = {}  # each node's speed the plan in force is measured against
         self._drift_since: dict[str, float] = {}
+        self._spares_weighed = 0.0  # when the nodes the plan leaves out were last weighed again
 
     # -- what the rest of the head asks --------------------------------------------------------------
 
@@ -192,8 +189,10 @@ class Placement:
             plan, self.head.capacity(), [capacity(r) for r in records if not r.draining], self.costs,
             self.version + 1, lm_factor=self._lm_factor(records))
         self.last_reason = reason
-        if not self._worth(candidate, records):
-            self._rebase(records)
+        spares_only = reason.startswith(SPARE)
+        if not self._worth(candidate, records, spares_only):
+            if not spares_only:  # (after weighing spares, drift is still measured from the plan's speeds)
+                self._rebase(records)
             return
         self.version = candidate.version
         self.target, self.phase, self._started = candidate, "preparing", now
@@ -223,11 +222,14 @@ class Placement:
             since = self._drift_since.setdefault(node, now)
             if now - since >= self.replan_seconds:
                 return f"{node} runs at {speed * 1000:.3g} ms per layer, {basis * 1000:.3g} when planned"
+        if self.live.left_out and now - self._spares_weighed >= self.replan_seconds:
+            self._spares_weighed = now
+            return f"{SPARE}{', '.join(self.live.left_out)}"
         return ""
 
-    def _worth(self, candidate: Plan, records: list[NodeRecord]) -> bool:
-        """Whether to move to `candidate`: no plan in force, or it lost a node, or the candidate is faster enough,
-        or it only adds replicas to the same chain."""
+    def _worth(self, candidate: Plan, records: list[NodeRecord], spares_only: bool = False) -> bool:
+        """Whether to move to `candidate`: no plan in force, or it lost a node, or the candidate is faster enough
+        (not when only spares were weighed again), or it only adds replicas to the same chain."""
         live = self.live
         if live is None or not live.spans:
             return True
@@ -242,7 +244,7 @@ class Placement:
         same_chain = [(s.node, s.layers) for s in live.chain] == [(s.node, s.layers) for s in candidate.chain]
         if same_chain:
             return [(s.node, s.layers) for s in candidate.spans] != [(s.node, s.layers) for s in live.spans]
-        return candidate.seconds_per_token < now_seconds * (1 - MIN_GAIN)
+        return not spares_only and candidate.seconds_per_token < now_seconds * (1 - MIN_GAIN)
 
     def _broken(self, live: Plan, present: dict[str, NodeRecord]) -> bool:
         """A span of the plan in force whose node is gone, drains, was placed by hand elsewhere, or may no longer
@@ -350,12 +352,6 @@ class Placement:
     def _reports(self, url: str, layers: tuple[int, int], version: int) -> bool:
         record = next((r for r in self.registry.nodes() if r.url == url), None)
         return record is None or (record.layers == layers and record.epoch == self.epoch and record.serving >= version)
-
-
-def capacity(record: NodeRecord) -> Capacity:
-    """A joined node as the planner sees it."""
-    return Capacity(record.url, record.layer_seconds or UNMEASURED, record.memory or 0, record.link_seconds,
-                    None if record.auto else record.layers, frozenset(record.roles))
 
 
 def _signature(records: list[NodeRecord]) -> tuple:

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from meshws.head import rebalance
-from meshws.head.placement import Capacity
-from meshws.head.rebalance import HeadSide, Placement, probe_span
+from meshws.head.placement import Capacity, probe_span
+from meshws.head.rebalance import HeadSide, Placement
 from meshws.head.registry import Registry
 from meshws.head.routes import NodeRecord
 from meshws.model.costs import ModelCosts
@@ -174,6 +174,30 @@ async def test_speed_that_stays_off_re_plans_and_a_blip_does_not():
     assert placement.live.span_of("ws://slow").layers == first.span_of("ws://fast").layers or \
         "slow runs at" in placement.last_reason or "fast runs at" in placement.last_reason
     assert "runs at" in placement.last_reason
+
+
+async def test_a_spare_left_out_is_weighed_again_and_replicates_once_it_is_fast_enough_without_a_move():
+    """A spare measured too slow to replicate (1.8x the primary's time a layer) is left out; it is weighed again each
+    `replan_seconds` though its speed does not move by DRIFT: still too slow, nothing changes (and drift is still
+    measured from the plan's speeds); at 1.4x it becomes the primary's replica, no layer moving."""
+    clock, head, registry, placement = a_head()
+    registry.announce(record("ws://a", 0.001))
+    registry.announce(record("ws://b", 0.0018))
+    await settle(registry, placement, ["ws://a", "ws://b"])
+    first = placement.live
+    assert first.left_out == ("ws://b",) and not any(span.replica for span in first.spans)
+    clock.now += rebalance.SETTLE + 1
+    await placement.tick()  # weighed again, still too slow: the plan stays
+    assert placement.live is first and placement.target is None and placement.last_reason.startswith(rebalance.SPARE)
+    next(r for r in registry.nodes() if r.url == "ws://b").layer_seconds = 0.0014  # 22 % faster: within DRIFT
+    await placement.tick()
+    assert placement.target is None  # (not before `replan_seconds` more)
+    clock.now += 6
+    await settle(registry, placement, ["ws://a", "ws://b"])
+    assert placement.live.version == first.version + 1
+    assert [(span.node, span.layers) for span in placement.live.chain] == [(s.node, s.layers) for s in first.chain]
+    replica = placement.live.span_of("ws://b")
+    assert replica.replica and replica.layers == first.span_of("ws://a").layers
 
 
 async def test_a_node_outside_the_plan_keeps_one_layer_and_a_lost_member_re_plans_at_once():
