@@ -1,5 +1,6 @@
-"""The placement planner on synthetic capacities: optimal on small cases (against brute force), every plan a chain
-that covers each layer once and fits every budget, slow nodes left out, spares as replicas, and what is missing."""
+"""The placement planner on synthetic capacities: within BALANCE_SLACK of the fastest chain on small cases (against
+brute force) with its slowest stage as light as that slack allows, every plan a chain that covers each layer once and
+fits every budget, slow nodes left out, spares as replicas, and what is missing."""
 
 import itertools
 import math
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshws.head.placement import HOP_SECONDS, Capacity, plan
+from meshws.head.placement import BALANCE_SLACK, HOP_SECONDS, Capacity, plan
 from meshws.model.costs import ModelCosts
 
 MIB = 2**20
@@ -61,6 +62,35 @@ def brute_force(head, nodes, model, reserve_tokens=0, lm_factor=1.0):
     return best
 
 
+def near_fastest(result, fastest):
+    """One session's time on the plan: the fastest chain's, or at most BALANCE_SLACK more (for a lighter stage)."""
+    return fastest * (1 - 1e-9) <= result.seconds_per_token <= fastest * (1 + BALANCE_SLACK) + 1e-12
+
+
+def lightest_slowest_stage(result, every, model, fastest, reserve_tokens=0, lm_factor=1.0):
+    """By brute force: the lightest slowest stage of any split of the plan's chain (same nodes, same order, hand-placed
+    spans kept) whose one-session time stays within the slack of `fastest`."""
+    total, reserve, chain = model.total_layers, reserve_tokens * model.kv_bytes_per_token, result.chain
+    by_name = {n.node: n for n in every}
+    nodes = [by_name[span.node] for span in chain]
+    best = math.inf
+    for cuts in itertools.combinations(range(1, total), len(chain) - 1):
+        bounds = (0, *cuts, total)
+        stages, seconds = [], 0.0
+        for index, n in enumerate(nodes):
+            start, end = bounds[index], bounds[index + 1]
+            if n.span is not None and n.span != (start, end) or n.span is None and \
+                    model.weight_bytes(start, end) + reserve * (end - start) > n.memory:
+                break
+            lm_head = model.lm_head_units * lm_factor if end == total else 0.0
+            stages.append(n.layer_seconds * (model.units(start, end) + lm_head))
+            seconds += stages[-1] + ((n.link_seconds + HOP_SECONDS) if start else 0.0)
+        else:
+            if seconds <= fastest * (1 + BALANCE_SLACK) + 1e-12:
+                best = min(best, max(stages))
+    return best
+
+
 def check_chain(result, head, nodes, model, reserve_tokens=0):
     """Every plan: a chain covering [0, L) once, head first, budgets kept, replicas on chain spans, all nodes told."""
     chain = result.chain
@@ -89,13 +119,13 @@ def test_equal_layers_place_the_most_on_the_fastest_and_match_brute_force():
     nodes = [node("fast", 1.0, 60), node("slow", 8.0, 100), node("mid", 3.0, 35)]
     result = plan(head, nodes, model)
     check_chain(result, head, nodes, model)
-    assert result.seconds_per_token == pytest.approx(brute_force(head, nodes, model))
+    assert near_fastest(result, brute_force(head, nodes, model))
     fast = result.span_of("fast")
     assert fast is not None and fast.layers[1] - fast.layers[0] >= 4  # room for 5 layers with the LM head or not
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_random_small_meshes_are_planned_optimally(seed):
+def test_random_small_meshes_are_planned_near_the_fastest_with_the_lightest_slowest_stage(seed):
     rng = random.Random(seed)
     model = costs(layers=rng.randint(3, 7), layer_mib=10, embed_mib=rng.choice([0, 5, 15]),
                   lm_mib=rng.choice([0, 8, 20]), kv=rng.choice([0, 1024]), uneven=rng.random() < 0.5)
@@ -116,7 +146,10 @@ def test_random_small_meshes_are_planned_optimally(seed):
         assert not result.spans and result.missing
         return
     check_chain(result, head, nodes, model, reserve)
-    assert result.seconds_per_token == pytest.approx(expected)
+    assert near_fastest(result, expected)
+    slowest = max(span.seconds for span in result.chain)
+    assert slowest == pytest.approx(lightest_slowest_stage(result, [head, *nodes], model, expected, reserve,
+                                                                   lm_factor))
 
 
 @settings(max_examples=60, deadline=None)
@@ -141,7 +174,18 @@ def test_an_lm_head_that_runs_slow_per_byte_goes_to_the_fastest_node():
     assert plan(head, nodes, model, lm_factor=0.1).chain[-1].node in ("quick", "sluggish")
     heavy = plan(head, nodes, model, lm_factor=5.0)
     assert heavy.chain[-1].node == "quick"  # the tail's LM head weighs 5x its bytes: on the fast node
-    assert heavy.seconds_per_token == pytest.approx(brute_force(head, nodes, model, lm_factor=5.0))
+    assert near_fastest(heavy, brute_force(head, nodes, model, lm_factor=5.0))
+
+
+def test_machines_a_few_percent_apart_share_the_layers_as_a_pipeline_wants():
+    """Two like machines measured 3 % apart (the noise of a measure): one session's time is nearly the same whatever
+    the split, but many sessions go as fast as the slowest stage; so the layers are shared, not all on the faster."""
+    model = costs(layers=16, embed_mib=0, lm_mib=40)
+    head = node("head", 1.03, 500)
+    result = plan(head, [node("tail", 1.0, 500)], model)
+    head_span, tail_span = result.chain
+    assert abs(head_span.seconds - tail_span.seconds) <= 1.03e-3 + 1e-9  # within a layer of even
+    assert near_fastest(result, brute_force(head, [node("tail", 1.0, 500)], model))
 
 
 def test_a_node_that_would_only_slow_the_chain_is_left_out():
