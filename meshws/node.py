@@ -51,7 +51,7 @@ from .mesh.inbound import ShardLimits
 from .mesh.link import Link
 from .mesh.link_pool import LinkPool
 from .mesh.membership import Announcer
-from .mesh.metrics import NodeMetrics
+from .mesh.metrics import BusyShare, NodeMetrics
 from .mesh.reverse import ReverseDialer, ReverseEndpoint, cannot_dial
 from .mesh.shard_service import ShardService
 from .mesh.wire import ChainHop, Hello
@@ -139,7 +139,8 @@ class Node(NodeReports):
         sessions = self.backend.sessions
         self.metrics = NodeMetrics(sessions=lambda: len(sessions), cache_bytes=lambda: sessions.total_bytes,
                                    weight_bytes=lambda: self.shard.weight_bytes, weights=self.backend.weight_facts)
-        self.metrics.watch_compute(lambda: self.worker.queued, lambda: self.worker.busy_seconds)
+        self.metrics.watch_compute(lambda: self.worker.queued, lambda: self.worker.busy_seconds,
+                                   BusyShare(lambda: self.worker.recent, self.worker.recent.maxlen or 1))
         guard = RequestGuard([self.settings.host, self._public_host(), host_of(self.advertise)],
                              self.settings.allowed_hosts, self.settings.cors_origins,
                              mesh_hosts_checked=not self.settings.secret)

@@ -21,8 +21,7 @@ from collections import deque
 from typing import Any, AsyncIterator
 
 from . import heap
-from .head.placement import RESERVE_TOKENS, Capacity, span_fits
-from .head.placement import UNMEASURED
+from .head.placement import RESERVE_TOKENS, UNMEASURED, Capacity, span_fits
 from .head.rebalance import HeadSide, Placement
 from .model.costs import ModelCosts
 from .model.memory import available_memory

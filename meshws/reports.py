@@ -50,6 +50,7 @@ class NodeReports:
             "supports_kv_cache": backend.supports_kv_cache,
             "compute": {**backend.compute_facts, **(self.cores.describe() if self.cores else {}),
                         "busy_seconds": round(self.worker.busy_seconds, 3), "work": self.worker.counts(),
+                        "busy_share": self.metrics.busy.now() if self.metrics.busy else None,  # of the last seconds
                         "waves": {"groups": self._micro_batches(), "whole": self._one_wave()},  # (`mesh.waves`)
                         # (start, end, rows) of the last jobs, on this host's monotonic clock
                         "recent_steps": [[round(a, 4), round(b, 4), rows] for a, b, rows in list(self.worker.recent)]},

@@ -66,8 +66,9 @@ function loadChats() {
   }));
 }
 
+const number = (value) => typeof value === "number" && Number.isFinite(value);
+
 function validHops(hops) {
-  const number = (value) => typeof value === "number" && Number.isFinite(value);
   const named = (part) => part && typeof part.node === "string" && number(part.ms);
   return Boolean(hops) && number(hops.laps) && number(hops.head_ms) && number(hops.network_ms)
     && Array.isArray(hops.hops) && hops.hops.every(named)
@@ -595,6 +596,9 @@ function drawRoute(health) {
   // a shard's load: from its heartbeats (a joined node), else as it reported with the last answer
   const loads = new Map(recent.loads.map((hop) => [hop.node, hop.sessions]));
   for (const node of health.nodes || []) loads.set(node.node, node.load);
+  // ... and its busy share: the part of its last seconds it spent computing (the slowest stage sets the pace)
+  const busy = new Map(recent.loads.map((hop) => [hop.node, hop.busy]));
+  for (const node of health.nodes || []) if (node.measured && number(node.measured.busy)) busy.set(node.node, node.measured.busy);
   const linkTimes = recent.links;
   if (planned) {
     const plan = health.plan;
@@ -616,7 +620,9 @@ function drawRoute(health) {
     const load = index === 0 ? health.generations ?? health.sessions : loads.get(hop.node);
     const box = element("div", "route-node");
     box.setAttribute("role", "listitem");
-    let detail = layerText(hop.layers) + (load === undefined ? "" : ` · load ${load}`);
+    const share = index === 0 ? (health.compute || {}).busy_share : busy.get(hop.node);
+    let detail = layerText(hop.layers) + (load === undefined ? "" : ` · load ${load}`)
+      + (number(share) ? ` · busy ${Math.round(share * 100)} %` : "");
     if (hop.ms !== undefined) {
       detail += ` · ${hop.ms} ms per token` + (hop.layerMs ? ` (${hop.layerMs} ms a layer, measured)` : "");
     }

@@ -236,6 +236,8 @@ def _record(data: Any) -> NodeRecord:
         if memory is not None and (not _is_int(memory) or not 0 < memory <= MAX_MEMORY):
             raise ValueError(f"measured.memory must be a whole number of bytes in (0, {MAX_MEMORY}]")
         record.memory = memory
+        if measured.get("busy") is not None:
+            record.busy = _measure(measured, "busy", 0.0, 1.0)
     plan = data.get("plan", {})
     if not isinstance(plan, dict):
         raise ValueError("plan must be an object")

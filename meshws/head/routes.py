@@ -39,6 +39,7 @@ class NodeRecord:
     lm_head_seconds: float | None = None  # measured on a tail: its LM head's seconds per token
     memory: int | None = None  # bytes of weights and KV caches it may hold (--memory)
     link_seconds: float = 0.0  # its heartbeat's round trip to this head
+    busy: float | None = None  # the share of its last seconds spent computing, as its heartbeat said
     epoch: str = ""  # whose plan versions `serving` and `prepared` count (a head's, from its instructions)
     serving: int = 0  # the plan version an automatic node serves (0: none yet)
     prepared: int = 0  # the plan version whose span it has loaded beside the one it serves
@@ -53,7 +54,7 @@ class NodeRecord:
             view["measured"] = {"layer_ms": round(self.layer_seconds * 1000, 4), "memory": self.memory,
                                 "link_ms": round(self.link_seconds * 1000, 3),
                                 "lm_head_ms": None if self.lm_head_seconds is None else
-                                round(self.lm_head_seconds * 1000, 4)}
+                                round(self.lm_head_seconds * 1000, 4), "busy": self.busy}
         return view
 
 

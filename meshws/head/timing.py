@@ -25,6 +25,7 @@ class LapTimes:
     network_ms: float = 0.0
     link_ms: dict[tuple[str, str], float] = field(default_factory=dict)  # (from, to) -> time on that link
     loads: dict[str, int] = field(default_factory=dict)  # node -> sessions it carried, as its last report said
+    busy: dict[str, float] = field(default_factory=dict)  # node -> its busy share, as its last report said
     trace: list[dict[str, Any]] | None = None  # per lap, when asked for
 
     def record(self, *, positions: int, tokens: int, lap_ms: float, head_ms: float, head_cache: int,
@@ -38,6 +39,8 @@ class LapTimes:
                 self.hop_ms[hop.node] = self.hop_ms.get(hop.node, 0.0) + hop.ms
                 if hop.load is not None:
                     self.loads[hop.node] = hop.load
+                if hop.busy is not None:
+                    self.busy[hop.node] = hop.busy
             shards_ms += hop.ms
         self.network_ms += max(0.0, lap_ms - head_ms - shards_ms)
         for link, ms in links_of(lap_ms - head_ms, hops):
@@ -70,19 +73,19 @@ class LapTimes:
 
 class RecentLaps:
     """What the last answers found on the route, for `/health` and the page's route diagram: each
-    link's share of a lap and each shard's load (sessions), with their age."""
+    link's share of a lap and each shard's load (sessions) and busy share, with their age."""
 
     def __init__(self, limit: int = MAX_HOPS_KEPT) -> None:
         self.limit = limit
         self.links: dict[tuple[str, str], tuple[float, float]] = {}  # (from, to) -> (ms per lap, when)
-        self.loads: dict[str, tuple[int, float]] = {}  # node -> (sessions, when)
+        self.loads: dict[str, tuple[int, float | None, float]] = {}  # node -> (sessions, busy share, when)
 
     def note(self, times: LapTimes) -> None:
         now = time.monotonic()
         for link, ms in times.link_ms.items():
             self._put(self.links, link, (ms / max(1, times.laps), now))
         for node, load in times.loads.items():
-            self._put(self.loads, node, (load, now))
+            self._put(self.loads, node, (load, times.busy.get(node), now))
 
     def _put(self, table: dict, key: Any, value: Any) -> None:
         table.pop(key, None)  # the newest last: past the limit, the oldest go first
@@ -94,8 +97,8 @@ class RecentLaps:
         now = time.monotonic()
         return {"links": [{"from": a, "to": b, "lap_ms": round(ms, 2), "age_s": round(now - when, 1)}
                           for (a, b), (ms, when) in self.links.items()],
-                "loads": [{"node": node, "sessions": load, "age_s": round(now - when, 1)}
-                          for node, (load, when) in self.loads.items()]}
+                "loads": [{"node": node, "sessions": load, "busy": busy, "age_s": round(now - when, 1)}
+                          for node, (load, busy, when) in self.loads.items()]}
 
 
 def links_of(wait_ms: float, hops: Sequence[Any]) -> list[tuple[tuple[str, str], float]]:

@@ -9,7 +9,8 @@ prometheus_client, `meshws_peak_resident_bytes`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+import time
+from typing import Any, Callable, Iterable, Iterator
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
                                ProcessCollector, generate_latest)
@@ -24,6 +25,35 @@ GAP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.
 STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
 
 
+BUSY_WINDOW = 10.0  # seconds a busy share looks back over (at most: the worker keeps its last 128 jobs)
+BUSY_FRESH = 0.5  # seconds a busy share is reused (hop reports ask for it every step)
+
+
+class BusyShare:
+    """The share of the recent past a compute worker spent computing: each stage's busy share, which `/health`, the
+    heartbeats and the hop reports carry and the chat page shows. From the worker's `recent` jobs (start, end,
+    rows) on this host's monotonic clock: over the last BUSY_WINDOW seconds, or since the oldest job kept where
+    they do not reach back that far."""
+
+    def __init__(self, recent: Callable[[], Iterable[tuple[float, float, int]]], keeps: int) -> None:
+        self._recent, self._keeps = recent, keeps
+        self._at, self._share = -BUSY_FRESH, 0.0
+
+    def now(self) -> float:
+        now = time.monotonic()
+        if now - self._at >= BUSY_FRESH:
+            self._at, self._share = now, busy_share(list(self._recent()), now, self._keeps)
+        return self._share
+
+
+def busy_share(jobs: list[tuple[float, float, int]], now: float, keeps: int, window: float = BUSY_WINDOW) -> float:
+    since = now - window
+    if len(jobs) >= keeps and jobs[0][0] > since:
+        since = jobs[0][0]  # (jobs before the oldest kept are not known: the share is of the time they cover)
+    busy = sum(min(end, now) - max(start, since) for start, end, _ in jobs if end > since)
+    return round(min(1.0, busy / max(now - since, 1e-3)), 3)
+
+
 class NodeMetrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -31,6 +61,7 @@ class NodeMetrics:
                  weight_bytes: Callable[[], int] = lambda: 0,
                  weights: Callable[[], dict[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry()
+        self.busy: BusyShare | None = None  # the compute worker's recent busy share (`watch_compute`)
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, cpu seconds, open fds
         PlatformCollector(registry=self.registry)  # python_info
         GCCollector(registry=self.registry)  # python_gc_*
@@ -126,14 +157,20 @@ class NodeMetrics:
 
         registry.register(Reuse())
 
-    def watch_compute(self, queued: Callable[[], int], busy_seconds: Callable[[], float] = lambda: 0.0) -> None:
-        """The compute worker: jobs waiting for it (prefill chunks, decode steps, releases), and time computing."""
+    def watch_compute(self, queued: Callable[[], int], busy_seconds: Callable[[], float] = lambda: 0.0,
+                      share: BusyShare | None = None) -> None:
+        """The compute worker: jobs waiting for it (prefill chunks, decode steps, releases), time computing, and
+        its recent busy `share` (kept as `busy`: hop reports carry it)."""
         gauge = Gauge("meshws_compute_queued", "Jobs waiting for the compute worker", registry=self.registry)
         gauge.set_function(lambda: float(queued()))
         busy = Gauge("meshws_compute_busy_seconds", "Seconds the compute worker has spent computing since start "
                      "(its rate is the busy fraction; 1 - rate is the time idle or waiting on the network)",
                      registry=self.registry)
         busy.set_function(lambda: float(busy_seconds()))
+        self.busy = share
+        if share is not None:
+            Gauge("meshws_compute_busy_share", f"Share of the last {BUSY_WINDOW:g} s the compute worker spent "
+                  "computing", registry=self.registry).set_function(share.now)
 
     def frame(self, direction: str, kind: str, size: int) -> None:
         self.frames.labels(direction, kind).inc()

@@ -249,8 +249,9 @@ class ShardSteps:
         session.compute_seconds += elapsed
         held = self.backend.sessions.held(session.sid)
         standby = self.feeds.held(session.sid) if self.feeds is not None else None
+        busy = self.metrics.busy.now() if self.metrics.busy is not None else None
         session.report = (frame.step, HopReport(node=self.node_name, ms=elapsed * 1000, cache_len=held,
-                                                load=len(self.sessions), standby=standby))
+                                                load=len(self.sessions), standby=standby, busy=busy))
         if self.feeds is not None:
             self.feeds.stepped(session.sid)
         self.metrics.steps.labels(frame.mode).inc()

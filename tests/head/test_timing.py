@@ -3,6 +3,7 @@
 import pytest
 
 from meshws.head.timing import LapTimes, RecentLaps, links_of
+from meshws.mesh.metrics import busy_share
 from meshws.mesh.wire import HopReport
 
 
@@ -40,13 +41,23 @@ def test_recent_laps_keep_the_last_figures_and_a_bounded_number_of_them():
     times.record(positions=1, tokens=1, lap_ms=20.0, head_ms=5.0, head_cache=3,
                  hops=[HopReport("tail-a", 10.0, 3, load=4)])
     times.record(positions=1, tokens=1, lap_ms=24.0, head_ms=5.0, head_cache=4,
-                 hops=[HopReport("tail-a", 10.0, 4, load=2)])
+                 hops=[HopReport("tail-a", 10.0, 4, load=2, busy=0.625)])
     recent.note(times)
     view = recent.view()
     assert [(link["from"], link["to"], link["lap_ms"]) for link in view["links"]] == [("head", "tail-a", 7.0)]
-    assert [(hop["node"], hop["sessions"]) for hop in view["loads"]] == [("tail-a", 2)]  # the last report
+    assert [(hop["node"], hop["sessions"], hop["busy"]) for hop in view["loads"]] == [("tail-a", 2, 0.625)]
     for name in ("tail-b", "tail-c"):
         other = LapTimes()
         other.record(positions=1, tokens=1, lap_ms=20.0, head_ms=5.0, head_cache=3, hops=[HopReport(name, 10.0, 3)])
         recent.note(other)
     assert [link["to"] for link in recent.view()["links"]] == ["tail-b", "tail-c"]  # the oldest went first
+
+
+def test_a_busy_share_is_of_the_window_or_of_the_time_the_kept_jobs_cover():
+    now = 100.0
+    jobs = [(88.0, 89.0, 1), (91.0, 93.0, 1), (99.0, 101.0, 1)]  # one before the window; one still running at `now`
+    assert busy_share(jobs, now, keeps=128) == pytest.approx(0.3)  # 2 s + 1 s of the last 10
+    full = [(95.0 + 0.5 * n, 95.0 + 0.5 * n + 0.25, 1) for n in range(4)]  # the last 4 jobs kept: half busy from 95
+    assert busy_share(full, now, keeps=4) == pytest.approx(0.2)  # 1 s of the 5 s since the oldest kept
+    assert busy_share([], now, keeps=4) == 0.0
+    assert busy_share([(80.0, 100.0, 1)], now, keeps=4) == 1.0

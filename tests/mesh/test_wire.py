@@ -134,6 +134,10 @@ def test_frame_above_the_size_limit_is_refused():
         ('{"type": "token", "sid": "a", "token_id": 3, "hops": [{"node": "t", "ms": 1, "cache_len": 4.5}]}',
          "cache_len"),
         ('{"type": "token", "sid": "a", "token_id": 3, "hops": [{"node": "", "ms": 1, "cache_len": 4}]}', "node"),
+        ('{"type": "token", "sid": "a", "token_id": 3, "hops": [{"node": "t", "ms": 1, "cache_len": 4, "busy": 1.5}]}',
+         "busy"),
+        ('{"type": "token", "sid": "a", "token_id": 3, "hops": [{"node": "t", "ms": 1, "cache_len": 4, "busy": true}]}',
+         "busy"),
         ('{"type": "token", "sid": "a", "token_id": 3, "logprobs": [[-0.5, []], [-1, []]]}', "logprobs"),  # 1 token
         ('{"type": "token", "sid": "a", "token_id": 3, "logprobs": [[0.5, []]]}', "logprobs"),  # above 0
         ('{"type": "token", "sid": "a", "token_id": 3, "logprobs": [[-0.5, [[-1, -0.5]]]]}', "logprobs"),
@@ -156,7 +160,7 @@ def test_every_message_round_trips():
         wire.Token("a", 2, 17),
         wire.Token("a", 3, None, ""),
         wire.Token("a", 4, 9, None, (5, 9),
-                   (wire.HopReport("middle@h:1", 3.25, 40, 9.5, 2), wire.HopReport("t", 0.0, 0))),
+                   (wire.HopReport("middle@h:1", 3.25, 40, 9.5, 2, busy=0.75), wire.HopReport("t", 0.0, 0))),
         wire.Token("a", 5, 9, None, (5, 9), (), ((-0.25, ((5, -0.25), (7, -2.5))), (-1e4, ()))),
         wire.CacheMiss("a", 4, "evicted"),
         wire.Error("boom", "a", 5, lost=True, url="ws://h:1"),

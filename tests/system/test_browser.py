@@ -114,7 +114,9 @@ def test_message_streams_an_answer_with_timing_and_route(page, mesh):
     assert nodes.nth(0).text_content().startswith("head@") and nodes.nth(1).text_content().startswith("tail@")
     assert "layers 15-29" in nodes.nth(1).text_content()
     expect(page.locator("#route .route-link")).to_have_text(re.compile(r"^[\d.]+ ms$"), timeout=10_000)
-    expect(nodes.nth(1)).to_contain_text(re.compile(r"load \d+$"))  # as the tail reported it with the answer
+    # its load and busy share as the tail reported them with the answer; the head's busy share its own
+    expect(nodes.nth(1)).to_contain_text(re.compile(r"load \d+ · busy \d+ %$"))
+    expect(nodes.nth(0)).to_contain_text(re.compile(r"busy \d+ %"))
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / "desktop.png"), full_page=True)
 
@@ -440,6 +442,7 @@ def test_the_route_picture_shows_the_plan_with_each_nodes_measured_time(browser)
         for index, span in enumerate(plan["spans"]):
             expect(boxes.nth(index)).to_contain_text(f"layers {span['layers'][0]}-{span['layers'][1] - 1}")
             expect(boxes.nth(index)).to_contain_text(re.compile(r"[\d.]+ ms per token \([\d.]+ ms a layer, measured\)"))
+            expect(boxes.nth(index)).to_contain_text(re.compile(r"busy \d+ %"))  # (heartbeats; the head: its own)
         SHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SHOTS / "plan.png"), full_page=True)
     finally:

@@ -25,6 +25,7 @@ class HopReport:
     wait_ms: float | None = None
     load: int | None = None  # sessions the shard carries now (the page's route diagram shows it)
     standby: int | None = None  # positions of the session its standby has confirmed holding (`mesh.standby`)
+    busy: float | None = None  # the share of the last seconds the shard spent computing (`metrics.BusyShare`)
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"node": self.node, "ms": round(self.ms, 3), "cache_len": self.cache_len}
@@ -34,6 +35,8 @@ class HopReport:
             wire["load"] = self.load
         if self.standby is not None:
             wire["standby"] = self.standby
+        if self.busy is not None:
+            wire["busy"] = self.busy
         return wire
 
     @classmethod
@@ -44,7 +47,16 @@ class HopReport:
         return cls(name_field(data, "node"), _milliseconds(data.get("ms"), "ms"), int_field(data, "cache_len", 0),
                    None if wait is None else _milliseconds(wait, "wait_ms"),
                    min(int_field(data, "load", 0), MAX_LOAD) if data.get("load") is not None else None,
-                   int_field(data, "standby", 0) if data.get("standby") is not None else None)
+                   int_field(data, "standby", 0) if data.get("standby") is not None else None,
+                   _share(data.get("busy")))
+
+
+def _share(value: Any) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
+        raise FrameError("a hop report's busy must be a number in [0, 1]")
+    return float(value)
 
 
 def _milliseconds(value: Any, name: str) -> float:
