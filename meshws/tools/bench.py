@@ -1,9 +1,8 @@
 """`python -m meshws.bench`: how fast meshws is, as ratios to llama.cpp and to in-process `generate()` in the same run.
 
-`python -m meshws.bench --model FILE.gguf` measures a GGUF of any size beside llama.cpp on the same file
-(`bench_gguf`): a full node's decode, prompt, peak memory, start and bytes written; a head + tail's
-memory per node and decode. On the embedded model (the default) that section runs first, then for
-each dtype it measures:
+`python -m meshws.bench --model FILE.gguf` measures a GGUF of any size beside llama.cpp on the same file (`bench_gguf`):
+a full node's decode, prompt, peak memory, start and bytes written; a head + tail's memory per node and decode.
+On the embedded model (the default) that section runs first, then for each dtype it measures:
   * in-process `model.generate()` on the whole model (the baseline);
   * a `full` node process (one machine, zero hops) through the OpenAI API, with float and
     with `--quant int8` weights;
@@ -14,10 +13,9 @@ each dtype it measures:
     context lengths, in-process;
   * one decode step of a 15-layer shard per compute path, against the time to read its
     weights once at this machine's measured memory bandwidth (`bench_compute`);
-  * llama.cpp on the same GGUF and thread count, when llama-cpp-python is installed (an
-    optional extra): every decode figure is then also a ratio to it, and at each session count
-    its own batched decoding of that many sequences stands beside the mesh's aggregate
-    (`bench_llama`);
+  * llama.cpp on the same GGUF and thread count, when llama-cpp-python is installed (an optional extra):
+    every decode figure is then also a ratio to it, and at each session count its own batched
+    decoding of that many sequences stands beside the mesh's aggregate (`bench_llama`);
   * a six-turn conversation with a ~500-token system prompt: time to first token of
     turns 2-6 with the session reused (/ws/chat; the OpenAI API's warm pool) over the
     same turns prefilled in full (`bench_turns`);
@@ -45,6 +43,7 @@ from .bench_compute import (gguf_of, measure_bandwidth, measure_decode_step, mea
 from .bench_gguf import measure_gguf, print_gguf
 from .bench_plot import write_gguf_plot, write_plot
 from .bench_kv import add_kv_arguments, run_kv_suite
+from .bench_scale import run_scale_suite
 from .bench_standby import add_standby_arguments, run_standby_suite
 from .bench_laps import measure_laps
 from .bench_llama import measure_llama_cpp_sessions
@@ -243,10 +242,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded", help="the embedded model, or a GGUF file (its own section "
                         "only, unless --suite all)")
-    parser.add_argument("--suite", choices=("auto", "all", "gguf", "placement", "kv", "standby"), default="auto",
+    parser.add_argument("--suite", default="auto",
+                        choices=("auto", "all", "gguf", "placement", "kv", "standby", "scale"),
                         help="gguf: the GGUF section; all: every section; auto: all on the embedded model, gguf on "
-                        "another file; placement: `bench_placement` (root, cgroup v1); kv: `bench_kv`; standby: "
-                        "`bench_standby`")
+                        "another file; placement: `bench_placement` (root, cgroup v1); kv, standby, scale: "
+                        "`bench_kv`, `bench_standby`, `bench_scale`")
     add_placement_arguments(parser), add_kv_arguments(parser), add_standby_arguments(parser)
     parser.add_argument("--dtype", nargs="+", default=["auto", "float32"], choices=("auto", "bfloat16", "float32"),
                         help="auto: a GGUF's blocks with 8-bit activations (the nodes' default); float32: exact")
@@ -278,8 +278,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m meshws.bench") ->
     gguf = gguf_of(args.model)
     suite = args.suite if args.suite != "auto" else "all" if args.model in ("embedded", "") or gguf is None else "gguf"
     gguf_section = None
-    if suite in ("kv", "standby"):
-        return (run_kv_suite if suite == "kv" else run_standby_suite)(args, gguf, out)
+    if suite in ("kv", "standby", "scale"):
+        return {"kv": run_kv_suite, "standby": run_standby_suite, "scale": run_scale_suite}[suite](args, gguf, out)
     if gguf is not None and suite != "placement":
         gguf_section = measure_gguf(gguf, 16 if args.short else 64, parts=args.parts)
         print_gguf(gguf_section)

@@ -19,8 +19,9 @@ from typing import Any
 
 
 def measure_llama_cpp_sessions(gguf: Path | None, prompt_ids: list[int], tokens: int,
-                               counts: list[int]) -> dict[str, Any] | None:
-    """Per sequence count: decode tok/s of all sequences together, the batched prompt's time, and a step's time."""
+                               counts: list[int], threads: int | None = None) -> dict[str, Any] | None:
+    """Per sequence count: decode tok/s of all sequences together, the batched prompt's time, and a step's time
+    (`threads`: default every core)."""
     if gguf is None or tokens < 2:
         return None
     try:
@@ -28,7 +29,7 @@ def measure_llama_cpp_sessions(gguf: Path | None, prompt_ids: list[int], tokens:
         from llama_cpp._utils import suppress_stdout_stderr
     except ImportError:
         return None
-    threads = os.cpu_count() or 1
+    threads = threads or os.cpu_count() or 1
     with suppress_stdout_stderr(disable=False):  # (llama.cpp logs every context it makes)
         llama_cpp.llama_backend_init()
         model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), llama_cpp.llama_model_default_params())

@@ -118,3 +118,27 @@ def test_short_benchmark_writes_every_field(tmp_path, embedded_model):
     assert report["plot"] == str(out.with_suffix(".png")) and out.with_suffix(".png").stat().st_size > 10_000
     assert report["bandwidth_gb_s"] > 0
     assert "target" in result.stdout and "x generate" in result.stdout
+
+
+@pytest.mark.slow
+def test_the_scale_suite_places_machines_and_writes_the_issues_ratios(tmp_path, embedded_model):
+    """`--suite scale`: one machine, two placed by the head (and one host's split), each figure and ratio there."""
+    out = tmp_path / "scale.json"
+    result = subprocess.run([sys.executable, "-m", "meshws.bench", "--suite", "scale", "--sessions", "1", "2",
+                             "--tokens", "6", "--runs", "1", "--out", str(out)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    scale = json.loads(out.read_text())["scale"]
+    machines = scale["machines"]
+    assert set(machines) >= {"1", "2"} and machines["1"]["spans"] == [["full", "0-29"]]
+    placed = machines["2"]["spans"]  # the head's plan: a head and a tail, every layer once
+    assert [span[0] for span in placed][0] == "head" and placed[0][1][0] == 0 and placed[-1][1][1] == 30
+    assert placed[0][1][1] == placed[1][1][0]
+    for case in (machines["1"], machines["2"], *scale["one_host"].values()):
+        for count in ("1", "2"):
+            entry = case["sessions"][count]
+            assert entry["aggregate_tok_s"] > 0 and len(entry["busy_share"]) == len(case["cores"])
+            assert all(0 < share <= 1 for share in entry["busy_share"])
+    ratios = scale["ratios"]
+    assert ratios["two_over_one_2_sessions"]["target"] == 1.85 and ratios["two_over_one_2_sessions"]["value"] > 0
+    assert ratios["one_host_split_over_full_1_session"]["value"] > 0

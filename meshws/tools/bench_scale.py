@@ -1,0 +1,247 @@
+"""`python -m meshws.bench --suite scale`: what every machine added adds (issue 62), drafts off, llama.cpp beside it.
+
+Machines are simulated on this host as `../shared/NOTES.md` describes: each node process pinned to a core of its
+own (`taskset`) with a private TMPDIR, so meshws's core sharing (`cores`) finds no other node and takes its core as
+its own, as on a separate host. One machine is a `full` node; two (and three, where the host has the cores) are a
+head and nodes that join it, every one `--layers auto`: the head places the layers by what each measures
+(`placement`), as it places a user's machines. Every count of `--sessions` streams through the OpenAI API as
+clients do (the median of `--runs`). Then one host: a head and a tail unpinned, lending each other the host's cores
+with `meshws mesh`'s split, beside a full node on all of them.
+
+llama.cpp runs beside each: on the first machine's core with one thread, and on every core with as many threads;
+one sequence's decode (best of three), and as many sequences as sessions in one context (`bench_llama`). Reported:
+each case's spans and aggregate tok/s per session count with each node's busy share, the ratios of the issue's
+targets (two machines over one at the most sessions and at one; one host's split over its full node; full nodes
+over llama.cpp), and a picture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..cores import usable_cores
+from .bench_nodes import busy_seconds
+from .local_mesh import tail_start
+from .launch import NodeProcess, free_port
+from .machines import wait_for_plan
+from .streams import median_run, stream_once
+
+PROMPT = 64  # prompt tokens per session (random ids, the same for every session)
+
+
+def byte_split(shape: dict[str, int], parts: int) -> list[tuple[str, str]]:
+    """`meshws mesh`'s split on one host (`local_mesh.tail_start`: both nodes read about the same weight bytes a
+    step, the tail's LM head counted); two parts only."""
+    assert parts == 2
+    start = tail_start(shape)
+    return [("head", f"0-{start - 1}"), ("tail", f"{start}-{shape['layers'] - 1}")]
+
+
+class Nodes:
+    """Node processes, head first; `cores[i]` pins node i (None: unpinned, the host's cores shared). With `spans` the
+    chain is placed by hand (`--peer`); with `auto` set to a count of nodes, a head and that many less one joining it,
+    every one `--layers auto`, placed by the head's measures (`placement`) as a user's machines are."""
+
+    def __init__(self, common: tuple[str, ...], cores: list[int | None],
+                 spans: list[tuple[str, str]] | None = None) -> None:
+        self.nodes: list[NodeProcess] = []
+        self.dirs: list[tempfile.TemporaryDirectory] = []
+        self.plan: dict[str, Any] | None = None
+        ports = [free_port() for _ in cores]
+        try:
+            for index, core in enumerate(cores):
+                if spans is not None:
+                    role, layers = spans[index]
+                    args = ["--role", role, "--layers", layers, *common]
+                    args += ["--peer", f"ws://127.0.0.1:{ports[index + 1]}"] if index + 1 < len(spans) else []
+                else:
+                    role = "head" if index == 0 else "auto"
+                    args = ["--role", role, "--layers", "auto", *common]
+                    args += ["--join", f"http://127.0.0.1:{ports[0]}"] if index else []
+                env = None
+                if core is not None:  # a machine of its own: its core, its TMPDIR
+                    self.dirs.append(tempfile.TemporaryDirectory(prefix=f"meshws-scale-{role}-"))
+                    env = {"TMPDIR": self.dirs[-1].name}
+                self.nodes.append(NodeProcess(*args, name=f"{role} {index}", port=ports[index], env=env,
+                                              cpus=None if core is None else str(core)))
+            for node in self.nodes:
+                node.wait_started(300)
+            self.nodes[0].wait_ready(300)
+            if spans is None:  # every node placed (in the chain or a replica), the plan in force
+                self.plan = wait_for_plan(self.nodes[0], lambda plan: len(plan["spans"]) == len(cores), 300)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        for directory in self.dirs:
+            directory.cleanup()
+
+
+def run_case(nodes: Nodes, model_id: str, prompt: list[int], tokens: int, counts: list[int],
+             runs: int) -> dict[str, Any]:
+    head = nodes.nodes[0]
+    asyncio.run(stream_once(head.url, model_id, prompt, 4))  # warm-up
+    found: dict[str, Any] = {}
+    for count in counts:
+        before = [busy_seconds(node.url) for node in nodes.nodes]
+        entry = asyncio.run(median_run(head.url, model_id, prompt, tokens, count, runs))
+        after = [busy_seconds(node.url) for node in nodes.nodes]
+        wall = sum(entry["runs_wall_s"])
+        entry["busy_share"] = [round((b - a) / wall, 3) for a, b in zip(before, after)]  # node order, head first
+        found[str(count)] = entry
+        print(f"  {count:>3} sessions: {entry['aggregate_tok_s']} tok/s, busy {entry['busy_share']}", flush=True)
+    return found
+
+
+@contextmanager
+def pinned(cores: set[int]) -> Iterator[None]:
+    """This thread (and the threads and processes it starts meanwhile) on `cores` alone."""
+    was = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, was)
+
+
+def llama_beside(gguf: Path, cores: list[int], prompt: list[int], tokens: int,
+                 counts: list[int]) -> dict[str, Any] | None:
+    """llama.cpp on `cores` with a thread each: one sequence's decode (best of three) and `counts` sequences at once."""
+    from .bench_gguf import LlamaCpp, llama_cpp_available
+    from .bench_llama import measure_llama_cpp_sessions
+
+    if not llama_cpp_available():
+        return None
+    with pinned(set(cores)):
+        probe = LlamaCpp(gguf, len(cores), tokens)
+        try:
+            for _ in range(3):
+                probe.decode()
+        finally:
+            one = probe.close()
+        sequences = measure_llama_cpp_sessions(gguf, prompt, tokens, counts, threads=len(cores))
+    return {"threads": len(cores), "decode_tok_s": one["decode_tok_s"], "decode_runs": one["decode_runs"],
+            "sessions": sequences}
+
+
+def run_scale(model: str, gguf: Path | None, counts: list[int], tokens: int, runs: int) -> dict[str, Any]:
+    from ..model.source import model_shape, resolve_model
+
+    resolved = resolve_model(model, os.environ.get("MESHWS_CACHE_DIR"), tokenizer=False)
+    shape = model_shape(resolved)
+    cores = sorted(os.sched_getaffinity(0))[:usable_cores()]
+    common = ("--model", model, "--draft", "none")
+    prompt = [random.Random(62).randrange(100, min(30000, shape["vocab"])) for _ in range(PROMPT)]
+    report: dict[str, Any] = {"model": resolved.model_id, "cores": len(cores), "tokens": tokens, "runs": runs,
+                              "prompt_tokens": PROMPT, "machines": {}, "one_host": {}}
+    full = [("full", f"0-{shape['layers'] - 1}")]
+    cases: list[tuple[str, str, list[tuple[str, str]] | None, list[int | None]]] = [
+        ("machines", "1", full, [cores[0]])]
+    cases += [("machines", str(parts), None, cores[:parts]) for parts in (2, 3) if len(cores) >= parts]
+    if len(cores) >= 2:
+        cases += [("one_host", "full", full, [None]), ("one_host", "split", byte_split(shape, 2), [None, None])]
+    for group, name, spans, pins in cases:
+        print(f"{group} {name}: {spans or 'placed by the head'} on cores {pins}", flush=True)
+        nodes = Nodes(common, pins, spans)
+        try:
+            placed = [(span["node"], span["layers"], span.get("replica", False)) for span in nodes.plan["spans"]] \
+                if nodes.plan else spans
+            print(f"  spans {placed}", flush=True)
+            report[group][name] = {"spans": placed, "cores": pins,
+                                   "sessions": run_case(nodes, resolved.model_id, prompt, tokens, counts, runs)}
+        finally:
+            nodes.stop()
+    if gguf is not None:
+        report["llama_cpp"] = llama_beside(gguf, cores[:1], prompt, tokens, counts)
+        report["llama_cpp_one_host"] = llama_beside(gguf, cores, prompt, tokens, counts) if len(cores) > 1 else None
+    report["ratios"] = ratios(report, counts)
+    return report
+
+
+def _rate(report: dict[str, Any], group: str, name: str, count: int) -> float | None:
+    entry = report[group].get(name, {}).get("sessions", {}).get(str(count))
+    if not entry:
+        return None
+    return entry["per_session_tok_s"] if count == 1 else entry["aggregate_tok_s"]  # (one: its decode, as llama.cpp's)
+
+
+def _over(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def ratios(report: dict[str, Any], counts: list[int]) -> dict[str, Any]:
+    """The issue's figures: each against its target (None where not measured)."""
+    most, llama, host = max(counts), report.get("llama_cpp") or {}, report.get("llama_cpp_one_host") or {}
+    found = {
+        f"two_over_one_{most}_sessions": (_over(_rate(report, "machines", "2", most),
+                                                _rate(report, "machines", "1", most)), 1.85),
+        "two_over_one_1_session": (_over(_rate(report, "machines", "2", 1), _rate(report, "machines", "1", 1)), 0.97),
+        "one_host_split_over_full_1_session": (_over(_rate(report, "one_host", "split", 1),
+                                                     _rate(report, "one_host", "full", 1)), 0.95),
+        "one_machine_over_llama_cpp_1_session": (_over(_rate(report, "machines", "1", 1),
+                                                       llama.get("decode_tok_s")), 1.0),
+        "one_host_full_over_llama_cpp_1_session": (_over(_rate(report, "one_host", "full", 1),
+                                                         host.get("decode_tok_s")), 1.0),
+    }
+    if "3" in report["machines"]:
+        found[f"three_over_one_{most}_sessions"] = (_over(_rate(report, "machines", "3", most),
+                                                          _rate(report, "machines", "1", most)), None)
+    sequences = (llama.get("sessions") or {}).get(str(most))
+    found[f"one_machine_over_llama_cpp_{most}_sequences"] = (
+        _over(_rate(report, "machines", "1", most), sequences["aggregate_tok_s"] if sequences else None), 1.0)
+    return {name: {"value": value, "target": target, "met": None if value is None or target is None
+                   else value >= target} for name, (value, target) in found.items()}
+
+
+def write_scale_plot(report: dict[str, Any], path: Path) -> Path | None:
+    """Aggregate tok/s against sessions: one line per machine count, the one-host split and llama.cpp."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    figure, axes = plt.subplots(figsize=(9.5, 4.2))
+    lines = [(f"{name} machine{'s' if name != '1' else ''}", case["sessions"])
+             for name, case in report["machines"].items()]
+    lines += [(f"one host, {name}", case["sessions"]) for name, case in report["one_host"].items()]
+    sequences = (report.get("llama_cpp") or {}).get("sessions")
+    if sequences:
+        lines.append(("llama.cpp on one machine, as many sequences (decode only)", sequences))
+    for label, data in lines:
+        counts = sorted(int(count) for count in data)
+        axes.plot(counts, [data[str(count)]["aggregate_tok_s"] for count in counts], marker="o", label=label,
+                  linestyle="--" if label.startswith(("one host", "llama")) else "-")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("concurrent sessions")
+    axes.set_ylabel("aggregate tok/s")
+    axes.set_title(f"{report['model']}: machines added (a core each), drafts off")
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def run_scale_suite(args: argparse.Namespace, gguf: Path | None, out: Path) -> None:
+    """`python -m meshws.bench --suite scale [--model FILE.gguf] [--sessions ...]`."""
+    import json
+
+    from .memory_bench import write_report
+
+    report = run_scale(args.model, gguf, sorted(set(args.sessions)), args.tokens, args.runs)
+    plot = write_scale_plot(report, out.with_suffix(".png"))
+    report["plot"] = str(plot) if plot else None
+    write_report({"model": report["model"], "scale": report}, out)
+    print(json.dumps(report["ratios"], indent=1))
