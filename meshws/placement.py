@@ -97,6 +97,8 @@ class NodeCapacity:
         lm_head = self.lm_head.layer_seconds
         if lm_head and self.node.shard.is_tail:
             measured["lm_head_ms"] = lm_head * 1000
+        if self.node.metrics.busy is not None:
+            measured["busy"] = self.node.metrics.busy.now()  # (the page shows each stage's)
         return measured
 
     def describe(self) -> dict[str, Any]:
