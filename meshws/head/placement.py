@@ -103,11 +103,13 @@ def span_fits(costs: ModelCosts, memory: int, start: int, end: int, reserve_toke
     return costs.weight_bytes(start, end) + reserve_tokens * costs.kv_bytes_per_token * (end - start) <= memory
 
 
-def chain_seconds(plan_: Plan, nodes: dict[str, Capacity], costs: ModelCosts, lm_factor: float = 1.0) -> float:
-    """A plan's chain's time per token at these nodes' speeds and links (every node of the chain among them)."""
+def chain_seconds(plan_: Plan, nodes: dict[str, Capacity], costs: ModelCosts,
+                  lm_factor: float = 1.0) -> tuple[float, float]:
+    """A plan's time per token at these nodes' speeds and links, and its slowest stage's (many sessions' pace)."""
     search = _Search(costs, 0, lm_factor)
-    return sum(search.seconds(nodes[span.node], *span.layers) + (search.hop(nodes[span.node]) if span.layers[0] else 0)
-               for span in plan_.chain)
+    stages = [search.seconds(nodes[span.node], *span.layers) for span in plan_.chain]
+    hops = [search.hop(nodes[span.node]) for span in plan_.chain[1:]]
+    return sum(stages) + sum(hops), max(stages)
 
 
 _Chain = tuple  # a chain so far, as a linked list: (the chain before, node, start, end), or () before the head
@@ -274,8 +276,7 @@ def _keep(search: _Search, candidate: _Candidate) -> None:
 def _balanced(search: _Search, chain: list[tuple[Capacity, int, int]]) -> list[tuple[Capacity, int, int]]:
     """The same nodes in the same order, their boundaries moved so the slowest stage is as light as it can be with
     one session's time within BALANCE_SLACK of the fastest chain's (many sessions go as fast as the slowest stage;
-    two like machines measured 3 % apart put 15 of a 1B's 16 layers on the faster, and 32 sessions ran no faster
-    than on one): the least cap on a stage's time that keeps the fastest split under it in that slack, bisected."""
+    like machines measured a few % apart would put every layer on one): the least such cap on a stage, bisected."""
     total, count = search.costs.total_layers, len(chain)
     if count < 2 or count * total * total > 50_000 or search.best is None:
         return chain
@@ -284,8 +285,7 @@ def _balanced(search: _Search, chain: list[tuple[Capacity, int, int]]) -> list[t
                    for begin in range(total) for stop in range(begin + 1, total + 1)})
     low, high, found = 0, len(caps) - 1, None
     while low <= high:  # the fastest split under a cap gets no slower as the cap rises
-        middle = (low + high) // 2
-        under = _under(search, chain, caps[middle])
+        under = _under(search, chain, caps[middle := (low + high) // 2])
         found, low, high = (under[1], low, middle - 1) if under is not None and round(under[0], 9) <= limit \
             else (found, middle + 1, high)
     return found if found is not None else chain
@@ -294,10 +294,10 @@ def _balanced(search: _Search, chain: list[tuple[Capacity, int, int]]) -> list[t
 def _under(search: _Search, chain: list[tuple[Capacity, int, int]],
            cap: float) -> tuple[float, list[tuple[Capacity, int, int]]] | None:
     """The fastest split over `chain`'s nodes in order (hand-placed spans kept), no stage over `cap` s; or None."""
-    total, count = search.costs.total_layers, len(chain)
+    total = search.costs.total_layers
     best: dict[int, tuple[float, list[tuple[Capacity, int, int]]]] = {0: (0.0, [])}  # layer reached -> the fastest
     for index, (node, start, end) in enumerate(chain):
-        last, row = index == count - 1, {}
+        last, row = index == len(chain) - 1, {}
         for begin, (seconds, spans) in best.items():
             if node.span is not None and begin != start:
                 continue
@@ -350,7 +350,7 @@ def _missing(search: _Search, nodes: Sequence[Capacity]) -> str:
            f"({', '.join(_mib(node.memory) for node in nodes)})"
 
 
-def _mib(count: float) -> str:
+def _mib(count: float) -> str:  # (for people)
     return f"{count / 2**20:.0f} MiB"
 
 

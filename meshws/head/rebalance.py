@@ -5,7 +5,8 @@ re-plan: a node joined, left or began draining, a budget changed, a node's measu
 `DRIFT` off the plan's for `replan_seconds`, or (each `replan_seconds`) the plan leaves nodes out: a spare measured
 slow once may serve as a replica now. A new plan (`placement.plan`) replaces the one in force if there is none, if
 that one is broken (a node left, or may no longer hold its span), if it only adds replicas, or if it is `MIN_GAIN`
-faster (not on a spare's account alone). Versions count within this head's `epoch`.
+faster, or its slowest stage `MIN_GAIN` lighter within `BALANCE_SLACK` of one session's time (many sessions' pace;
+not on a spare's account alone). Versions count within this head's `epoch`.
 
 A move goes in two halves, so no answer ever meets layers that are not the ones its route expects:
 
@@ -33,7 +34,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from ..mesh.aio import until
 from ..model.costs import ModelCosts
-from .placement import Capacity, Plan, capacity, chain_seconds, plan, probe_span, span_fits
+from .placement import BALANCE_SLACK, Capacity, Plan, capacity, chain_seconds, plan, probe_span, span_fits
 from .registry import Registry
 from .routes import NodeRecord
 
@@ -239,12 +240,15 @@ class Placement:
         if not candidate.spans:
             return False
         speeds = {url: capacity(record) for url, record in present.items()}
-        now_seconds = chain_seconds(live, {**speeds, "head": self.head.capacity()}, self.costs,
-                                    self._lm_factor(records))
+        speeds["head"] = self.head.capacity()
+        now_seconds, now_slowest = chain_seconds(live, speeds, self.costs, self._lm_factor(records))
         same_chain = [(s.node, s.layers) for s in live.chain] == [(s.node, s.layers) for s in candidate.chain]
         if same_chain:
             return [(s.node, s.layers) for s in candidate.spans] != [(s.node, s.layers) for s in live.spans]
-        return not spares_only and candidate.seconds_per_token < now_seconds * (1 - MIN_GAIN)
+        slowest = max(span.seconds for span in candidate.chain)  # (many sessions: a lighter slowest stage is as good)
+        seconds = candidate.seconds_per_token
+        return not spares_only and (seconds < now_seconds * (1 - MIN_GAIN) or (
+            slowest < now_slowest * (1 - MIN_GAIN) and seconds <= now_seconds * (1 + BALANCE_SLACK)))
 
     def _broken(self, live: Plan, present: dict[str, NodeRecord]) -> bool:
         """A span of the plan in force whose node is gone, drains, was placed by hand elsewhere, or may no longer

@@ -176,6 +176,26 @@ async def test_speed_that_stays_off_re_plans_and_a_blip_does_not():
     assert "runs at" in placement.last_reason
 
 
+async def test_a_plan_no_faster_for_one_session_but_with_a_lighter_slowest_stage_is_moved_to():
+    """A node first measured 40 % faster than the head takes all but the head's one layer (sharing more would cost
+    one session over BALANCE_SLACK). It then measures as fast as the head: a split of any shape now gives one
+    session the same time, but the even one gives many sessions a slowest stage 37 % lighter: the plan moves."""
+    clock, head, registry, placement = a_head()
+    registry.announce(record("ws://a", 0.0006))
+    await settle(registry, placement, ["ws://a"])
+    first = placement.live
+    assert first.span_of("head").layers == (0, 1)
+    clock.now += rebalance.SETTLE + 1
+    next(r for r in registry.nodes() if r.url == "ws://a").layer_seconds = 0.001
+    await placement.tick()
+    clock.now += 6
+    await settle(registry, placement, ["ws://a"])
+    assert placement.live.version == first.version + 1
+    head_span, tail_span = placement.live.chain
+    assert head_span.layers[1] - head_span.layers[0] >= 3  # the head takes its share
+    assert max(head_span.seconds, tail_span.seconds) <= 0.9 * 0.001 * (7 + COSTS.lm_head_units)
+
+
 async def test_a_spare_left_out_is_weighed_again_and_replicates_once_it_is_fast_enough_without_a_move():
     """A spare measured too slow to replicate (1.8x the primary's time a layer) is left out; it is weighed again each
     `replan_seconds` though its speed does not move by DRIFT: still too slow, nothing changes (and drift is still
