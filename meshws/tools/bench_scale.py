@@ -22,6 +22,7 @@ import asyncio
 import os
 import random
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -34,6 +35,8 @@ from .machines import wait_for_plan
 from .streams import median_run, stream_once
 
 PROMPT = 64  # prompt tokens per session (random ids, the same for every session)
+REPLAN = 3  # seconds a placed mesh's measures must stay off its plan before it plans again
+SETTLED = 12  # seconds a placed mesh's plan must stay the same before it is measured
 
 
 def byte_split(shape: dict[str, int], parts: int) -> list[tuple[str, str]]:
@@ -63,7 +66,7 @@ class Nodes:
                     args += ["--peer", f"ws://127.0.0.1:{ports[index + 1]}"] if index + 1 < len(spans) else []
                 else:
                     role = "head" if index == 0 else "auto"
-                    args = ["--role", role, "--layers", "auto", *common]
+                    args = ["--role", role, "--layers", "auto", *common, "--replan-seconds", str(REPLAN)]
                     args += ["--join", f"http://127.0.0.1:{ports[0]}"] if index else []
                 env = None
                 if core is not None:  # a machine of its own: its core, its TMPDIR
@@ -74,11 +77,23 @@ class Nodes:
             for node in self.nodes:
                 node.wait_started(300)
             self.nodes[0].wait_ready(300)
-            if spans is None:  # every node placed (in the chain or a replica), the plan in force
-                self.plan = wait_for_plan(self.nodes[0], lambda plan: len(plan["spans"]) == len(cores), 300)
+            if spans is None:  # every node placed (in the chain or a replica), the plan in force and settled
+                self.plan = self._settled(len(cores))
         except BaseException:
             self.stop()
             raise
+
+    def _settled(self, count: int) -> dict[str, Any]:
+        """The plan once it has stayed the same for SETTLED seconds: a first plan made on a few probe steps may be
+        replaced as the nodes' measures firm up (`--replan-seconds` REPLAN)."""
+        plan = wait_for_plan(self.nodes[0], lambda plan: len(plan["spans"]) == count, 300)
+        since = time.monotonic()
+        while time.monotonic() - since < SETTLED:
+            time.sleep(1)
+            now = wait_for_plan(self.nodes[0], lambda plan: len(plan["spans"]) == count, 300)
+            if now["version"] != plan["version"]:
+                plan, since = now, time.monotonic()
+        return plan
 
     def stop(self) -> None:
         for node in self.nodes:
@@ -159,6 +174,9 @@ def run_scale(model: str, gguf: Path | None, counts: list[int], tokens: int, run
             print(f"  spans {placed}", flush=True)
             report[group][name] = {"spans": placed, "cores": pins,
                                    "sessions": run_case(nodes, resolved.model_id, prompt, tokens, counts, runs)}
+            if nodes.plan is not None:  # a move while sessions ran parks and prefills them all again: say so
+                after = nodes.nodes[0].health()["plan"]
+                report[group][name]["moves_while_measured"] = after["moves"] - nodes.plan["moves"]
         finally:
             nodes.stop()
     if gguf is not None:
