@@ -135,7 +135,7 @@ class ShardBackend(Protocol):
     sessions: SessionCacheStore
     tokenizer: Any  # the head's tokenizer (chat template); None elsewhere
     costs: ModelCosts | None  # what each part of the model costs (placement); None: not measured (a test's fake)
-    lm_head_seconds: float  # spent in the LM head so far (a tail's: placement weighs it apart from the layers)
+    lm_head_seconds: float  # in the LM head and choosing tokens so far (a tail's: placement weighs it apart)
 
     def prepare_span(self, start: int, end: int) -> Any: ...  # a move's first half: another span loaded beside
     def adopt(self, parts: Any) -> int: ...  # its second half, on the compute thread: serve them (caches dropped)

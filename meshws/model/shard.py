@@ -58,7 +58,7 @@ class ModelShard(ShardFacts, StandbyRows):
                                           max_bytes=None, measure=cache_length, emptied=give_back,
                                           footprint=footprint)
         self.compile_seconds: float | None = None
-        self.lm_head_seconds = 0.0  # spent in the LM head so far (placement weighs a tail's apart: `speed`)
+        self.lm_head_seconds = 0.0  # in the LM head and choosing tokens so far (a tail weighs them apart: `speed`)
         self._use(parts)
         # Structured output, on a tail: masks need the tokenizer (the head's; a tail loads it at its first grammar).
         self.grammars = Grammars(lambda: self.tokenizer or load_tokenizer(resolved), self.vocab_size)
@@ -324,8 +324,10 @@ class ModelShard(ShardFacts, StandbyRows):
             raise ValueError(f"{len(drafts)} drafts need more than the step's {hidden.shape[1]} positions")
         constraint = self.grammars.matcher(grammar, history[generated_from or len(history):]) if grammar else None
         # The last len(drafts) + 1 positions each choose a token: the drafts are kept while they are the choice.
+        began, before = time.perf_counter(), self.lm_head_seconds
         logits = self.last_logits(hidden, len(drafts) + 1) if logits is None else logits
         tokens = verify_drafts(logits, sampling, position - len(drafts), drafts, history, generated_from, constraint)
+        self.lm_head_seconds = before + time.perf_counter() - began  # the LM head and the choice: a tail's own work
         if constraint is not None:
             self.grammars.keep(grammar, constraint)
         reported = () if sampling.logprobs is None else \
