@@ -66,7 +66,9 @@ function loadChats() {
   }));
 }
 
-const number = (value) => typeof value === "number" && Number.isFinite(value);
+function number(value) { // (a declaration: stored chats are read, through validHops, before this line runs)
+  return typeof value === "number" && Number.isFinite(value);
+}
 
 function validHops(hops) {
   const named = (part) => part && typeof part.node === "string" && number(part.ms);
