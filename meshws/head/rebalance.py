@@ -18,7 +18,7 @@ A move goes in two halves, so no answer ever meets layers that are not the ones 
    every node takes its new span at once (the heartbeat's answer says `commit`), and the head its own once all
    report theirs; the new plan is in force, and parked answers open routes on it and prefill again (prompt and
    tokens so far), as after a failover. Nodes left out drop to a one-layer span (memory released, speed measured).
-   A move given up (a node too slow to load, or gone, an answer that did not park) is tried again after `COOLDOWN`.
+A move given up (a node too slow to load, or gone, an answer that did not park) is tried again after `COOLDOWN`.
 """
 
 from __future__ import annotations
