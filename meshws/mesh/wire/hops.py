@@ -43,23 +43,16 @@ class HopReport:
     def parse(cls, data: Any) -> "HopReport":
         if not isinstance(data, dict):
             raise FrameError("each hop report must be an object")
-        wait = data.get("wait_ms")
-        return cls(name_field(data, "node"), _milliseconds(data.get("ms"), "ms"), int_field(data, "cache_len", 0),
-                   None if wait is None else _milliseconds(wait, "wait_ms"),
+        wait, busy = data.get("wait_ms"), data.get("busy")
+        return cls(name_field(data, "node"), _number(data.get("ms"), "ms", MAX_STEP_MS),
+                   int_field(data, "cache_len", 0),
+                   None if wait is None else _number(wait, "wait_ms", MAX_STEP_MS),
                    min(int_field(data, "load", 0), MAX_LOAD) if data.get("load") is not None else None,
                    int_field(data, "standby", 0) if data.get("standby") is not None else None,
-                   _share(data.get("busy")))
+                   None if busy is None else _number(busy, "busy", 1.0))
 
 
-def _share(value: Any) -> float | None:
-    if value is None:
-        return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
-        raise FrameError("a hop report's busy must be a number in [0, 1]")
-    return float(value)
-
-
-def _milliseconds(value: Any, name: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= MAX_STEP_MS:
-        raise FrameError(f"a hop report's {name} must be a number in [0, {MAX_STEP_MS:.0f}]")
+def _number(value: Any, name: str, most: float) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= most:
+        raise FrameError(f"a hop report's {name} must be a number in [0, {most:.0f}]")
     return float(value)
