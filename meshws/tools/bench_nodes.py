@@ -49,6 +49,16 @@ def busy_seconds(url: str) -> float:
     return 0.0
 
 
+def busy_run(urls: list[str], model_id: str, prompt_ids: list[int], tokens: int, count: int,
+             runs: int) -> tuple[dict[str, Any], list[float]]:
+    """`median_run` of `count` sessions through the first of `urls` (the head), and the share of the runs' time each
+    node's compute worker was busy."""
+    before = [busy_seconds(url) for url in urls]
+    entry = asyncio.run(median_run(urls[0], model_id, prompt_ids, tokens, count, runs))
+    after = [busy_seconds(url) for url in urls]
+    return entry, [round((b - a) / sum(entry["runs_wall_s"]), 3) for a, b in zip(before, after)]
+
+
 def measure_processes(args: argparse.Namespace, dtype: str, prompt_ids: list[int], model_id: str) -> dict[str, Any]:
     """Nodes started as a user starts them by hand (default flags: they split the cores themselves)."""
     from .launch import Mesh
@@ -93,11 +103,9 @@ def measure_mesh(args: argparse.Namespace, flags: tuple[str, ...], prompt_ids: l
                 time.sleep(0.5)
         asyncio.run(stream_once(mesh.head.url, model_id, prompt_ids, 4))  # warm-up
         for count in args.sessions:
-            before = [busy_seconds(node.url) for node in mesh.nodes]
-            entry = asyncio.run(median_run(mesh.head.url, model_id, prompt_ids, args.tokens, count, args.runs))
-            after = [busy_seconds(node.url) for node in mesh.nodes]
-            entry["busy_fraction"] = {role: round((b - a) / sum(entry["runs_wall_s"]), 3)
-                                      for role, a, b in zip(("head", "tail"), before, after)}
+            entry, shares = busy_run([node.url for node in mesh.nodes], model_id, prompt_ids, args.tokens, count,
+                                     args.runs)
+            entry["busy_fraction"] = dict(zip(("head", "tail"), shares))
             results[key][str(count)] = entry
         if first:
             busy = max(args.sessions) - 1

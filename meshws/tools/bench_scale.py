@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..cores import usable_cores
-from .bench_nodes import busy_seconds
+from .bench_nodes import busy_run
 from .local_mesh import tail_start
 from .launch import NodeProcess, free_port
 from .machines import wait_for_plan
-from .streams import median_run, stream_once
+from .streams import stream_once
 
 PROMPT = 64  # prompt tokens per session (random ids, the same for every session)
 REPLAN = 3  # seconds a placed mesh's measures must stay off its plan before it plans again
@@ -108,11 +108,8 @@ def run_case(nodes: Nodes, model_id: str, prompt: list[int], tokens: int, counts
     asyncio.run(stream_once(head.url, model_id, prompt, 4))  # warm-up
     found: dict[str, Any] = {}
     for count in counts:
-        before = [busy_seconds(node.url) for node in nodes.nodes]
-        entry = asyncio.run(median_run(head.url, model_id, prompt, tokens, count, runs))
-        after = [busy_seconds(node.url) for node in nodes.nodes]
-        wall = sum(entry["runs_wall_s"])
-        entry["busy_share"] = [round((b - a) / wall, 3) for a, b in zip(before, after)]  # node order, head first
+        entry, shares = busy_run([node.url for node in nodes.nodes], model_id, prompt, tokens, count, runs)
+        entry["busy_share"] = shares  # node order, head first
         found[str(count)] = entry
         print(f"  {count:>3} sessions: {entry['aggregate_tok_s']} tok/s, busy {entry['busy_share']}", flush=True)
     return found
