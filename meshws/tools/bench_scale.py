@@ -6,10 +6,13 @@ its own, as on a separate host. One machine is a `full` node; two (and three, wh
 head and nodes that join it, every one `--layers auto`: the head places the layers by what each measures
 (`placement`), as it places a user's machines. Every count of `--sessions` streams through the OpenAI API as
 clients do (the median of `--runs`). Then one host: a head and a tail unpinned, lending each other the host's cores
-with `meshws mesh`'s split, beside a full node on all of them.
+with `meshws mesh`'s split, beside a full node on all of them: both started at once, each in a TMPDIR of its own (so
+the full node, the other idling, has the host's cores as it would alone), and measured in turns (`in_turns`), since
+this host's speed drifts by a tenth within minutes while the target is a ratio within a twentieth.
 
-llama.cpp runs beside each: on the first machine's core with one thread, and on every core with as many threads;
-one sequence's decode (best of three), and as many sequences as sessions in one context (`bench_llama`). Reported:
+llama.cpp runs beside each: on the first machine's core with one thread, and on every core with as many threads (its
+one-sequence decode in the one-host turns too); one sequence's decode (best of three), and as many sequences as
+sessions in one context (`bench_llama`). Reported:
 each case's spans and aggregate tok/s per session count with each node's busy share, the ratios of the issue's
 targets (two machines over one at the most sessions and at one; one host's split over its full node; full nodes
 over llama.cpp), and a picture.
@@ -21,6 +24,7 @@ import argparse
 import asyncio
 import os
 import random
+import statistics
 import tempfile
 import time
 from contextlib import contextmanager
@@ -50,10 +54,11 @@ def byte_split(shape: dict[str, int], parts: int) -> list[tuple[str, str]]:
 class Nodes:
     """Node processes, head first; `cores[i]` pins node i (None: unpinned, the host's cores shared). With `spans` the
     chain is placed by hand (`--peer`); with `auto` set to a count of nodes, a head and that many less one joining it,
-    every one `--layers auto`, placed by the head's measures (`placement`) as a user's machines are."""
+    every one `--layers auto`, placed by the head's measures (`placement`) as a user's machines are. `home`: the
+    TMPDIR of the unpinned nodes (`cores` counts the nodes registered there)."""
 
     def __init__(self, common: tuple[str, ...], cores: list[int | None],
-                 spans: list[tuple[str, str]] | None = None) -> None:
+                 spans: list[tuple[str, str]] | None = None, home: str | None = None) -> None:
         self.nodes: list[NodeProcess] = []
         self.dirs: list[tempfile.TemporaryDirectory] = []
         self.plan: dict[str, Any] | None = None
@@ -72,6 +77,8 @@ class Nodes:
                 if core is not None:  # a machine of its own: its core, its TMPDIR
                     self.dirs.append(tempfile.TemporaryDirectory(prefix=f"meshws-scale-{role}-"))
                     env = {"TMPDIR": self.dirs[-1].name}
+                elif home is not None:  # unpinned nodes sharing the host's cores with those of `home` alone
+                    env = {"TMPDIR": home}
                 self.nodes.append(NodeProcess(*args, name=f"{role} {index}", port=ports[index], env=env,
                                               cpus=None if core is None else str(core)))
             for node in self.nodes:
@@ -160,8 +167,6 @@ def run_scale(model: str, gguf: Path | None, counts: list[int], tokens: int, run
     cases: list[tuple[str, str, list[tuple[str, str]] | None, list[int | None]]] = [
         ("machines", "1", full, [cores[0]])]
     cases += [("machines", str(parts), None, cores[:parts]) for parts in (2, 3) if len(cores) >= parts]
-    if len(cores) >= 2:
-        cases += [("one_host", "full", full, [None]), ("one_host", "split", byte_split(shape, 2), [None, None])]
     for group, name, spans, pins in cases:
         print(f"{group} {name}: {spans or 'placed by the head'} on cores {pins}", flush=True)
         nodes = Nodes(common, pins, spans)
@@ -176,11 +181,86 @@ def run_scale(model: str, gguf: Path | None, counts: list[int], tokens: int, run
                 report[group][name]["moves_while_measured"] = after["moves"] - nodes.plan["moves"]
         finally:
             nodes.stop()
+    if len(cores) >= 2:
+        print(f"one host: a full node and {byte_split(shape, 2)}, in turns", flush=True)
+        report["one_host"], report["one_host_turns"] = in_turns(
+            common, {"full": full, "split": byte_split(shape, 2)}, resolved.model_id, prompt, tokens, counts, runs,
+            gguf, len(cores))
     if gguf is not None:
         report["llama_cpp"] = llama_beside(gguf, cores[:1], prompt, tokens, counts)
         report["llama_cpp_one_host"] = llama_beside(gguf, cores, prompt, tokens, counts) if len(cores) > 1 else None
     report["ratios"] = ratios(report, counts)
     return report
+
+
+def in_turns(common: tuple[str, ...], cases: dict[str, list[tuple[str, str]]], model_id: str, prompt: list[int],
+             tokens: int, counts: list[int], runs: int, gguf: Path | None,
+             threads: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Hand-placed `cases` on this host's cores, all started, each in a TMPDIR of its own, measured in turns: each
+    run of a count goes to every case back to back, the first case first on even turns and last on odd ones, and
+    llama.cpp (`gguf`, `threads` threads) decodes one sequence in each turn of one session. Each case's figures are
+    the medians of its runs; the turns' ratios to the first case (and the first case's to llama.cpp) are paired,
+    run by run, so that the host's drift falls on both sides of each."""
+    from .bench_gguf import LlamaCpp, llama_cpp_available
+
+    homes = [tempfile.TemporaryDirectory(prefix=f"meshws-scale-{name}-") for name in cases]
+    started: dict[str, Nodes] = {}
+    llama = None
+    try:
+        for (name, spans), home in zip(cases.items(), homes):
+            started[name] = Nodes(common, [None] * len(spans), spans, home=home.name)
+            asyncio.run(stream_once(started[name].nodes[0].url, model_id, prompt, 4))  # warm-up
+        if gguf is not None and 1 in counts and llama_cpp_available():
+            llama = LlamaCpp(gguf, threads, tokens)
+        first, found, turns = next(iter(cases)), {name: {} for name in cases}, {}
+        for count in counts:
+            taken: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
+            beside: list[float] = []
+            for turn in range(max(1, runs)):
+                for name in list(cases) if turn % 2 == 0 else list(cases)[::-1]:
+                    urls = [node.url for node in started[name].nodes]
+                    entry, shares = busy_run(urls, model_id, prompt, tokens, count, 1)
+                    taken[name].append({**entry, "busy_share": shares})
+                if llama is not None and count == 1:
+                    beside.append(llama.decode())
+            for name, entries in taken.items():
+                found[name][str(count)] = _medians(entries)
+                print(f"  {name}, {count:>3} sessions: {found[name][str(count)]['aggregate_tok_s']} tok/s, busy "
+                      f"{found[name][str(count)]['busy_share']}", flush=True)
+            rates = {name: [_turn_rate(entry, count) for entry in entries] for name, entries in taken.items()}
+            turns[str(count)] = {f"{name}_over_{first}": _paired(rates[name], rates[first]) for name in cases
+                                 if name != first}
+            if beside:
+                turns[str(count)][f"{first}_over_llama_cpp"] = _paired(rates[first], beside)
+    finally:
+        if llama is not None:
+            llama.close()
+        for nodes in started.values():
+            nodes.stop()
+        for home in homes:
+            home.cleanup()
+    return ({name: {"spans": spans, "cores": [None] * len(spans), "sessions": found[name]}
+             for name, spans in cases.items()}, turns)
+
+
+def _turn_rate(entry: dict[str, Any], count: int) -> float:
+    return entry["per_session_tok_s"] if count == 1 else entry["aggregate_tok_s"]  # (as `_rate`)
+
+
+def _medians(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One entry of runs' entries (`busy_run`'s): the median of each figure, each run's aggregate and time kept."""
+    merged: dict[str, Any] = {key: round(statistics.median(entry[key] for entry in entries), 4)
+                              for key, value in entries[0].items() if isinstance(value, (int, float))}
+    merged["runs_aggregate_tok_s"] = [entry["aggregate_tok_s"] for entry in entries]
+    merged["runs_wall_s"] = [wall for entry in entries for wall in entry["runs_wall_s"]]
+    merged["busy_share"] = [round(statistics.median(shares), 3) for shares in zip(*(e["busy_share"] for e in entries))]
+    return merged
+
+
+def _paired(rates: list[float], bases: list[float]) -> dict[str, Any]:
+    """Each turn's ratio and their median."""
+    each = [round(rate / base, 3) for rate, base in zip(rates, bases) if base]
+    return {"median": round(statistics.median(each), 3) if each else None, "turns": each}
 
 
 def _rate(report: dict[str, Any], group: str, name: str, count: int) -> float | None:
@@ -196,17 +276,16 @@ def _over(a: float | None, b: float | None) -> float | None:
 
 def ratios(report: dict[str, Any], counts: list[int]) -> dict[str, Any]:
     """The issue's figures: each against its target (None where not measured)."""
-    most, llama, host = max(counts), report.get("llama_cpp") or {}, report.get("llama_cpp_one_host") or {}
+    most, llama = max(counts), report.get("llama_cpp") or {}
+    turns = (report.get("one_host_turns") or {}).get("1", {})
     found = {
         f"two_over_one_{most}_sessions": (_over(_rate(report, "machines", "2", most),
                                                 _rate(report, "machines", "1", most)), 1.85),
         "two_over_one_1_session": (_over(_rate(report, "machines", "2", 1), _rate(report, "machines", "1", 1)), 0.97),
-        "one_host_split_over_full_1_session": (_over(_rate(report, "one_host", "split", 1),
-                                                     _rate(report, "one_host", "full", 1)), 0.95),
+        "one_host_split_over_full_1_session": ((turns.get("split_over_full") or {}).get("median"), 0.95),
         "one_machine_over_llama_cpp_1_session": (_over(_rate(report, "machines", "1", 1),
                                                        llama.get("decode_tok_s")), 1.0),
-        "one_host_full_over_llama_cpp_1_session": (_over(_rate(report, "one_host", "full", 1),
-                                                         host.get("decode_tok_s")), 1.0),
+        "one_host_full_over_llama_cpp_1_session": ((turns.get("full_over_llama_cpp") or {}).get("median"), 1.0),
     }
     if "3" in report["machines"]:
         found[f"three_over_one_{most}_sessions"] = (_over(_rate(report, "machines", "3", most),
