@@ -2,8 +2,7 @@
 
 `NodeCapacity` is what a node brings (`head.placement.Capacity`): its speed, measured in seconds per mean layer
 per token (`model.speed`) on every lone decode step the compute worker runs and, when none came for
-`PROBE_EVERY` seconds, by a probe of a few steps of its own (ever less often while its speed holds: `IdleProbes`);
-its memory budget (`--memory`, else the memory
+`PROBE_EVERY` seconds, by a probe of a few steps of its own; its memory budget (`--memory`, else the memory
 free at start less a tenth); and its heartbeat's round trip to the head. Joins carry it and `/health` shows it.
 
 `PlanFollower` is an automatic middle or tail (`--layers auto`): the answer to each heartbeat names the span the
@@ -23,7 +22,7 @@ from typing import Any, AsyncIterator
 
 from . import heap
 from .head.placement import RESERVE_TOKENS, UNMEASURED, Capacity, span_fits
-from .head.rebalance import DRIFT, HeadSide, Placement
+from .head.rebalance import HeadSide, Placement
 from .model.costs import ModelCosts
 from .model.memory import available_memory
 from .model.speed import SpeedMeter, probe
@@ -32,30 +31,8 @@ log = logging.getLogger("meshws.placement")
 
 MAX_VERSION = 2**53  # plan versions a head may name (as the head checks a node's report of them)
 PROBE_EVERY = 3.0  # seconds without a lone decode step before the node times a probe
-PROBE_MOST = 48.0  # seconds between an idle node's probes at most, while they find its speed the same
 MEMORY_MARGIN = 0.1  # of the memory free at start, left out of the default budget
 ROLES = {"auto": ("middle", "tail"), "middle": ("middle",), "tail": ("tail",), "head": ("head",)}
-
-
-class IdleProbes:
-    """When an idle node probes: PROBE_EVERY seconds after its last step or probe, then twice as long after each probe
-    that found its speed within DRIFT of what it was (PROBE_MOST at most), and PROBE_EVERY again once a probe finds it
-    changed or a step runs. An idle machine whose speed holds spends a probe a minute on it, not one every few seconds
-    (an idle 1B full node spent 8 % of a core on them), and one that slows down or speeds up is measured again soon."""
-
-    def __init__(self) -> None:
-        self.wait = PROBE_EVERY
-
-    def due(self, idle_for: float, source: str) -> bool:
-        """Whether to probe now, `idle_for` seconds after the meter's last sample, which came from `source`."""
-        if source != "probe":  # steps ran since the last probe
-            self.wait = PROBE_EVERY
-        return idle_for >= self.wait
-
-    def probed(self, before: float | None, after: float | None) -> None:
-        """A probe moved the meter's speed from `before` to `after` (seconds per layer; None: not measured)."""
-        held = before is not None and after is not None and before > 0 and abs(after / before - 1) <= DRIFT
-        self.wait = min(PROBE_MOST, self.wait * 2) if held else PROBE_EVERY
 
 
 class NodeCapacity:
@@ -92,7 +69,7 @@ class NodeCapacity:
 
     async def probe_ctx(self, app: object) -> AsyncIterator[None]:
         """(An aiohttp cleanup context.) A probe before the node joins or plans; then, on a node that takes part in
-        placement, others while it runs no lone step (`IdleProbes`)."""
+        placement, another whenever it ran no lone step for PROBE_EVERY seconds."""
         await self.probe()
         task = asyncio.create_task(self._probe_forever()) if self.node.settings.join or self.node.registry else None
         yield
@@ -102,17 +79,13 @@ class NodeCapacity:
                 await task
 
     async def _probe_forever(self) -> None:
-        probes = IdleProbes()
         while True:
             await asyncio.sleep(PROBE_EVERY / 2)
-            if probes.due(self.meter.idle_for(), self.meter.source):
-                before = self.meter.layer_seconds
+            if self.meter.idle_for() >= PROBE_EVERY:
                 try:
                     await self.probe()
                 except Exception as exc:  # (a node stopping, or one whose shard cannot step: no speed news)
                     log.debug("probe failed: %s", exc)
-                    continue
-                probes.probed(before, self.meter.layer_seconds)
 
     def measured(self) -> dict[str, Any]:
         """What a join carries (`head.membership` checks it)."""
