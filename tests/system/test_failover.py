@@ -350,9 +350,10 @@ async def test_a_standby_resumes_the_answer_without_prefilling_it_again(tokenize
     """Two replica tails: the one serving a long prompt's answer is SIGKILLed (or drained with --drain-timeout 1)
     mid-answer. Its standby, the other tail, holds a copy of the session's KV it was fed after every step: the
     head resumes there, running again only what the copy lacked; the text is the fault-free one. A lagging
-    standby (SIGSTOPped from token 5 until the kill at 18) holds the prompt but not the tokens after: the answer
-    did not wait for it, and those positions run again. (The pause stays well inside the links' 5 s heartbeat even
-    at a few tokens a second: a peer paused past it loses its links, as one that died does.) With --standby off the head prefills everything again,
+    standby (SIGSTOPped from token 5 until the kill at 18, or 2.5 s after the stop if that comes first) holds the
+    prompt but not the tokens after: the answer did not wait for it, and those positions run again. (The pause stays
+    inside the links' 5 s heartbeat however slowly the host decodes: a peer paused past it loses its links, as one
+    that died does.) With --standby off the head prefills everything again,
     and the text is the same too."""
     cluster = Cluster("0-14", *(("--standby", "off") if fault == "standby off" else ()))
     try:
@@ -364,13 +365,15 @@ async def test_a_standby_resumes_the_answer_without_prefilling_it_again(tokenize
         for tail in tails:
             assert no_copies(tail)["sessions"] == 0  # the fault-free answer's copy went with it
 
-        hit, stopped = [], []
+        hit, stopped, paused = [], [], []
 
         def strike(chunks):
             if fault == "lagging standby" and chunks >= 5 and not stopped:
                 stopped.extend(tail for tail in tails if tail.health()["sessions"] == 0)  # the standby
                 stopped[0].proc.send_signal(signal.SIGSTOP)
-            if chunks >= (18 if fault == "lagging standby" else 25) and not hit:
+                paused.append(time.monotonic())
+            late = bool(paused) and time.monotonic() - paused[0] >= 2.5
+            if (chunks >= (18 if fault == "lagging standby" else 25) or late) and not hit:
                 serving = next(tail for tail in tails if tail not in stopped and tail.health()["sessions"] == 1)
                 serving.proc.send_signal(signal.SIGTERM) if fault == "drain" else serving.kill()
                 hit.append(serving)
@@ -385,7 +388,7 @@ async def test_a_standby_resumes_the_answer_without_prefilling_it_again(tokenize
             assert failovers["standby_resumes"] == 0 and failovers["recomputed_tokens"] > prompt_tokens
         elif fault == "lagging standby":
             assert failovers["standby_resumes"] == 1
-            assert 10 <= failovers["recomputed_tokens"] < prompt_tokens // 4, failovers  # the tokens it missed
+            assert 3 <= failovers["recomputed_tokens"] < prompt_tokens // 4, failovers  # the tokens it missed
         else:
             assert failovers["standby_resumes"] == 1
             assert failovers["recomputed_tokens"] < 16, failovers  # the last step or two, not the prompt
