@@ -244,7 +244,7 @@ def in_turns(common: tuple[str, ...], cases: dict[str, list[tuple[str, str]]], m
 
 
 def _turn_rate(entry: dict[str, Any], count: int) -> float:
-    return entry["per_session_tok_s"] if count == 1 else entry["aggregate_tok_s"]  # (as `_rate`)
+    return entry["per_session_tok_s"] if count == 1 else entry["aggregate_tok_s"]  # (one: its decode, as llama.cpp's)
 
 
 def _medians(entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -265,9 +265,7 @@ def _paired(rates: list[float], bases: list[float]) -> dict[str, Any]:
 
 def _rate(report: dict[str, Any], group: str, name: str, count: int) -> float | None:
     entry = report[group].get(name, {}).get("sessions", {}).get(str(count))
-    if not entry:
-        return None
-    return entry["per_session_tok_s"] if count == 1 else entry["aggregate_tok_s"]  # (one: its decode, as llama.cpp's)
+    return _turn_rate(entry, count) if entry else None
 
 
 def _over(a: float | None, b: float | None) -> float | None:
