@@ -2,7 +2,8 @@
 
 `NodeCapacity` is what a node brings (`head.placement.Capacity`): its speed, measured in seconds per mean layer
 per token (`model.speed`) on every lone decode step the compute worker runs and, when none came for
-`PROBE_EVERY` seconds, by a probe of a few steps of its own; its memory budget (`--memory`, else the memory
+`PROBE_EVERY` seconds, by a probe of a few steps of its own (ever less often while its speed holds, once settled in the
+plan: `IdleProbes`); its memory budget (`--memory`, else the memory
 free at start less a tenth); and its heartbeat's round trip to the head. Joins carry it and `/health` shows it.
 
 `PlanFollower` is an automatic middle or tail (`--layers auto`): the answer to each heartbeat names the span the
@@ -17,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from typing import Any, AsyncIterator
 
 from . import heap
 from .head.placement import RESERVE_TOKENS, UNMEASURED, Capacity, span_fits
-from .head.rebalance import HeadSide, Placement
+from .head.rebalance import DRIFT, HeadSide, Placement
 from .model.costs import ModelCosts
 from .model.memory import available_memory
 from .model.speed import SpeedMeter, probe
@@ -31,13 +33,39 @@ log = logging.getLogger("meshws.placement")
 
 MAX_VERSION = 2**53  # plan versions a head may name (as the head checks a node's report of them)
 PROBE_EVERY = 3.0  # seconds without a lone decode step before the node times a probe
+PROBE_MOST = 48.0  # seconds between an idle node's probes at most, while they find its speed the same
+PROBE_SETTLE = 120.0  # seconds after its start (or while the plan leaves it out) that a node probes every PROBE_EVERY
 MEMORY_MARGIN = 0.1  # of the memory free at start, left out of the default budget
 ROLES = {"auto": ("middle", "tail"), "middle": ("middle",), "tail": ("tail",), "head": ("head",)}
+
+
+class IdleProbes:
+    """When an idle node probes: PROBE_EVERY seconds after its last step or probe, then twice as long after each probe
+    that found its speed within DRIFT of what it was (PROBE_MOST at most), and PROBE_EVERY again once a probe finds it
+    changed, a step runs, or the node is not `steady` (in its first PROBE_SETTLE seconds, when loading beside others
+    may have slowed its first probes, or left out of the plan: a spare is weighed for a place from its latest probe).
+    An idle placed machine whose speed holds spends a probe a minute on it, not one every few seconds (an idle 1B full
+    node spent 8 % of a core on them), and one that slows down or speeds up is measured again soon."""
+
+    def __init__(self) -> None:
+        self.wait = PROBE_EVERY
+
+    def due(self, idle_for: float, source: str, steady: bool = True) -> bool:
+        """Whether to probe now, `idle_for` seconds after the meter's last sample, which came from `source`."""
+        if source != "probe" or not steady:  # steps ran since the last probe, or the node must be weighed often
+            self.wait = PROBE_EVERY
+        return idle_for >= self.wait
+
+    def probed(self, before: float | None, after: float | None) -> None:
+        """A probe moved the meter's speed from `before` to `after` (seconds per layer; None: not measured)."""
+        held = before is not None and after is not None and before > 0 and abs(after / before - 1) <= DRIFT
+        self.wait = min(PROBE_MOST, self.wait * 2) if held else PROBE_EVERY
 
 
 class NodeCapacity:
     def __init__(self, node: Any) -> None:  # (a `meshws.node.Node`, as every `node` here)
         self.node = node
+        self.started = time.monotonic()
         self.meter = SpeedMeter()  # the layers': seconds per mean layer
         self.lm_head = SpeedMeter()  # a tail's LM head: seconds per step
         free = available_memory()
@@ -69,7 +97,7 @@ class NodeCapacity:
 
     async def probe_ctx(self, app: object) -> AsyncIterator[None]:
         """(An aiohttp cleanup context.) A probe before the node joins or plans; then, on a node that takes part in
-        placement, another whenever it ran no lone step for PROBE_EVERY seconds."""
+        placement, others while it runs no lone step (`IdleProbes`)."""
         await self.probe()
         task = asyncio.create_task(self._probe_forever()) if self.node.settings.join or self.node.registry else None
         yield
@@ -79,13 +107,19 @@ class NodeCapacity:
                 await task
 
     async def _probe_forever(self) -> None:
+        probes = IdleProbes()
         while True:
             await asyncio.sleep(PROBE_EVERY / 2)
-            if self.meter.idle_for() >= PROBE_EVERY:
+            follower = self.node.follower
+            steady = time.monotonic() - self.started >= PROBE_SETTLE and (follower is None or follower.placed)
+            if probes.due(self.meter.idle_for(), self.meter.source, steady):
+                before = self.meter.layer_seconds
                 try:
                     await self.probe()
                 except Exception as exc:  # (a node stopping, or one whose shard cannot step: no speed news)
                     log.debug("probe failed: %s", exc)
+                    continue
+                probes.probed(before, self.meter.layer_seconds)
 
     def measured(self) -> dict[str, Any]:
         """What a join carries (`head.membership` checks it)."""
@@ -121,6 +155,7 @@ class PlanFollower:
         self.roles = ROLES[node.settings.role]
         self.epoch = ""  # whose plan versions these are (the head's)
         self.serving = 0  # the plan version this node serves
+        self.placed = False  # the head's plan gives this node a span (else: one layer, to be measured on)
         self._prepared: tuple[int, tuple[int, int], Any] | None = None  # (version, span, the span's parts)
         self._loading: tuple[int, int] | None = None
         self._committing = False
@@ -142,6 +177,7 @@ class PlanFollower:
         if instruction is None:
             return
         epoch, version, span, commit = instruction
+        self.placed = answer["plan"].get("placed") is not False
         if epoch != self.epoch:  # another head's count (it restarted): what this node serves is news to it
             self.epoch, self.serving, self._prepared = epoch, 0, None
         memory = self.node.capacity.memory
