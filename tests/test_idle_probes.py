@@ -2,7 +2,7 @@
 changes or the node runs steps, so that an idle machine does not spend a share of its cores measuring itself."""
 
 from meshws.model.speed import SpeedMeter
-from meshws.placement import PROBE_EVERY, PROBE_MOST, IdleProbes
+from meshws.placement import PROBE_EVERY, PROBE_MOST, IdleProbes, idle_seconds
 
 
 class IdleNode:
@@ -59,3 +59,13 @@ def test_a_node_not_yet_settled_or_left_out_of_the_plan_probes_at_the_shortest_w
     assert node.run(100)[:3] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY]
     node.steady = False  # the plan left it out: weighed often again
     assert node.run(4 * PROBE_MOST)[-3:] == [PROBE_EVERY] * 3
+
+
+def test_a_node_busy_with_batches_is_not_idle_though_it_timed_no_lone_step():
+    node = IdleNode(0.002)
+    node.now = 30.0  # no lone step timed for 30 s ...
+    assert idle_seconds(node.meter, [], now=node.now) == 30.0
+    batches = [(28.0, 29.0, 16), (29.0, 29.5, 16)]  # ... but its worker ran batches of 16 until half a second ago
+    assert idle_seconds(node.meter, batches, now=node.now) == 0.5
+    node.now = 40.0  # the load ended 10.5 s ago: idle again, probed as before
+    assert idle_seconds(node.meter, batches, now=node.now) == 10.5
