@@ -1,10 +1,10 @@
 """A node's side of placement: what it measures and tells its head, and how it follows the head's plan.
 
 `NodeCapacity` is what a node brings (`head.placement.Capacity`): its speed, measured in seconds per mean layer
-per token (`model.speed`) on every lone decode step the compute worker runs and, when none came for
-`PROBE_EVERY` seconds, by a probe of a few steps of its own (ever less often while its speed holds, once settled in the
-plan: `IdleProbes`); its memory budget (`--memory`, else the memory
-free at start less a tenth); and its heartbeat's round trip to the head. Joins carry it and `/health` shows it.
+per token (`model.speed`) on every lone decode step the compute worker runs and, when it ran nothing for
+`PROBE_EVERY` seconds (`idle_seconds`), by a probe of a few steps of its own (ever less often while its speed holds,
+once settled in the plan: `IdleProbes`); its memory budget (`--memory`, else the memory free at start less a tenth);
+and its heartbeat's round trip to the head. Joins carry it and `/health` shows it.
 
 `PlanFollower` is an automatic middle or tail (`--layers auto`): the answer to each heartbeat names the span the
 head's plan gives it; it loads that span beside the one it serves (`ModelShard.prepare_span`, off the event
