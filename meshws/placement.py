@@ -32,7 +32,7 @@ from .model.speed import SpeedMeter, probe
 log = logging.getLogger("meshws.placement")
 
 MAX_VERSION = 2**53  # plan versions a head may name (as the head checks a node's report of them)
-PROBE_EVERY = 3.0  # seconds a node ran nothing (`idle_seconds`) before it times a probe, while not settled
+PROBE_EVERY = 3.0  # seconds a node ran nothing (`idle_seconds`) before its next probe, at the shortest (`IdleProbes`)
 PROBE_MOST = 48.0  # seconds between an idle node's probes at most, while they find its speed the same
 PROBE_SETTLE = 120.0  # seconds after its start (or while the plan leaves it out) that a node probes every PROBE_EVERY
 MEMORY_MARGIN = 0.1  # of the memory free at start, left out of the default budget
