@@ -27,7 +27,7 @@ from .head.placement import RESERVE_TOKENS, UNMEASURED, Capacity, span_fits
 from .head.rebalance import DRIFT, HeadSide, Placement
 from .model.costs import ModelCosts
 from .model.memory import available_memory
-from .model.speed import SpeedMeter, probe
+from .model.speed import STEADY_STEPS, SpeedMeter, probe
 
 log = logging.getLogger("meshws.placement")
 
@@ -83,13 +83,14 @@ class NodeCapacity:
 
     def step_timed(self, seconds: float, lm_head: float = 0.0, source: str = "steps") -> None:
         """A lone decode step through the node's span took `seconds`, `lm_head` of them in the LM head (the compute
-        worker's report, or a probe's)."""
+        worker's report, or a probe's: the mean of many, weighing as STEADY_STEPS)."""
         shard = self.node.shard
         if shard.costs is None:
             return
-        self.meter.record(seconds - lm_head, shard.costs.units(shard.start, shard.end), source)
+        weight = STEADY_STEPS if source == "probe" else 1.0
+        self.meter.record(seconds - lm_head, shard.costs.units(shard.start, shard.end), source, weight)
         if shard.is_tail and lm_head > 0:
-            self.lm_head.record(lm_head, 1.0, source)
+            self.lm_head.record(lm_head, 1.0, source, weight)
 
     def round_trip(self, seconds: float) -> None:
         self._round_trips.append(seconds)

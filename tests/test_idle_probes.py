@@ -1,7 +1,7 @@
 """An idle node's speed probes (`placement.IdleProbes`): ever rarer while they find the same speed, soon again once it
 changes or the node runs steps, so that an idle machine does not spend a share of its cores measuring itself."""
 
-from meshws.model.speed import SpeedMeter
+from meshws.model.speed import STEADY_STEPS, SpeedMeter
 from meshws.placement import PROBE_EVERY, PROBE_MOST, IdleProbes, idle_seconds
 
 
@@ -15,7 +15,7 @@ class IdleNode:
         self.probes = IdleProbes()
         self.speed = seconds_per_layer
         self.probed_at = [0.0]
-        self.meter.record(self.speed * 10, 10, "probe")  # the probe at start
+        self.meter.record(self.speed * 10, 10, "probe", STEADY_STEPS)  # the probe at start
 
     def run(self, seconds: float) -> list[float]:
         """The gaps between the probes made in the next `seconds`."""
@@ -25,7 +25,7 @@ class IdleNode:
             self.now += PROBE_EVERY / 2
             if self.probes.due(self.meter.idle_for(), self.meter.source, self.steady):
                 before = self.meter.layer_seconds
-                self.meter.record(self.speed * 10, 10, "probe")
+                self.meter.record(self.speed * 10, 10, "probe", STEADY_STEPS)
                 self.probed_at.append(self.now)
                 self.probes.probed(before, self.meter.layer_seconds)
         times = self.probed_at[max(0, first - 1):]

@@ -1,16 +1,19 @@
 """A node's measured speed: seconds per mean layer per token (`costs.ModelCosts.units`) on this CPU and these blocks.
 
 `SpeedMeter` keeps the recent samples: each lone decode step the node really runs (its time over its span's
-units), and a probe's when the node has run none for a while. What it reports is the median of the last
-`window` seconds, so one slow step (a collection, a page fault) moves nothing while a machine that slows down
-(a throttled laptop, a build beside it, a CPU quota) shows within seconds. `probe` times a few one-token
-steps of a session of its own on the node's shard: on a CPU quota a step may fall inside one slice of it, so
-the probe runs steps until `min_seconds` have passed and reports their mean.
+units), and a probe's when the node has run none for a while (a probe weighs as `STEADY_STEPS` steps: it is the
+mean of many). What it reports is the median of the last `window` seconds, reaching back past them to the
+newest `STEADY_STEPS` steps' worth when fewer came, so one slow step (a collection, a page fault) moves nothing
+while a machine that slows down (a throttled laptop, a build beside it, a CPU quota) shows within seconds. A node
+busy with batches times no lone step: its few at a run's start and end, beside other sessions' prompts, are weighed
+with those before them, not alone (alone they read up to 2x apart, and a head re-planned on each).
+
+`probe` times a few one-token steps of a session of its own on the node's shard: on a CPU quota a step may fall
+inside one slice of it, so the probe runs steps until `min_seconds` have passed and reports their mean.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 import uuid
 from collections import deque
@@ -20,33 +23,45 @@ import torch
 
 WINDOW_SECONDS = 6.0  # the samples the reported speed is the median of
 MAX_SAMPLES = 256
+STEADY_STEPS = 32  # the fewest lone steps the reported median is taken over (reaching back past the window)
 
 
 class SpeedMeter:
     def __init__(self, window: float = WINDOW_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
         self.window = window
         self._clock = clock
-        self._samples: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)  # (when, seconds per mean layer)
-        self._last: float | None = None  # the last reported value, kept while no sample is recent
+        self._samples: deque[tuple[float, float, float]] = deque(maxlen=MAX_SAMPLES)  # (when, s per mean layer, weight)
         self.source = "none"  # what the last sample was: "probe" or "steps"
         self.last_sample = float("-inf")  # when it came (this meter's clock)
 
-    def record(self, seconds: float, units: float, source: str = "steps") -> None:
-        """One step of `seconds` over a span of `units` mean layers (a step that ran nothing is ignored)."""
-        if units <= 0 or not 0 < seconds < float("inf"):
+    def record(self, seconds: float, units: float, source: str = "steps", weight: float = 1.0) -> None:
+        """One step of `seconds` over a span of `units` mean layers, weighing as `weight` steps (a step that ran
+        nothing is ignored)."""
+        if units <= 0 or not 0 < seconds < float("inf") or not weight > 0:
             return
         now = self._clock()
-        self._samples.append((now, seconds / units))
+        self._samples.append((now, seconds / units, weight))
         self.source, self.last_sample = source, now
 
     @property
     def layer_seconds(self) -> float | None:
-        """The median of the window's samples (or the last such median while none is recent); None before any."""
-        cutoff = self._clock() - self.window
-        recent = [value for when, value in self._samples if when >= cutoff]
-        if recent:
-            self._last = statistics.median(recent)
-        return self._last
+        """The weighted median of the window's samples and, while they weigh less than STEADY_STEPS, of the
+        newest before them up to that weight; None before any."""
+        cutoff, taken, weight = self._clock() - self.window, [], 0.0
+        for when, value, steps in reversed(self._samples):
+            if when < cutoff and weight >= STEADY_STEPS:
+                break
+            taken.append((value, steps))
+            weight += steps
+        if not taken:
+            return None
+        taken.sort()
+        half, reached = weight / 2, 0.0
+        for value, steps in taken:
+            reached += steps
+            if reached >= half:
+                return value
+        return taken[-1][0]
 
     def idle_for(self) -> float:
         """Seconds since the last sample."""
@@ -55,7 +70,7 @@ class SpeedMeter:
     def describe(self) -> dict[str, Any]:
         value = self.layer_seconds
         return {"layer_ms": None if value is None else round(value * 1000, 4), "source": self.source,
-                "samples": sum(1 for when, _ in self._samples if when >= self._clock() - self.window)}
+                "samples": sum(1 for when, _, _ in self._samples if when >= self._clock() - self.window)}
 
 
 def probe(shard: Any, min_seconds: float = 0.15, max_steps: int = 32) -> tuple[float, float]:
