@@ -43,7 +43,7 @@ class IdleProbes:
     """When an idle node probes: PROBE_EVERY seconds after its last step or probe, then twice as long after each probe
     that found its speed within DRIFT of what it was (PROBE_MOST at most), and PROBE_EVERY again once a probe finds it
     changed, a step runs, or the node is not `steady` (in its first PROBE_SETTLE seconds, when loading beside others
-    may have slowed its first probes, or left out of the plan: a spare is weighed for a place from its latest probe).
+    may have slowed its first probes, or left out of the plan: a spare is weighed for a place from its latest probes).
     An idle placed machine whose speed holds spends a probe a minute on it, not one every few seconds (an idle 1B full
     node spent 8 % of a core on them), and one that slows down or speeds up is measured again soon."""
 
@@ -83,7 +83,7 @@ class NodeCapacity:
 
     def step_timed(self, seconds: float, lm_head: float = 0.0, source: str = "steps") -> None:
         """A lone decode step through the node's span took `seconds`, `lm_head` of them in the LM head (the compute
-        worker's report, or a probe's: the mean of many, weighing as STEADY_STEPS)."""
+        worker's report, or a probe's: the mean of its steps, weighing as STEADY_STEPS)."""
         shard = self.node.shard
         if shard.costs is None:
             return

@@ -46,3 +46,31 @@ def test_a_probe_counts_as_a_window_of_steps():
     clock.now += 20
     meter.record(0.005 * 10, 10, "probe", STEADY_STEPS)
     assert meter.layer_seconds == 0.005 and meter.source == "probe"
+
+
+def test_two_probes_in_the_window_give_their_mean_so_a_slow_down_shows_at_the_second():
+    clock = Clock()
+    meter = SpeedMeter(clock=clock)
+    meter.record(0.002 * 10, 10, "probe", STEADY_STEPS)
+    clock.now += 3  # a spare's probes, PROBE_EVERY apart
+    meter.record(0.004 * 10, 10, "probe", STEADY_STEPS)
+    assert meter.layer_seconds == 0.003  # not the faster of the two
+
+
+def test_a_nodes_probe_weighs_as_a_window_and_its_steps_as_one_each():
+    from types import SimpleNamespace
+
+    from meshws.placement import NodeCapacity
+
+    costs = SimpleNamespace(units=lambda start, end: float(end - start))
+    shard = SimpleNamespace(costs=costs, start=0, end=10, is_tail=True)
+    capacity = NodeCapacity(SimpleNamespace(shard=shard, settings=SimpleNamespace(memory=1 << 30)))
+    clock = Clock()
+    capacity.meter = SpeedMeter(clock=clock)
+    for _ in range(100):
+        capacity.step_timed(0.02 + 0.001, lm_head=0.001)  # 2 ms per layer, steps
+    clock.now += 30
+    capacity.step_timed(0.04 + 0.003, lm_head=0.003, source="probe")  # slower now: one probe decides
+    assert capacity.meter.layer_seconds == 0.004
+    capacity.step_timed(0.08, source="steps")  # one slow lone step beside it moves nothing
+    assert capacity.meter.layer_seconds == 0.004

@@ -1,12 +1,13 @@
 """A node's measured speed: seconds per mean layer per token (`costs.ModelCosts.units`) on this CPU and these blocks.
 
 `SpeedMeter` keeps the recent samples: each lone decode step the node really runs (its time over its span's
-units), and a probe's when the node has run none for a while (a probe weighs as `STEADY_STEPS` steps: it is the
-mean of many). What it reports is the median of the last `window` seconds, reaching back past them to the
-newest `STEADY_STEPS` steps' worth when fewer came, so one slow step (a collection, a page fault) moves nothing
-while a machine that slows down (a throttled laptop, a build beside it, a CPU quota) shows within seconds. A node
-busy with batches times no lone step: its few at a run's start and end, beside other sessions' prompts, are weighed
-with those before them, not alone (alone they read up to 2x apart, and a head re-planned on each).
+units), and a probe's when the node has run none for a while (a probe weighs as `STEADY_STEPS` steps: it is
+the mean of the steps that fit in its time). What it reports is the median of the last `window` seconds,
+reaching back past them to the newest `STEADY_STEPS` steps' worth when fewer came, so one slow step (a
+collection, a page fault) moves nothing while a machine that slows down (a throttled laptop, a build beside it,
+a CPU quota) shows within seconds. A node busy with batches times no lone step: its few at a run's start and
+end, beside other sessions' prompts, are weighed with those before them, not alone (alone they read up to 2x
+apart, and a head re-planned on each).
 
 `probe` times a few one-token steps of a session of its own on the node's shard: on a CPU quota a step may fall
 inside one slice of it, so the probe runs steps until `min_seconds` have passed and reports their mean.
@@ -21,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-WINDOW_SECONDS = 6.0  # the samples the reported speed is the median of
+WINDOW_SECONDS = 6.0  # the seconds of samples the reported speed is the median of (STEADY_STEPS' worth at least)
 MAX_SAMPLES = 256
 STEADY_STEPS = 32  # the fewest lone steps the reported median is taken over (reaching back past the window)
 
@@ -57,11 +58,13 @@ class SpeedMeter:
             return None
         taken.sort()
         half, reached = weight / 2, 0.0
-        for value, steps in taken:
+        for index, (value, steps) in enumerate(taken):
             reached += steps
-            if reached >= half:
+            if reached > half or index == len(taken) - 1:
                 return value
-        return taken[-1][0]
+            if reached == half:  # (two probes, or an even count of steps: the mean of the middle two)
+                return (value + taken[index + 1][0]) / 2
+        return None
 
     def idle_for(self) -> float:
         """Seconds since the last sample."""
