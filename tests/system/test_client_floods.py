@@ -1,6 +1,6 @@
 """Issue 61's client-reachable stalls, re-run against a real head + tail: costly grammars and template-heavy bodies
-from several clients at once get 4xx answers, while /health stays quick and a small answer beside them is
-served while the flood is on; each attack is bounded to a few seconds."""
+from several clients at once get 4xx answers, while /health stays quick and a small answer sent 1 s into the
+flood is not held until it ends; each attack is bounded to a few seconds."""
 
 import asyncio
 import statistics
@@ -105,6 +105,7 @@ async def test_grammar_and_template_floods_get_4xx_and_the_head_stays_responsive
     assert statuses and all(400 <= status < 500 for status in statuses), sorted(set(statuses))
     assert len(statuses) >= ATTACKERS * 3  # each attack is refused quickly
     assert statistics.median(times) <= 0.25, statistics.median(times)
-    # Served while the flood was on, not queued behind it. No ratio to its idle time is asserted: the compiles' two
-    # threads take both of a 2-core host's cores (1.7 s against 0.37 s idle, seen in CI).
+    # Not held until the flood ends (ROUNDS - 1 s after it was sent): a client that floods cannot starve the others
+    # for as long as it floods. No tighter bound: the compiles' two threads take both of a 2-core host's cores, and
+    # honest sharing made it 1.7 s against 0.37 s idle in CI.
     assert beside < ROUNDS - 1.0, (beside, idle)
