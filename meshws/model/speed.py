@@ -58,13 +58,13 @@ class SpeedMeter:
             return None
         taken.sort()
         half, reached = weight / 2, 0.0
-        for index, (value, steps) in enumerate(taken):
+        for index, (value, steps) in enumerate(taken[:-1]):
             reached += steps
-            if reached > half or index == len(taken) - 1:
+            if reached > half:
                 return value
             if reached == half:  # (two probes, or an even count of steps: the mean of the middle two)
                 return (value + taken[index + 1][0]) / 2
-        return None
+        return taken[-1][0]
 
     def idle_for(self) -> float:
         """Seconds since the last sample."""
