@@ -19,12 +19,14 @@ fastest-first order is exact when layers weigh alike (then a middle's place in t
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..model.costs import ModelCosts
+from .balance import balanced
 
 if TYPE_CHECKING:
     from .routes import NodeRecord
@@ -36,7 +38,6 @@ REPLICA_SLOWDOWN = 1.5  # a spare may replicate a span it runs at most this much
 EXACT_ORDERS_UP_TO = 3  # automatic middles whose every order is tried
 MAX_CANDIDATES = 12  # automatic nodes considered (fastest first): a plan takes tens of ms, not seconds
 UNMEASURED = 1.0  # seconds per mean layer assumed for a node that has not said (a very slow node)
-BALANCE_SLACK = 0.05  # one session's time a plan may give up for a lighter slowest stage (`_balanced`)
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def span_fits(costs: ModelCosts, memory: int, start: int, end: int, reserve_toke
 def chain_seconds(plan_: Plan, nodes: dict[str, Capacity], costs: ModelCosts,
                   lm_factor: float = 1.0) -> tuple[float, float]:
     """A plan's time per token at these nodes' speeds and links, and its slowest stage's (many sessions' pace)."""
-    search = _Search(costs, 0, lm_factor)
+    search = Search(costs, 0, lm_factor)
     stages = [search.seconds(nodes[span.node], *span.layers) for span in plan_.chain]
     hops = [search.hop(nodes[span.node]) for span in plan_.chain[1:]]
     return sum(stages) + sum(hops), max(stages)
@@ -130,7 +131,7 @@ def _spans_of(chain: _Chain) -> list[tuple[Capacity, int, int]]:
 
 
 @dataclass
-class _Search:
+class Search:
     """One planning run's inputs and the best chain found so far."""
 
     costs: ModelCosts
@@ -168,10 +169,13 @@ class _Search:
 
 
 def plan(head: Capacity, nodes: Sequence[Capacity], costs: ModelCosts, version: int = 0,
-         reserve_tokens: int = RESERVE_TOKENS, lm_factor: float = 1.0) -> Plan:
-    """The fastest chain that fits every budget, with replicas and left-out nodes; `missing` says why none does."""
+         reserve_tokens: int = RESERVE_TOKENS, lm_factor: float = 1.0, keep: Plan | None = None) -> Plan:
+    """The fastest chain that fits every budget, with replicas and left-out nodes; `missing` says why none does.
+    With `keep`, that plan's chain stays (while its nodes are there) and only its replicas are weighed again."""
     total = costs.total_layers
-    search = _Search(costs, reserve_tokens * costs.kv_bytes_per_token, lm_factor)
+    search = Search(costs, reserve_tokens * costs.kv_bytes_per_token, lm_factor)
+    if keep is not None and (kept := _kept(search, keep, head, nodes, version)) is not None:
+        return kept
     fixed = [node for node in nodes if node.span is not None]
     automatic = sorted((node for node in nodes if node.span is None),
                        key=lambda node: (node.layer_seconds, node.node))[:MAX_CANDIDATES]
@@ -188,19 +192,34 @@ def plan(head: Capacity, nodes: Sequence[Capacity], costs: ModelCosts, version: 
             _chain(search, head, heads, list(order), fixed, tail)
     if search.best is None:
         return Plan(version, left_out=tuple(node.node for node in nodes), missing=_missing(search, nodes))
-    chain = _balanced(search, _spans_of(search.best[2]))
-    seconds = sum(search.seconds(node, start, end) + (search.hop(node) if start else 0.0)
-                  for node, start, end in chain)
-    spans = [PlanSpan(node.node, "head" if start == 0 else "tail" if end == total else "middle", (start, end),
-                      search.seconds(node, start, end)) for node, start, end in chain]
-    used = {span.node for span in spans}
-    replicas = _replicas(search, [node for node in nodes if node.node not in used], spans)
+    chain = balanced(search, _spans_of(search.best[2]))
+    return _with_replicas(search, version, nodes, [
+        PlanSpan(node.node, "head" if start == 0 else "tail" if end == total else "middle", (start, end),
+                 search.seconds(node, start, end)) for node, start, end in chain], [node for node, _, _ in chain])
+
+
+def _with_replicas(search: Search, version: int, nodes: Sequence[Capacity], chain: list[PlanSpan],
+                   members: list[Capacity]) -> Plan:
+    """The plan of `chain` (run by `members`, in order), with the spares among `nodes` that may replicate it."""
+    seconds = sum(span.seconds for span in chain) + sum(search.hop(node) for node in members[1:])
+    used = {span.node for span in chain}
+    replicas = _replicas(search, [node for node in nodes if node.node not in used], chain)
     used |= {span.node for span in replicas}
-    return Plan(version, tuple(spans + replicas), seconds,
-                tuple(node.node for node in nodes if node.node not in used))
+    return Plan(version, tuple(chain + replicas), seconds, tuple(node.node for node in nodes if node.node not in used))
 
 
-def _chain(search: _Search, head: Capacity, heads: list[tuple[int, float]], middles: list[Capacity],
+def _kept(search: Search, keep: Plan, head: Capacity, nodes: Sequence[Capacity], version: int) -> Plan | None:
+    """`keep`'s chain as it is, at today's speeds, with the spares that may replicate its spans now; None when a
+    node of it is gone."""
+    known = {node.node: node for node in (head, *nodes)}
+    if not keep.chain or any(span.node not in known for span in keep.chain):
+        return None
+    members = [known[span.node] for span in keep.chain]
+    return _with_replicas(search, version, nodes, [dataclasses.replace(
+        span, seconds=search.seconds(node, *span.layers)) for span, node in zip(keep.chain, members)], members)
+
+
+def _chain(search: Search, head: Capacity, heads: list[tuple[int, float]], middles: list[Capacity],
            fixed: list[Capacity], tail: Capacity | None) -> None:
     """The fastest chain with the middles taken in this order (each a span or none) and `tail` last (or a fixed
     tail); kept in `search` if better than its best. Row i holds, by the layer reached, the best chain having weighed
@@ -222,7 +241,7 @@ def _chain(search: _Search, head: Capacity, heads: list[tuple[int, float]], midd
                 _keep(search, search.extend(known, tail, position, total))
 
 
-def _take(search: _Search, row: dict[int, _Candidate], node: Capacity) -> dict[int, _Candidate]:
+def _take(search: Search, row: dict[int, _Candidate], node: Capacity) -> dict[int, _Candidate]:
     """The next row: every chain of `row` as it is (this middle takes nothing), or with `node` taking a span
     [p, q) after it. The best p for each q is the least (seconds - speed x work before p) among the p whose span to
     q fits the budget: a window that only moves forward, kept as a queue of rising values."""
@@ -251,7 +270,7 @@ def _take(search: _Search, row: dict[int, _Candidate], node: Capacity) -> dict[i
     return taken
 
 
-def _with_fixed(search: _Search, row: dict[int, _Candidate], fixed: list[Capacity],
+def _with_fixed(search: Search, row: dict[int, _Candidate], fixed: list[Capacity],
                 tail: Capacity | None) -> dict[int, _Candidate]:
     """`row` with the hand-placed nodes whose spans start where a chain of it ends (in order: one may follow
     another)."""
@@ -268,51 +287,12 @@ def _with_fixed(search: _Search, row: dict[int, _Candidate], fixed: list[Capacit
     return row
 
 
-def _keep(search: _Search, candidate: _Candidate) -> None:
+def _keep(search: Search, candidate: _Candidate) -> None:
     if _better(candidate, search.best):
         search.best = candidate
 
 
-def _balanced(search: _Search, chain: list[tuple[Capacity, int, int]]) -> list[tuple[Capacity, int, int]]:
-    """The same nodes in the same order, their boundaries moved so the slowest stage is as light as it can be with
-    one session's time within BALANCE_SLACK of the fastest chain's (many sessions go as fast as the slowest stage;
-    like machines measured a few % apart would put every layer on one): the least such cap on a stage, bisected."""
-    total, count = search.costs.total_layers, len(chain)
-    if count < 2 or count * total * total > 50_000 or search.best is None:
-        return chain
-    limit = round(search.best[0] * (1 + BALANCE_SLACK), 9)
-    caps = sorted({round(search.seconds(node, begin, stop), 12) for node, _, _ in chain
-                   for begin in range(total) for stop in range(begin + 1, total + 1)})
-    low, high, found = 0, len(caps) - 1, None
-    while low <= high:  # the fastest split under a cap gets no slower as the cap rises
-        under = _under(search, chain, caps[middle := (low + high) // 2])
-        found, low, high = (under[1], low, middle - 1) if under is not None and round(under[0], 9) <= limit \
-            else (found, middle + 1, high)
-    return found if found is not None else chain
-
-
-def _under(search: _Search, chain: list[tuple[Capacity, int, int]],
-           cap: float) -> tuple[float, list[tuple[Capacity, int, int]]] | None:
-    """The fastest split over `chain`'s nodes in order (hand-placed spans kept), no stage over `cap` s; or None."""
-    total = search.costs.total_layers
-    best: dict[int, tuple[float, list[tuple[Capacity, int, int]]]] = {0: (0.0, [])}  # layer reached -> the fastest
-    for index, (node, start, end) in enumerate(chain):
-        last, row = index == len(chain) - 1, {}
-        for begin, (seconds, spans) in best.items():
-            if node.span is not None and begin != start:
-                continue
-            for stop in [end] if node.span is not None else [total] if last else range(begin + 1, total):
-                own = search.seconds(node, begin, stop)
-                if own > cap + 1e-12 or not search.fits(node, begin, stop):
-                    break  # (and at every later stop: a longer span weighs more)
-                candidate = seconds + own + (search.hop(node) if begin else 0.0)
-                if stop not in row or candidate < row[stop][0]:
-                    row[stop] = (candidate, spans + [(node, begin, stop)])
-        best = row
-    return best.get(total)
-
-
-def _replicas(search: _Search, spares: list[Capacity], chain: list[PlanSpan]) -> list[PlanSpan]:
+def _replicas(search: Search, spares: list[Capacity], chain: list[PlanSpan]) -> list[PlanSpan]:
     """Spares that serve a span of the chain (not the head's) nearly as fast as its primary: the slowest span first,
     then the one with the fewest replicas."""
     total = search.costs.total_layers
@@ -336,7 +316,7 @@ def _replicas(search: _Search, spares: list[Capacity], chain: list[PlanSpan]) ->
     return replicas
 
 
-def _missing(search: _Search, nodes: Sequence[Capacity]) -> str:
+def _missing(search: Search, nodes: Sequence[Capacity]) -> str:
     total, reached = search.costs.total_layers, search.reached
     if not nodes:
         return f"no node has joined to serve layers {reached}-{total - 1}"

@@ -3,7 +3,7 @@
 A head places layers when it runs `--layers auto` itself or a joined node does. Every `TICK` it asks whether to
 re-plan: a node joined, left or began draining, a budget changed, a node's measured speed has stayed more than
 `DRIFT` off the plan's for `replan_seconds`, or (each `replan_seconds`) the plan leaves nodes out: a spare measured
-slow once may serve as a replica now. A new plan (`placement.plan`) replaces the one in force if there is none, if
+slow once may replicate the chain in force now. A new plan (`placement.plan`) replaces the one in force if none, if
 that one is broken (a node left, or may no longer hold its span), if it only adds replicas, or if it is `MIN_GAIN`
 faster, or its slowest stage `MIN_GAIN` lighter within `BALANCE_SLACK` of one session's time (many sessions' pace;
 not on a spare's account alone). Versions count within this head's `epoch`.
@@ -34,7 +34,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from ..mesh.aio import until
 from ..model.costs import ModelCosts
-from .placement import BALANCE_SLACK, Capacity, Plan, capacity, chain_seconds, plan, probe_span, span_fits
+from .balance import BALANCE_SLACK
+from .placement import Capacity, Plan, capacity, chain_seconds, plan, probe_span, span_fits
 from .registry import Registry
 from .routes import NodeRecord
 
@@ -186,11 +187,11 @@ class Placement:
         reason = self._reason(records, now)
         if not reason:
             return
+        spares_only = reason.startswith(SPARE)  # (the chain stays: a spare faster than its primary replicates it)
         candidate = await asyncio.to_thread(  # (pure, and off the event loop: a large mesh takes a moment)
             plan, self.head.capacity(), [capacity(r) for r in records if not r.draining], self.costs,
-            self.version + 1, lm_factor=self._lm_factor(records))
+            self.version + 1, lm_factor=self._lm_factor(records), keep=self.live if spares_only else None)
         self.last_reason = reason
-        spares_only = reason.startswith(SPARE)
         if not self._worth(candidate, records, spares_only):
             if not spares_only:  # (after weighing spares, drift is still measured from the plan's speeds)
                 self._rebase(records)

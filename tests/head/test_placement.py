@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshws.head.placement import BALANCE_SLACK, HOP_SECONDS, Capacity, plan
+from meshws.head.balance import BALANCE_SLACK
+from meshws.head.placement import HOP_SECONDS, Capacity, plan
 from meshws.model.costs import ModelCosts
 
 MIB = 2**20
@@ -203,6 +204,22 @@ def test_a_spare_as_fast_as_a_primary_becomes_its_replica():
     result = plan(head, [node("a", 1.0, 200), node("b", 1.05, 200)], model)
     assert [(span.node, span.replica) for span in result.spans] == [("head", False), ("a", False), ("b", True)]
     assert result.spans[2].layers == result.spans[1].layers
+
+
+def test_a_kept_chain_stays_at_todays_speeds_with_its_replicas_weighed_again_while_its_nodes_are_there():
+    model = costs(layers=8)
+    head = node("head", 1.0, 40)
+    first = plan(head, [node("a", 1.0, 200), node("b", 3.0, 200)], model)
+    assert first.left_out == ("b",)
+    faster = [node("a", 2.0, 200), node("b", 0.5, 200)]  # the best chain now would have b as the tail
+    assert [span.node for span in plan(head, faster, model).chain] == ["head", "b"]
+    kept = plan(head, faster, model, version=2, keep=first)
+    assert [(span.node, span.layers) for span in kept.chain] == [(s.node, s.layers) for s in first.chain]
+    assert kept.span_of("a").seconds == 2 * first.span_of("a").seconds and kept.version == 2
+    assert kept.span_of("b").replica and kept.span_of("b").layers == first.span_of("a").layers
+    assert kept.seconds_per_token > first.seconds_per_token and not kept.left_out
+    gone = plan(head, [node("b", 0.5, 200)], model, keep=first)  # a node of it left: a fresh search
+    assert [span.node for span in gone.chain] == ["head", "b"]
 
 
 def test_roles_and_hand_placed_spans_are_kept():

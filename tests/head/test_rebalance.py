@@ -220,6 +220,27 @@ async def test_a_spare_left_out_is_weighed_again_and_replicates_once_it_is_fast_
     assert replica.replica and replica.layers == first.span_of("ws://a").layers
 
 
+async def test_a_spare_weighed_again_faster_than_its_primary_replicates_the_chain_in_force():
+    """A spare left out that now measures faster than the primary: weighing spares keeps the chain in force (only
+    speed that stays off for `replan_seconds` moves layers) and adds the spare as the replica, rather than finding
+    the best chain has it as the tail, which a spare's account alone may not move to, and leaving it out for good."""
+    clock, head, registry, placement = a_head()
+    registry.announce(record("ws://a", 0.001))
+    registry.announce(record("ws://b", 0.0018))
+    await settle(registry, placement, ["ws://a", "ws://b"])
+    first = placement.live
+    assert first.left_out == ("ws://b",)
+    clock.now += rebalance.SETTLE + 1
+    await placement.tick()  # spares weighed: still slow
+    next(r for r in registry.nodes() if r.url == "ws://b").layer_seconds = 0.0006  # a busy neighbour left its host
+    clock.now += 5
+    await settle(registry, placement, ["ws://a", "ws://b"])
+    assert placement.last_reason.startswith(rebalance.SPARE) and placement.live.version == first.version + 1
+    assert [(span.node, span.layers) for span in placement.live.chain] == [(s.node, s.layers) for s in first.chain]
+    replica = placement.live.span_of("ws://b")
+    assert replica.replica and replica.layers == first.span_of("ws://a").layers and not placement.live.left_out
+
+
 async def test_a_node_outside_the_plan_keeps_one_layer_and_a_lost_member_re_plans_at_once():
     clock, head, registry, placement = a_head()
     registry.announce(record("ws://a"))
