@@ -77,9 +77,16 @@ def test_a_tail_nobody_can_dial_dials_in_serves_the_golden_answer_and_comes_back
         head.wait_ready(timeout=60)
         [head_link] = links_to(head, tail.ws_url)
         assert head_link["state"] == "up" and head_link["formed"].startswith("reversed")
-        dialing = {entry["to"]: entry for entry in health_inside(behind_nat, f"http://127.0.0.1:{tail_port}")["dialing_in"]}
         head_url, middle_url = f"http://{HOST_IP}:{head_port}", f"http://{HOST_IP}:{middle_port}"
-        assert set(dialing) == {head_url, middle_url} and dialing[head_url]["state"] == "up"
+        deadline = time.monotonic() + 30  # (the head is ready once its own link is up; the middle's may come after)
+        while True:
+            dialing = {entry["to"]: entry
+                       for entry in health_inside(behind_nat, f"http://127.0.0.1:{tail_port}")["dialing_in"]}
+            assert set(dialing) == {head_url, middle_url} and dialing[head_url]["state"] == "up"
+            if dialing[middle_url]["state"] == "up":
+                break
+            assert time.monotonic() < deadline, dialing
+            time.sleep(0.2)
 
         ids = chat_ids(tokenizer, "What is the capital of France?")
         expected = golden(reference_model, ids, 24)
