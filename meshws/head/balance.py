@@ -12,7 +12,7 @@ from ..model.costs import ModelCosts
 
 BALANCE_SLACK = 0.05  # one session's time a plan may give up for a lighter slowest stage (`balanced`)
 
-Capacity = Any  # a node as the planner sees it (`placement.Capacity`: its `span` placed by hand, or None)
+Node = Any  # a `placement.Capacity` (not imported: placement imports this module); balancing reads its `span`
 
 
 class Search(Protocol):
@@ -21,14 +21,14 @@ class Search(Protocol):
     costs: ModelCosts
     best: tuple | None  # the fastest chain found: (seconds, hops, chain)
 
-    def seconds(self, node: Capacity, start: int, end: int) -> float: ...
+    def seconds(self, node: Node, start: int, end: int) -> float: ...
 
-    def fits(self, node: Capacity, start: int, end: int) -> bool: ...
+    def fits(self, node: Node, start: int, end: int) -> bool: ...
 
-    def hop(self, node: Capacity) -> float: ...
+    def hop(self, node: Node) -> float: ...
 
 
-def balanced(search: Search, chain: list[tuple[Capacity, int, int]]) -> list[tuple[Capacity, int, int]]:
+def balanced(search: Search, chain: list[tuple[Node, int, int]]) -> list[tuple[Node, int, int]]:
     """The same nodes in the same order, their boundaries moved so the slowest stage is as light as it can be with
     one session's time within BALANCE_SLACK of the fastest chain's (many sessions go as fast as the slowest stage;
     like machines measured a few % apart would put every layer on one): the least such cap on a stage, bisected."""
@@ -46,11 +46,11 @@ def balanced(search: Search, chain: list[tuple[Capacity, int, int]]) -> list[tup
     return found if found is not None else chain
 
 
-def _under(search: Search, chain: list[tuple[Capacity, int, int]],
-           cap: float) -> tuple[float, list[tuple[Capacity, int, int]]] | None:
+def _under(search: Search, chain: list[tuple[Node, int, int]],
+           cap: float) -> tuple[float, list[tuple[Node, int, int]]] | None:
     """The fastest split over `chain`'s nodes in order (hand-placed spans kept), no stage over `cap` s; or None."""
     total = search.costs.total_layers
-    best: dict[int, tuple[float, list[tuple[Capacity, int, int]]]] = {0: (0.0, [])}  # layer reached -> the fastest
+    best: dict[int, tuple[float, list[tuple[Node, int, int]]]] = {0: (0.0, [])}  # layer reached -> the fastest
     for index, (node, start, end) in enumerate(chain):
         last, row = index == len(chain) - 1, {}
         for begin, (seconds, spans) in best.items():

@@ -199,24 +199,34 @@ def plan(head: Capacity, nodes: Sequence[Capacity], costs: ModelCosts, version: 
 
 
 def _with_replicas(search: Search, version: int, nodes: Sequence[Capacity], chain: list[PlanSpan],
-                   members: list[Capacity]) -> Plan:
-    """The plan of `chain` (run by `members`, in order), with the spares among `nodes` that may replicate it."""
+                   members: list[Capacity], kept: Sequence[PlanSpan] = ()) -> Plan:
+    """The plan of `chain` (run by `members`, in order) with the replicas `kept`, and the spares among `nodes` that
+    may replicate it."""
     seconds = sum(span.seconds for span in chain) + sum(search.hop(node) for node in members[1:])
-    used = {span.node for span in chain}
-    replicas = _replicas(search, [node for node in nodes if node.node not in used], chain)
+    used = {span.node for span in (*chain, *kept)}
+    replicas = [*kept, *_replicas(search, [node for node in nodes if node.node not in used], chain)]
     used |= {span.node for span in replicas}
     return Plan(version, tuple(chain + replicas), seconds, tuple(node.node for node in nodes if node.node not in used))
 
 
 def _kept(search: Search, keep: Plan, head: Capacity, nodes: Sequence[Capacity], version: int) -> Plan | None:
-    """`keep`'s chain as it is, at today's speeds, with the spares that may replicate its spans now; None when a
-    node of it is gone."""
+    """`keep`'s chain and replicas as they are, at today's speeds, with the spares that may replicate its spans now;
+    None when a node of its chain is gone or may no longer hold its span (a replica that may not is dropped)."""
     known = {node.node: node for node in (head, *nodes)}
-    if not keep.chain or any(span.node not in known for span in keep.chain):
+    held = [dataclasses.replace(span, seconds=search.seconds(known[span.node], *span.layers)) for span in keep.spans
+            if span.node in known and _holds(search, known[span.node], span)]
+    chain = [span for span in held if not span.replica]
+    if not chain or len(chain) != len(keep.chain):
         return None
-    members = [known[span.node] for span in keep.chain]
-    return _with_replicas(search, version, nodes, [dataclasses.replace(
-        span, seconds=search.seconds(node, *span.layers)) for span, node in zip(keep.chain, members)], members)
+    return _with_replicas(search, version, nodes, chain, [known[span.node] for span in chain],
+                          [span for span in held if span.replica])
+
+
+def _holds(search: Search, node: Capacity, span: PlanSpan) -> bool:
+    """Whether `node` may still serve `span`: its own span placed by hand, or a role and a budget that allow it."""
+    if node.span is not None:
+        return node.span == span.layers
+    return (span.role == "head" or span.role in node.roles) and search.fits(node, *span.layers)
 
 
 def _chain(search: Search, head: Capacity, heads: list[tuple[int, float]], middles: list[Capacity],

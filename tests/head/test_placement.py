@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshws.head.balance import BALANCE_SLACK
-from meshws.head.placement import HOP_SECONDS, Capacity, plan
+from meshws.head.placement import HOP_SECONDS, Capacity, Plan, PlanSpan, plan
 from meshws.model.costs import ModelCosts
 
 MIB = 2**20
@@ -220,6 +220,26 @@ def test_a_kept_chain_stays_at_todays_speeds_with_its_replicas_weighed_again_whi
     assert kept.seconds_per_token > first.seconds_per_token and not kept.left_out
     gone = plan(head, [node("b", 0.5, 200)], model, keep=first)  # a node of it left: a fresh search
     assert [span.node for span in gone.chain] == ["head", "b"]
+
+
+def test_a_kept_plan_keeps_its_replicas_and_gives_way_when_a_member_may_no_longer_hold_its_span():
+    model = costs(layers=8)
+    head = node("head", 1.0, 40)
+    chain = (PlanSpan("head", "head", (0, 3), 0.0), PlanSpan("a", "middle", (3, 6), 0.0),
+             PlanSpan("b", "tail", (6, 8), 0.0))
+    first = Plan(1, (*chain, PlanSpan("r", "tail", (6, 8), 0.0, replica=True)), 0.0)
+    now = [node("a", 1.4, 40), node("b", 1.0, 40), node("r", 1.0, 40), node("c", 1.0, 40)]
+    spare = plan(head, now, model, keep=Plan(1, chain, 0.0))
+    assert spare.span_of("r").layers == (3, 6)  # as a spare, r would now replicate a's span: a is the slowest
+    kept = plan(head, now, model, keep=first)
+    assert kept.span_of("r").layers == (6, 8) and kept.span_of("r").replica  # kept: no answer parks for it
+    assert kept.span_of("c").replica and [span.layers for span in kept.chain] == [(0, 3), (3, 6), (6, 8)]
+    shrunk = [node("a", 1.4, 25), *now[1:]]  # a's budget no longer holds three layers
+    by_hand = [node("a", 1.4, 40, span=(3, 5)), *now[1:]]  # a is placed by hand elsewhere now
+    for changed in (shrunk, by_hand):  # a fresh search: the chain in force is not kept
+        assert ("a", (3, 6)) not in [(span.node, span.layers) for span in plan(head, changed, model, keep=first).spans]
+    gone_replica = plan(head, [n for n in now if n.node != "r"], model, keep=first)
+    assert gone_replica.span_of("r") is None and [s.node for s in gone_replica.chain] == ["head", "a", "b"]
 
 
 def test_roles_and_hand_placed_spans_are_kept():
