@@ -240,8 +240,8 @@ async def test_automatic_tails_cover_the_gap_and_the_second_replicates_the_first
         # The head's plan: the gap, and a replica of it (as fast). A node not yet measured when the first plan is
         # made waits outside it on the probe layer (1, 2) until a later plan adds it as the replica. (On a loaded
         # 2-core host its probes may read it 1.5x slower than the first for a while: the head weighs it again each
-        # replan; CI once took over 60 s. Or faster, its one layer hot in cache: CI once saw the tail swap six
-        # times and the spare stay out, until weighing spares kept the chain in force.)
+        # replan; CI once took over 60 s. Or faster on its one layer: then the best chain has it as the tail, and
+        # CI once saw the tail swap six times and the spare stay out, until weighing spares kept the chain in force.)
         deadline = time.monotonic() + 120
         while True:
             health = cluster.head.health()
