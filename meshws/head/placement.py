@@ -171,7 +171,8 @@ class Search:
 def plan(head: Capacity, nodes: Sequence[Capacity], costs: ModelCosts, version: int = 0,
          reserve_tokens: int = RESERVE_TOKENS, lm_factor: float = 1.0, keep: Plan | None = None) -> Plan:
     """The fastest chain that fits every budget, with replicas and left-out nodes; `missing` says why none does.
-    With `keep`, that plan's chain stays (while its nodes are there) and only its replicas are weighed again."""
+    With `keep`, that plan's chain and replicas stay (while their nodes may hold their spans) and only the nodes it
+    left out are weighed, as new replicas."""
     total = costs.total_layers
     search = Search(costs, reserve_tokens * costs.kv_bytes_per_token, lm_factor)
     if keep is not None and (kept := _kept(search, keep, head, nodes, version)) is not None:

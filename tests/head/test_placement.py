@@ -239,7 +239,8 @@ def test_a_kept_plan_keeps_its_replicas_and_gives_way_when_a_member_may_no_longe
     for changed in (shrunk, by_hand):  # a fresh search: the chain in force is not kept
         assert ("a", (3, 6)) not in [(span.node, span.layers) for span in plan(head, changed, model, keep=first).spans]
     gone_replica = plan(head, [n for n in now if n.node != "r"], model, keep=first)
-    assert gone_replica.span_of("r") is None and [s.node for s in gone_replica.chain] == ["head", "a", "b"]
+    assert gone_replica.span_of("r") is None and [(s.node, s.layers) for s in gone_replica.chain] == \
+        [("head", (0, 3)), ("a", (3, 6)), ("b", (6, 8))] and gone_replica.span_of("c").replica
 
 
 def test_roles_and_hand_placed_spans_are_kept():
