@@ -175,7 +175,7 @@ def plan(head: Capacity, nodes: Sequence[Capacity], costs: ModelCosts, version: 
     left out are weighed, as new replicas."""
     total = costs.total_layers
     search = Search(costs, reserve_tokens * costs.kv_bytes_per_token, lm_factor)
-    if keep is not None and (kept := _kept(search, keep, head, nodes, version)) is not None:
+    if keep is not None and (kept := _kept(search, keep, head, nodes, version, reserve_tokens)) is not None:
         return kept
     fixed = [node for node in nodes if node.span is not None]
     automatic = sorted((node for node in nodes if node.span is None),
@@ -210,12 +210,13 @@ def _with_replicas(search: Search, version: int, nodes: Sequence[Capacity], chai
     return Plan(version, tuple(chain + replicas), seconds, tuple(node.node for node in nodes if node.node not in used))
 
 
-def _kept(search: Search, keep: Plan, head: Capacity, nodes: Sequence[Capacity], version: int) -> Plan | None:
+def _kept(search: Search, keep: Plan, head: Capacity, nodes: Sequence[Capacity], version: int,
+          reserve_tokens: int) -> Plan | None:
     """`keep`'s chain and replicas as they are, at today's speeds, with the spares that may replicate its spans now;
     None when a node of its chain is gone or may no longer hold its span (a replica that may not is dropped)."""
     known = {node.node: node for node in (head, *nodes)}
     held = [dataclasses.replace(span, seconds=search.seconds(known[span.node], *span.layers)) for span in keep.spans
-            if span.node in known and _holds(search, known[span.node], span)]
+            if span.node in known and holds(search.costs, known[span.node], span, reserve_tokens)]
     chain = [span for span in held if not span.replica]
     if not chain or len(chain) != len(keep.chain):
         return None
@@ -223,11 +224,13 @@ def _kept(search: Search, keep: Plan, head: Capacity, nodes: Sequence[Capacity],
                           [span for span in held if span.replica])
 
 
-def _holds(search: Search, node: Capacity, span: PlanSpan) -> bool:
-    """Whether `node` may still serve `span`: its own span placed by hand, or a role and a budget that allow it."""
+def holds(costs: ModelCosts, node: Capacity, span: PlanSpan, reserve_tokens: int = RESERVE_TOKENS) -> bool:
+    """Whether `node` may still serve `span` of a plan: its own span placed by hand, or a role and a budget that
+    allow it."""
     if node.span is not None:
         return node.span == span.layers
-    return (span.role == "head" or span.role in node.roles) and search.fits(node, *span.layers)
+    return (span.role == "head" or span.role in node.roles) and span_fits(costs, node.memory, *span.layers,
+                                                                          reserve_tokens)
 
 
 def _chain(search: Search, head: Capacity, heads: list[tuple[int, float]], middles: list[Capacity],

@@ -35,7 +35,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from ..mesh.aio import until
 from ..model.costs import ModelCosts
 from .balance import BALANCE_SLACK
-from .placement import Capacity, Plan, capacity, chain_seconds, plan, probe_span, span_fits
+from .placement import Capacity, Plan, capacity, chain_seconds, holds, plan, probe_span
 from .registry import Registry
 from .routes import NodeRecord
 
@@ -254,16 +254,8 @@ class Placement:
     def _broken(self, live: Plan, present: dict[str, NodeRecord]) -> bool:
         """A span of the plan in force whose node is gone, drains, was placed by hand elsewhere, or may no longer
         hold it: its budget shrank or its roles changed."""
-        for span in live.spans:
-            if span.node == "head":
-                continue
-            record = present.get(span.node)
-            if record is None or (not record.auto and record.layers != span.layers):
-                return True
-            if record.auto and (span.role not in record.roles or not span_fits(
-                    self.costs, record.memory or 0, *span.layers)):
-                return True
-        return False
+        return any(span.node != "head" and (span.node not in present or not holds(
+            self.costs, capacity(present[span.node]), span)) for span in live.spans)
 
     def _rebase(self, records: list[NodeRecord]) -> None:
         """The plan in force stays: today's members, budgets and speeds become what drift is measured from."""
